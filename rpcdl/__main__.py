@@ -1,0 +1,7 @@
+"""``python -m rpcdl`` is the ``rpcdl`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

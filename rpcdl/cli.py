@@ -1,0 +1,246 @@
+"""The ``rpcdl`` command line: ``worker``, ``status``, ``demo`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+from .address import parse_address
+from .security import TOKEN_ENV, TOKEN_FILE_ENV, read_token_file, server_tls_context
+
+# Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
+# import their heavy dependencies inside run().
+_PLUGGED_COMMANDS: list[str] = []
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0 picks a free port), got {value}")
+    return value
+
+
+def _address(text: str) -> str:
+    try:
+        parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool = False) -> None:
+    """Add the options of ``rpcdl worker`` (shared with ``python -m rpcdl.launch``)."""
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="interface to listen on (default: 127.0.0.1; 0.0.0.0 for all, which requires a token or --insecure)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--port", type=_port, default=6543 if seed_defaults else 0,
+        help="port to listen on; 0 picks a free port (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=_positive_float, default=120.0,
+        help="seconds a client may stall in the middle of a transfer (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parallel", type=_positive_int, default=1, help="calls run at once in each process (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--procs", type=_positive_int, default=1,
+        help="worker processes to start, each on its own port (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--address-file", metavar="FILE",
+        help="append each worker's HOST:PORT to FILE under a file lock once it is ready",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token-file", metavar="FILE",
+        help=f"file holding the shared token (default: ${TOKEN_ENV} or ${TOKEN_FILE_ENV})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--insecure", action="store_true",
+        help="allow listening on a non-loopback interface without a token (trusted networks only)",
+    )  # fmt: skip
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (if not inside it)")
+    parser.add_argument(
+        "--advertise", metavar="HOST",
+        help="host name to report in the ready line and address file (default: this machine's name "
+        "when listening on a wildcard address, else --host)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threads", type=_positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--grace", type=_positive_float, default=30.0,
+        help="seconds calls in flight get to finish on SIGTERM/SIGINT (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--log-level", default="INFO", help="logging level on standard error (default: %(default)s)")
+
+
+def run_worker_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the worker described by parsed ``rpcdl worker`` arguments; return the exit code."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.procs > 1:
+        return _run_worker_processes(args, argv)
+    from .worker import run_worker
+
+    token = read_token_file(args.token_file) if args.token_file else None
+    if args.tls_key and not args.tls_cert:
+        raise SystemExit("rpcdl worker: --tls-key needs --tls-cert")
+    ssl_context = server_tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    try:
+        run_worker(
+            args.host, args.port, args.timeout, args.parallel, token=token, insecure=args.insecure,
+            ssl_context=ssl_context, num_threads=args.threads, address_file=args.address_file,
+            grace=args.grace, advertise=args.advertise,
+        )  # fmt: skip
+    except (PermissionError, OSError, ValueError) as exc:
+        print(f"rpcdl worker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Start ``--procs`` worker processes and supervise them until a signal."""
+    child_argv = _without_option(list(argv), "--procs")
+    children = []
+    for index in range(args.procs):
+        port = args.port + index if args.port else 0
+        command = [sys.executable, "-m", "rpcdl", "worker", *_without_option(child_argv, "--port"), "--port", str(port)]
+        children.append(subprocess.Popen(command))
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if any(child.poll() is not None for child in children):
+            break
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    codes = [child.wait() for child in children]
+    return 0 if stop.is_set() and all(code == 0 for code in codes) else 1
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    result, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == option:
+            skip = True
+        elif not item.startswith(option + "="):
+            result.append(item)
+    return result
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .client import stats
+
+    columns = [
+        ("worker", "address"), ("pid", "pid"), ("up s", "uptime_s"), ("clients", "clients"),
+        ("served", "calls_served"), ("failed", "calls_failed"), ("in flight", "calls_in_flight"),
+        ("busy s", "busy_s"), ("MB in", "bytes_in"), ("MB out", "bytes_out"), ("rrefs", "rrefs"),
+    ]  # fmt: skip
+    rows, failures = [], 0
+    for address in args.workers:
+        try:
+            counters = stats(address, timeout=args.timeout)
+        except Exception as exc:
+            failures += 1
+            rows.append([address, f"unreachable: {exc}"])
+            continue
+        counters["address"] = address
+        row = []
+        for _, key in columns:
+            value = counters.get(key, "")
+            if key.startswith("bytes_"):
+                value = f"{value / 1e6:.1f}"
+            elif isinstance(value, float):
+                value = f"{value:.1f}"
+            row.append(str(value))
+        rows.append(row)
+    headers = [name for name, _ in columns]
+    widths = [max(len(h), *(len(r[i]) for r in rows if len(r) == len(headers))) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    for row in rows:
+        if len(row) == len(headers):
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        else:
+            print("  ".join(row))
+    return 1 if failures else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rpcdl",
+        description="Run PyTorch datasets on remote CPU workers and stream ready batches to training.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    worker = commands.add_parser(
+        "worker",
+        help="serve calls from trainers",
+        description="Start an rpcdl worker. When ready it prints its HOST:PORT on one line of standard output. "
+        "SIGTERM or SIGINT stop it after the calls in flight finish.",
+    )
+    add_worker_arguments(worker)
+
+    status = commands.add_parser(
+        "status", help="show the counters of running workers", description="Print a table of the workers' counters."
+    )
+    status.add_argument("workers", nargs="+", type=_address, metavar="HOST:PORT", help="workers to ask")
+    status.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds to wait for each worker")
+
+    for name in _PLUGGED_COMMANDS:
+        module = importlib.import_module(f"rpcdl.{name}")
+        sub = commands.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rpcdl`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "worker":
+        return run_worker_command(args, argv[argv.index("worker") + 1 :])
+    if args.command == "status":
+        return _status(args)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,635 @@
+"""The client side: persistent connections to workers and the calls made over them.
+
+Each process keeps one connection per worker (and per credentials), shared by
+all its threads, with many calls in flight, each answered by id in any order.
+A connection is opened in the background by its first call and retried until
+that call's timeout, so trainers may start before their workers listen. A
+process forked from a client never reuses its parent's connections.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import logging
+import os
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from .address import format_address, parse_address
+from .errors import AuthenticationError, ConnectionLost, ProtocolError, WorkerTimeout, WorkerUnavailable
+from .rref import RRef, holding_handle, new_uid
+from .security import Token, default_client_tls, resolve_token
+from .serialization import dumps, load_exception, loads, peer_context
+from .wire import Frame, FrameReader, Kind, Limits, client_handshake, encode_frame, send_pieces, set_io_timeouts
+
+_T = TypeVar("_T")
+log = logging.getLogger("rpcdl.client")
+
+_call_ids = itertools.count(1)
+_IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
+_RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
+_MAX_RETRY_DELAY = 1.0
+_cuda_available: bool | None = None
+
+
+def _can_pin() -> bool:
+    global _cuda_available
+    if _cuda_available is None:
+        _cuda_available = torch.cuda.is_available()
+    return _cuda_available
+
+
+class _Call:
+    __slots__ = ("call_id", "future", "deadline", "timeout", "pin_memory", "what", "transform", "started", "sync")
+
+    def __init__(
+        self, timeout: float, what: str, *, sync: bool, pin_memory: bool = False, transform: Callable | None = None
+    ):
+        self.call_id = next(_call_ids)
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.timeout = timeout
+        self.pin_memory = pin_memory
+        self.what = what
+        self.transform = transform
+        self.sync = sync
+
+
+class _Closed(Exception):
+    pass
+
+
+class Connection:
+    """One persistent, multiplexed connection to a worker.
+
+    Use the module functions rather than this class. Reading is a role that
+    one thread holds at a time: a thread blocked in :func:`rpc_sync` takes it
+    and reads its own answer (no thread switch on the way back), and the
+    connection's own thread takes it while asynchronous calls are pending.
+    Whoever reads completes the futures of the answers it reads.
+    """
+
+    def __init__(self, address: str, token: Token | None, ssl_context: ssl.SSLContext | None, timeout: float):
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self._token = token
+        self._ssl = ssl_context
+        self._io_timeout = timeout
+        self._limits = Limits()
+        self._cond = threading.Condition(threading.Lock())
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, _Call] = {}
+        self._async_pending = 0
+        self._reading = False
+        self._queued: list[Frame] = []
+        self._releases: collections.deque[int] = collections.deque()
+        self._ready = False
+        self._closed = False
+        self._error = ""
+        self._sock: socket.socket | None = None
+        self._reader: FrameReader | None = None
+        self._connect_deadline = time.monotonic() + timeout
+        self._last_connect_error: BaseException | None = None
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name=f"rpcdl-connection-{address}", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def credentials(self) -> dict[str, Any]:
+        """The keyword arguments that reach this worker with the same credentials."""
+        return {"token": self._token or "", "ssl_context": self._ssl}
+
+    # ------------------------------------------------------------------ calls
+
+    def submit(self, kind: Kind, call: _Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> None:
+        frame = Frame(kind, call.call_id, ref, payload, list(buffers))
+        with self._cond:
+            if self._closed:
+                raise _Closed(self._error)
+            self._pending[call.call_id] = call
+            if not call.sync:
+                self._async_pending += 1
+                self._cond.notify_all()
+            if not self._ready:
+                self._queued.append(frame)
+                return
+        self._send([frame])
+
+    def wait(self, call: _Call) -> Any:
+        """Wait for a call submitted with ``sync=True``, reading answers meanwhile."""
+        future = call.future
+        while not future.done():
+            with self._cond:
+                while not future.done():
+                    now = time.monotonic()
+                    if now >= call.deadline:
+                        self._expire_locked(now)
+                        continue
+                    if self._ready and not self._reading:
+                        self._reading = True
+                        break
+                    self._cond.wait(min(call.deadline - now, _RELEASE_TICK))
+                else:
+                    break
+            self._read_once()
+        return future.wait()
+
+    def release(self, uid: int) -> None:
+        """Queue ``uid`` to be freed on the worker (safe to call from a finalizer)."""
+        if not self._closed and os.getpid() == self._pid:
+            self._releases.append(uid)
+
+    def close(self, reason: str = "the connection was closed by rpcdl.shutdown()") -> None:
+        self._fail(reason)
+
+    def _send(self, frames: list[Frame]) -> None:
+        uids = []
+        while self._releases:
+            try:
+                uids.append(self._releases.popleft())
+            except IndexError:
+                break
+        if uids:
+            frames = [Frame(Kind.RELEASE, payload=struct.pack(f"!{len(uids)}Q", *uids)), *frames]
+        if not frames:
+            return
+        pieces = [piece for frame in frames for piece in encode_frame(frame)]
+        try:
+            with self._send_lock:
+                send_pieces(self._sock, pieces)
+        except OSError as exc:
+            self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
+
+    def _expire_locked(self, now: float) -> list[_Call]:
+        """Fail the calls past their deadline (called with the lock held)."""
+        overdue = [call for call in self._pending.values() if call.deadline <= now]
+        for call in overdue:
+            del self._pending[call.call_id]
+            self._async_pending -= not call.sync
+            if self._ready:
+                error: Exception = WorkerTimeout(
+                    f"worker {self.address} did not answer {call.what} within {call.timeout:g}s"
+                )
+            else:
+                error = WorkerUnavailable(
+                    f"could not connect to rpcdl worker {self.address} within {call.timeout:g}s "
+                    f"(last error: {self._last_connect_error or 'still connecting'})"
+                )
+            call.future.set_exception(error)
+        if overdue:
+            self._cond.notify_all()
+        return overdue
+
+    def _fail(self, reason: str, error_type: type[Exception] = ConnectionLost) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._error = reason
+            pending, self._pending = self._pending, {}
+            self._async_pending = 0
+            sock = self._sock
+            self._cond.notify_all()
+        _forget(self)
+        if sock is not None and os.getpid() == self._pid:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        for call in pending.values():
+            call.future.set_exception(error_type(reason))
+
+    # ------------------------------------------------------------------ reading
+
+    def _read_once(self) -> None:
+        """Read and deliver at most one frame; the caller holds the reading role."""
+        try:
+            frame = self._reader.read_frame(self._allocate)
+        except (OSError, ProtocolError) as exc:
+            self._fail(f"lost the connection to worker {self.address}: {exc or type(exc).__name__}")
+            frame = None
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+        if frame is not None:
+            try:
+                self._deliver(frame)
+            except ProtocolError as exc:
+                self._fail(str(exc))
+
+    def _allocate(self, call_id: int, size: int) -> Any:
+        call = self._pending.get(call_id)
+        pin = call is not None and call.pin_memory and _can_pin()
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
+
+    def _deliver(self, frame: Frame) -> None:
+        if frame.kind not in (Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY):
+            raise ProtocolError(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
+        with self._cond:
+            call = self._pending.pop(frame.call_id, None)
+            if call is None:
+                return  # its caller gave up waiting
+            self._async_pending -= not call.sync
+        try:
+            if frame.kind == Kind.RESULT:
+                with peer_context(self.address, None, self):
+                    value = loads(frame.payload, frame.buffers)
+                result = call.transform(value) if call.transform is not None else value
+            elif frame.kind == Kind.STATS_REPLY:
+                result = json.loads(frame.payload)
+            elif frame.kind == Kind.PONG:
+                result = time.monotonic() - call.started
+            elif frame.kind == Kind.ERROR:
+                call.future.set_exception(load_exception(frame.payload, self.address))
+                return
+            else:
+                reason = bytes(frame.payload).decode("utf-8", "replace") or "the worker is shutting down"
+                call.future.set_exception(WorkerUnavailable(f"worker {self.address} did not run {call.what}: {reason}"))
+                return
+        except Exception as exc:
+            exc.add_note(f"while unpickling the answer of worker {self.address} to {call.what}")
+            call.future.set_exception(exc)
+            return
+        call.future.set_result(result)
+
+    # ------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        try:
+            sock = self._connect()
+        except (AuthenticationError, ProtocolError) as exc:
+            self._fail(str(exc), type(exc))
+            return
+        except WorkerUnavailable as exc:
+            self._fail(str(exc), WorkerUnavailable)
+            return
+        with self._send_lock:
+            with self._cond:
+                if self._closed:
+                    sock.close()
+                    return
+                self._sock = sock
+                self._reader = FrameReader(sock, self._limits, stall_timeout=self._io_timeout)
+                self._ready = True
+                queued, self._queued = self._queued, []
+                self._cond.notify_all()
+            pieces = [piece for frame in queued for piece in encode_frame(frame)]
+            try:
+                send_pieces(sock, pieces)
+            except OSError as exc:
+                queued = exc
+        if isinstance(queued, OSError):
+            self._fail(f"lost the connection to worker {self.address} while sending: {queued}")
+            return
+        self._serve_async_calls()
+
+    def _serve_async_calls(self) -> None:
+        """Read for asynchronous calls (nobody waits in :meth:`wait` for those) until closed."""
+        last_release = time.monotonic()
+        while True:
+            with self._cond:
+                while not self._closed and (self._async_pending == 0 or self._reading):
+                    self._cond.wait(_RELEASE_TICK if self._async_pending == 0 else _IDLE_TICK)
+                    self._expire_locked(time.monotonic())
+                    if time.monotonic() - last_release > _RELEASE_TICK:
+                        break
+                if self._closed:
+                    return
+                take_role = self._async_pending > 0 and not self._reading
+                if take_role:
+                    self._reading = True
+            if time.monotonic() - last_release > _RELEASE_TICK:
+                last_release = time.monotonic()
+                if self._releases:
+                    self._send([])
+            if take_role:
+                self._read_once()
+                with self._cond:
+                    self._expire_locked(time.monotonic())
+
+    def _connect(self) -> socket.socket:
+        delay = 0.02
+        while True:
+            sock = None
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=self._limits.handshake_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._ssl is not None:
+                    sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
+                client_handshake(sock, self._token, self.address)
+                set_io_timeouts(sock, receive=_IDLE_TICK, send=self._io_timeout)
+                return sock
+            except ssl.SSLCertVerificationError as exc:
+                _close_quietly(sock)
+                raise AuthenticationError(
+                    f"TLS: the certificate of worker {self.address} failed verification: {exc.verify_message}"
+                ) from None
+            except (AuthenticationError, ProtocolError):
+                _close_quietly(sock)
+                raise
+            except OSError as exc:
+                _close_quietly(sock)
+                self._last_connect_error = exc
+                with self._cond:
+                    self._expire_locked(time.monotonic())
+                    deadline = max([self._connect_deadline, *(c.deadline for c in self._pending.values())])
+                    if self._closed:
+                        raise WorkerUnavailable(self._error) from None
+                if time.monotonic() + delay > deadline:
+                    raise WorkerUnavailable(
+                        f"could not connect to rpcdl worker {self.address} within its timeout: {exc}"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_RETRY_DELAY)
+
+
+def _close_quietly(sock: socket.socket | None) -> None:
+    if sock is not None:
+        sock.close()
+
+
+# ---------------------------------------------------------------------------- pool
+
+_pool: dict[tuple, Connection] = {}
+_pool_lock = threading.Lock()
+
+
+def _key(address: str, token: Token | None, ssl_context: ssl.SSLContext | None) -> tuple:
+    return (address, token.secret if token is not None else None, ssl_context)
+
+
+def connection_to(
+    address: str, timeout: float = 120.0, token: str | bytes | Token | None = None, ssl_context: ssl.SSLContext | None = None
+) -> Connection:
+    """Return this process's connection to ``address``, opening one if needed."""
+    token = resolve_token(token)
+    if ssl_context is None:
+        ssl_context = default_client_tls()
+    key = _key(address, token, ssl_context)
+    with _pool_lock:
+        connection = _pool.get(key)
+        if connection is None or connection.closed:
+            connection = Connection(address, token, ssl_context, timeout)
+            _pool[key] = connection
+    return connection
+
+
+def _forget(connection: Connection) -> None:
+    with _pool_lock:
+        for key, value in list(_pool.items()):
+            if value is connection:
+                del _pool[key]
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def shutdown() -> None:
+    """Close every connection of this process; calls in flight fail with ConnectionLost.
+
+    Later calls open new connections, so this is safe to call at any time.
+    """
+    with _pool_lock:
+        connections = list(_pool.values())
+        _pool.clear()
+    for connection in connections:
+        connection.close()
+
+
+# ---------------------------------------------------------------------------- calls
+
+
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _check_address(host: Any) -> str:
+    return format_address(*parse_address(host))
+
+
+def _describe(func: Callable) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
+    return f"{name}()"
+
+
+def _submit(
+    kind: Kind,
+    host: str,
+    timeout: float,
+    what: str,
+    payload: bytes = b"",
+    buffers: Sequence = (),
+    *,
+    sync: bool = False,
+    ref: int = 0,
+    pin_memory: bool = False,
+    transform: Callable | None = None,
+    token: Any = None,
+    ssl_context: ssl.SSLContext | None = None,
+    on_connection: Callable[[Connection], Any] | None = None,
+) -> tuple[Connection, _Call]:
+    call = _Call(timeout, what, sync=sync, pin_memory=pin_memory, transform=transform)
+    for _ in range(3):
+        connection = connection_to(host, timeout, token, ssl_context)
+        if on_connection is not None:
+            on_connection(connection)
+        try:
+            connection.submit(kind, call, payload, buffers, ref)
+            return connection, call
+        except _Closed:
+            continue
+    raise WorkerUnavailable(f"could not keep a connection to worker {host} open")
+
+
+def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[bytes, list]:
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
+    if args is None:
+        args = ()
+    elif not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__}")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
+    try:
+        with peer_context(host):
+            return dumps((func, tuple(args), dict(kwargs)))
+    except Exception as exc:
+        raise TypeError(f"cannot send {_describe(func)} and its arguments to worker {host}: {exc}") from exc
+
+
+def _call(
+    host: str,
+    func: Callable,
+    args: Any,
+    kwargs: Any,
+    *,
+    sync: bool,
+    pin_memory: bool = False,
+    rref: bool = False,
+    timeout: float = 120.0,
+    token: str | bytes | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[Connection, _Call]:
+    address = _check_address(host)
+    timeout = _check_timeout(timeout)
+    payload, buffers = _serialize_call(address, func, args, kwargs)
+    options: dict[str, Any] = {"sync": sync, "pin_memory": pin_memory, "token": token, "ssl_context": ssl_context}
+    if rref:
+        uid = new_uid()
+        handles: list = []
+        options.update(
+            ref=uid,
+            transform=lambda _: RRef._from_handle(handles[-1]),
+            on_connection=lambda connection: handles.append(holding_handle(address, uid, connection)),
+        )
+    return _submit(Kind.CALL, address, timeout, _describe(func), payload, buffers, **options)
+
+
+def rpc_async(
+    host: str,
+    func: Callable[..., _T],
+    args: Sequence | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    pin_memory: bool = False,
+    rref: bool = False,
+    timeout: float = 120.0,
+    *,
+    token: str | bytes | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> torch.futures.Future[_T]:
+    """Run ``func(*args, **kwargs)`` on a worker; return a future of the result.
+
+    The call is sent at once over this process's connection to the worker and
+    the future completes when the answer arrives. Functions and arguments go
+    through cloudpickle, so lambdas and closures work; tensors travel without
+    extra copies. An exception raised by ``func`` is raised by
+    ``future.wait()`` with its own type, the remote traceback and the worker's
+    address (see :mod:`rpcdl.errors`).
+
+    Args:
+        host: the worker, ``"host:port"``.
+        func: the callable to run.
+        args: positional arguments (tuple or list).
+        kwargs: keyword arguments.
+        pin_memory: receive tensors into pinned memory (when CUDA is available),
+            ready for fast ``.cuda(non_blocking=True)`` copies.
+        rref: keep the result on the worker and complete the future with an
+            :class:`~rpcdl.RRef` to it.
+        timeout: seconds to wait for the answer, connecting included.
+        token: the shared secret; defaults to ``RPCDL_TOKEN`` / ``RPCDL_TOKEN_FILE``.
+        ssl_context: TLS context to verify the worker with; defaults to one from
+            ``RPCDL_TLS_CA`` when set.
+
+    Returns:
+        A :class:`torch.futures.Future` of the result.
+
+    Example::
+
+        >>> fut = rpcdl.rpc_async("127.0.0.1:6543", torch.add, (torch.ones(2), 1))  # doctest: +SKIP
+        >>> fut.wait()  # doctest: +SKIP
+        tensor([2., 2.])
+    """
+    _, call = _call(
+        host, func, args, kwargs, sync=False, pin_memory=pin_memory, rref=rref, timeout=timeout,
+        token=token, ssl_context=ssl_context,
+    )  # fmt: skip
+    return call.future
+
+
+def rpc_sync(
+    host: str,
+    func: Callable[..., _T],
+    args: Sequence | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = 120.0,
+    **options: Any,
+) -> _T:
+    """Run ``func(*args, **kwargs)`` on a worker and return its result.
+
+    The blocking form of :func:`rpc_async`, which documents the arguments
+    (``pin_memory``, ``rref``, ``token`` and ``ssl_context`` are accepted as
+    keywords). The calling thread reads the answer itself, which saves a
+    thread switch.
+
+    Example::
+
+        >>> rpcdl.rpc_sync("127.0.0.1:6543", min, (1, 2))  # doctest: +SKIP
+        1
+    """
+    connection, call = _call(host, func, args, kwargs, sync=True, timeout=timeout, **options)
+    return connection.wait(call)
+
+
+def remote(
+    host: str,
+    func: Callable[..., _T],
+    args: Sequence | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = 120.0,
+    **options: Any,
+) -> RRef[_T]:
+    """Run ``func`` on a worker, keep its result there and return an RRef to it at once.
+
+    Calls made afterwards from this process that pass the RRef to the same
+    worker wait for the result and receive the object itself. An exception
+    raised by ``func`` is raised by :meth:`RRef.to_here` and by those calls.
+
+    Example::
+
+        >>> rref = rpcdl.remote("127.0.0.1:6543", torch.add, (torch.ones(2), 3))  # doctest: +SKIP
+        >>> rref.to_here()  # doctest: +SKIP
+        tensor([4., 4.])
+    """
+    _, call = _call(host, func, args, kwargs, sync=False, rref=True, timeout=timeout, **options)
+    return call.transform(None)
+
+
+def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
+    """Return the round-trip time to a worker in seconds; raise if it does not answer.
+
+    The worker answers pings without queueing them behind running calls.
+
+    Raises:
+        WorkerUnavailable: the worker cannot be reached within ``timeout``.
+        WorkerTimeout: it was reached but did not answer within ``timeout``.
+    """
+    connection, call = _submit(Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", sync=True, **options)
+    return connection.wait(call)
+
+
+def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
+    """Return a worker's counters: calls served and failed, bytes in and out, busy time, clients...
+
+    Example::
+
+        >>> rpcdl.stats("127.0.0.1:6543")["calls_served"]  # doctest: +SKIP
+        42
+    """
+    connection, call = _submit(
+        Kind.STATS, _check_address(host), _check_timeout(timeout), "a stats request", sync=True, **options
+    )
+    return connection.wait(call)

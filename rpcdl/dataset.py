@@ -1,0 +1,171 @@
+"""RPCDataset: a dataset built on every worker, addressed through remote references."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from .address import parse_address
+from .client import rpc_async
+from .errors import is_transient
+from .rref import RRef
+
+log = logging.getLogger("rpcdl.dataset")
+
+
+class DatasetMismatch(RuntimeError):
+    """A worker's copy of the dataset differs in length from the others'."""
+
+
+def _build(factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef, int | None]:
+    """Runs on a worker: build the dataset, keep it there, return a reference and its length."""
+    dataset = factory(*args, **kwargs)
+    try:
+        length = len(dataset)
+    except TypeError:
+        length = None
+    return RRef(dataset), length
+
+
+def _length(dataset: Any) -> int:
+    return len(dataset)
+
+
+def _get_item(dataset: Any, index: Any) -> Any:
+    return dataset[index]
+
+
+class RPCDataset(Dataset):
+    """A dataset built on remote workers: each worker holds its own copy.
+
+    ``dataset(*args, **kwargs)`` runs on every worker; only a reference comes
+    back. The recipe is kept, so a worker that restarts is given the dataset
+    again, and its length is checked against the others'.
+
+    Args:
+        workers: worker addresses, ``"host:port"``.
+        dataset: a dataset class, or any callable returning a map-style
+            dataset (lambdas included).
+        args: positional arguments for ``dataset``.
+        kwargs: keyword arguments for ``dataset``.
+
+    Raises:
+        DatasetMismatch: workers built datasets of different lengths.
+        WorkerUnavailable: no worker could build it.
+        Exception: whatever ``dataset(...)`` raised on a worker, with its traceback.
+
+    .. note::
+        In a distributed job, give each trainer its own workers
+        (``workers[rank::world_size]``, see :func:`rpcdl.distributed.shard_workers`).
+
+    Example::
+
+        >>> dataset = rpcdl.RPCDataset(["node01:6543", "node02:6543"], torchvision.datasets.MNIST,
+        ...                            root="/data", transform=ToTensor())  # doctest: +SKIP
+        >>> len(dataset)  # doctest: +SKIP
+        60000
+    """
+
+    timeout: float = 120.0
+
+    def __init__(self, workers: Sequence[str], dataset: Callable[..., Dataset], *args: Any, **kwargs: Any):
+        if isinstance(workers, str) or not isinstance(workers, Sequence) or not workers:
+            raise TypeError(
+                f"workers must be a non-empty list of 'host:port' strings, got {workers!r}; "
+                "start workers with `rpcdl worker` or use rpcdl.local_workers(n)"
+            )
+        for address in workers:
+            parse_address(address)
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"workers lists the same worker twice: {list(workers)}")
+        if not callable(dataset):
+            raise TypeError(f"dataset must be a dataset class or a callable returning one, got {dataset!r}")
+        self.workers: list[str] = list(workers)
+        self.factory = dataset
+        self.args = args
+        self.kwargs = kwargs
+        self._lock = threading.Lock()
+        self._rrefs: dict[str, RRef | None] = dict.fromkeys(self.workers)
+        self._failures: dict[str, BaseException] = {}
+        self._length: int | None = None
+        futures = {address: self.build_async(address) for address in self.workers}
+        for address, future in futures.items():
+            try:
+                self._accept(address, *future.wait())
+            except DatasetMismatch:
+                raise
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._failures[address] = exc
+                log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
+        if not any(self._rrefs.values()):
+            failures = "; ".join(f"{a}: {e}" for a, e in self._failures.items())
+            raise type(next(iter(self._failures.values())))(f"no worker could build the dataset: {failures}")
+
+    @property
+    def rrefs(self) -> list[RRef | None]:
+        """The remote references, one per worker (``None`` where not built)."""
+        return [self._rrefs[address] for address in self.workers]
+
+    def rref(self, address: str) -> RRef | None:
+        """The reference to the dataset on ``address``, or ``None`` if it is not built there."""
+        return self._rrefs.get(address)
+
+    def build_async(self, address: str) -> torch.futures.Future:
+        """Build the dataset on ``address``; the future gives ``(rref, length)``."""
+        return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
+
+    def _accept(self, address: str, rref: RRef, length: int | None) -> None:
+        """Record a copy built on ``address`` after checking its length."""
+        with self._lock:
+            if self._length is None:
+                self._length = length
+            elif length != self._length:
+                self._rrefs[address] = None
+                raise DatasetMismatch(
+                    f"worker {address} built a dataset of length {length}, the others have {self._length}: "
+                    "it is kept out; check that every worker sees the same data"
+                )
+            self._rrefs[address] = rref
+            self._failures.pop(address, None)
+
+    def accept(self, address: str, rref: RRef, length: int | None) -> None:
+        """Install a copy rebuilt on ``address`` (by :meth:`build_async`), checking its length.
+
+        Raises:
+            DatasetMismatch: its length differs from the others'.
+        """
+        self._accept(address, rref, length)
+
+    def forget(self, address: str) -> None:
+        """Drop the reference to the copy on ``address`` (lost with a restart, say)."""
+        with self._lock:
+            self._rrefs[address] = None
+
+    def release(self) -> None:
+        """Free the copies on every worker now rather than when this object is collected."""
+        with self._lock:
+            self._rrefs = dict.fromkeys(self.workers)
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this RPCDataset has no length (its dataset defines no __len__)")
+        return self._length
+
+    def __getitem__(self, index: Any) -> Any:
+        """Fetch one sample from the first worker holding the dataset (for inspection)."""
+        for address in self.workers:
+            rref = self._rrefs[address]
+            if rref is not None:
+                return rpc_async(address, _get_item, (rref, index), timeout=self.timeout).wait()
+        raise RuntimeError("no worker holds this dataset")
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__qualname__", repr(self.factory))
+        return f"RPCDataset({name}, workers={self.workers}, length={self._length})"

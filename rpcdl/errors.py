@@ -1,0 +1,71 @@
+"""Exceptions raised by rpcdl.
+
+Two families matter to callers:
+
+* Infrastructure failures (:class:`WorkerUnavailable`, :class:`ConnectionLost`,
+  :class:`WorkerTimeout`, :class:`ProtocolError`): the worker or the network
+  failed; the same call may succeed elsewhere. :func:`is_transient` says so.
+* Exceptions raised by user code on a worker: re-raised locally with their own
+  type, the remote traceback in ``exc.remote_traceback`` and the worker's address
+  in ``exc.rpcdl_worker``. :class:`RemoteError` stands in when the type does not
+  exist on the client.
+"""
+
+from __future__ import annotations
+
+
+class RPCDLError(Exception):
+    """Base class of the errors rpcdl raises itself."""
+
+
+class ProtocolError(RPCDLError, ConnectionError):
+    """The peer sent bytes that break the protocol (bad magic, version, length)."""
+
+
+class AuthenticationError(RPCDLError, PermissionError):
+    """The handshake failed because the tokens of client and worker differ."""
+
+
+class WorkerUnavailable(RPCDLError, ConnectionError):
+    """The worker could not be reached, or refused new calls while shutting down."""
+
+
+class ConnectionLost(RPCDLError, ConnectionError):
+    """The connection to a worker broke while a call was in flight."""
+
+
+class WorkerTimeout(RPCDLError, TimeoutError):
+    """No answer came from a worker within the call's timeout."""
+
+
+class RemoteError(RPCDLError, RuntimeError):
+    """An exception raised on a worker whose type cannot be rebuilt locally.
+
+    Attributes:
+        type_name: qualified name of the remote exception type.
+        remote_traceback: the traceback formatted on the worker.
+    """
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str = ""):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):
+        return type(self), (self.type_name, str(self.args[0]).partition(": ")[2], self.remote_traceback)
+
+
+def remote_origin(exc: BaseException) -> str | None:
+    """Return the worker address an exception was raised on, or ``None`` if local."""
+    return getattr(exc, "rpcdl_worker", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is an infrastructure failure worth retrying on another worker.
+
+    Exceptions raised by user code on a worker are never transient, even when
+    their type is, say, :class:`ConnectionError`.
+    """
+    if remote_origin(exc) is not None:
+        return False
+    return isinstance(exc, (ConnectionError, TimeoutError)) and not isinstance(exc, AuthenticationError)

@@ -1,0 +1,1 @@
+"""Example datasets and models used by ``rpcdl demo`` and the configs."""

@@ -1,0 +1,32 @@
+"""``python -m rpcdl.launch``: start a worker, with rpcdataloader's command line.
+
+Example::
+
+    $ RPCDL_TOKEN_FILE=~/.rpcdl-token python -m rpcdl.launch --host=0.0.0.0 --port=6543
+    node07:6543
+
+It accepts every option of ``rpcdl worker`` (see ``--help``); ``--port``
+defaults to 6543 as in rpcdataloader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .cli import add_worker_arguments, run_worker_command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m rpcdl.launch",
+        description="Run an rpcdl worker (rpcdataloader-compatible launcher). Prints HOST:PORT when ready.",
+    )
+    add_worker_arguments(parser, seed_defaults=True)
+    return run_worker_command(parser.parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Worker processes on this machine, for development, tests and single-node jobs."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from .client import ping
+
+
+class LocalWorkers(list):
+    """The addresses of worker processes started by :func:`local_workers`.
+
+    It is a plain list of ``"host:port"`` strings, with the processes and a few
+    methods to stop and restart them (handy to rehearse failures).
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], startup_timeout: float):
+        super().__init__()
+        self._command = command
+        self._env = env
+        self._startup_timeout = startup_timeout
+        self.processes: list[subprocess.Popen] = []
+
+    def _spawn(self, port: int = 0) -> subprocess.Popen:
+        return subprocess.Popen([*self._command, "--port", str(port)], stdout=subprocess.PIPE, env=self._env, text=True)
+
+    def _launch(self, port: int = 0) -> tuple[subprocess.Popen, str]:
+        process = self._spawn(port)
+        try:
+            return process, _read_ready_line(process, self._startup_timeout)
+        except BaseException:
+            _stop(process, grace=1.0)
+            raise
+
+    def start(self, count: int) -> None:
+        """Start ``count`` more workers at once and wait until each answers."""
+        started = [self._spawn() for _ in range(count)]
+        self.processes.extend(started)
+        for process in started:
+            self.append(_read_ready_line(process, self._startup_timeout))
+        for address in self:
+            ping(address, timeout=self._startup_timeout)
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``index`` (SIGKILL by default) and reap it if it exits."""
+        process = self.processes[index]
+        if process.poll() is None:
+            process.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                process.wait(timeout=60)
+
+    def restart(self, index: int) -> str:
+        """Start worker ``index`` again on its old port (after :meth:`kill`); return its address."""
+        self.kill(index)
+        port = int(self[index].rpartition(":")[2])
+        deadline = time.monotonic() + self._startup_timeout
+        while True:
+            try:
+                process, address = self._launch(port)
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)  # the port may linger for a moment
+        self.processes[index] = process
+        self[index] = address
+        ping(address, timeout=self._startup_timeout)
+        return address
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every worker: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            _stop(process, grace)
+
+
+def _read_ready_line(process: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"an rpcdl worker process exited with code {process.returncode} before it was ready")
+            if selector.select(timeout=0.1):
+                line = process.stdout.readline().strip()
+                if line:
+                    return line
+    raise RuntimeError(f"an rpcdl worker process did not report ready within {timeout:g}s")
+
+
+def _stop(process: subprocess.Popen, grace: float) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+@contextmanager
+def local_workers(
+    n: int,
+    *,
+    parallel: int = 1,
+    timeout: float = 120.0,
+    token: str | None = None,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    startup_timeout: float = 60.0,
+) -> Iterator[LocalWorkers]:
+    """Start ``n`` worker processes on loopback; yield their addresses; stop them on exit.
+
+    The workers inherit this process's ``sys.path`` (so they import the same
+    modules) and environment. Each listens on a free port chosen by the system
+    and is known to answer before this yields.
+
+    Args:
+        n: how many worker processes.
+        parallel: calls each runs at once.
+        timeout: the workers' network timeout.
+        token: a token for the workers; defaults to the environment's.
+        extra_args: more ``rpcdl worker`` arguments.
+        env: environment of the workers (default: this process's).
+        startup_timeout: seconds each worker has to become ready.
+
+    Yields:
+        a :class:`LocalWorkers`: the list of ``"127.0.0.1:port"`` addresses.
+
+    Example::
+
+        >>> with rpcdl.local_workers(2) as workers:  # doctest: +SKIP
+        ...     dataset = rpcdl.RPCDataset(workers, MyDataset, root="/data")
+        ...     for batch in rpcdl.RPCDataloader(dataset, batch_size=32):
+        ...         ...
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive number of workers, got {n!r}")
+    environment = dict(os.environ if env is None else env)
+    environment["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, environment.get("PYTHONPATH", "")] if p)
+    if token is not None:
+        environment["RPCDL_TOKEN"] = token
+    command = [
+        sys.executable, "-m", "rpcdl", "worker", "--host", "127.0.0.1",
+        "--parallel", str(parallel), "--timeout", str(timeout), *extra_args,
+    ]  # fmt: skip
+    workers = LocalWorkers(command, environment, startup_timeout)
+    try:
+        workers.start(n)
+        yield workers
+    finally:
+        workers.stop()

@@ -1,0 +1,404 @@
+"""Bytes on the wire: the handshake, framing and limits. Nothing here unpickles.
+
+A connection opens with a handshake::
+
+    client -> worker   hello    magic, version, flags, client nonce
+    worker -> client   welcome  magic, version, flags, worker nonce, worker proof
+    client -> worker   proof    HMAC(token, "rpcdl-client" + worker nonce + client nonce)
+    worker -> client   verdict  status byte, message
+
+Proofs are HMAC-SHA256 on the shared token, so each side learns whether the other
+holds it without the token ever crossing the wire; without a token they are zeros.
+
+Then both sides exchange frames::
+
+    header   kind u8, flags u8, reserved u16, buffer count u32,
+             call id u64, ref u64, payload length u64
+    lengths  one u64 per out-of-band buffer
+    payload  pickled by the serialization layer (or raw bytes, for control frames)
+    buffers  out-of-band buffers, each received straight into its final memory
+
+Every length is checked against :class:`Limits` before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import AuthenticationError, ConnectionLost, ProtocolError
+from .security import Token
+
+MAGIC = b"RPCDL\x00"
+VERSION = 1
+
+_NONCE_BYTES = 32
+_HELLO = struct.Struct("!6sHB32s")
+_WELCOME = struct.Struct("!6sHB32s32s")
+_VERDICT = struct.Struct("!BH")
+_MAX_VERDICT_MESSAGE = 1024
+_HAS_TOKEN = 1
+
+_HEADER = struct.Struct("!BBHIQQQ")
+_INLINE_PAYLOAD = 64 * 1024
+_IOV_MAX = 1024
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries."""
+
+    CALL = 1  #: client -> worker: run a function; ``ref`` is an RRef id to store the result under
+    RESULT = 2  #: worker -> client: the pickled return value
+    ERROR = 3  #: worker -> client: the pickled report of an exception
+    REJECTED = 4  #: worker -> client: the call was not run (worker shutting down); UTF-8 reason
+    RELEASE = 5  #: client -> worker: free RRefs; payload is a sequence of u64 ids
+    PING = 6  #: either way: answered by a PONG with the same call id
+    PONG = 7
+    STATS = 8  #: client -> worker: ask for the counters
+    STATS_REPLY = 9  #: worker -> client: the counters as JSON
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what a peer may make us allocate or wait for.
+
+    Args:
+        max_message_bytes: largest frame (payload plus buffers) accepted.
+        max_buffers: most out-of-band buffers in one frame.
+        handshake_timeout: seconds a new connection has to finish the handshake.
+    """
+
+    max_message_bytes: int = 16 << 30
+    max_buffers: int = 1 << 16
+    handshake_timeout: float = 10.0
+
+    def __post_init__(self):
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}")
+        if self.max_buffers < 1:
+            raise ValueError(f"max_buffers must be positive, got {self.max_buffers}")
+        if self.handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout must be positive, got {self.handshake_timeout}")
+
+
+@dataclass
+class Frame:
+    """One message: a kind, identifiers, a payload and out-of-band buffers."""
+
+    kind: Kind
+    call_id: int = 0
+    ref: int = 0
+    payload: bytes | bytearray | memoryview = b""
+    buffers: list[Any] = field(default_factory=list)
+    flags: int = 0
+
+
+# ---------------------------------------------------------------------------- handshake
+
+
+def _recv_exact(sock: socket.socket, size: int, what: str) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionLost(f"peer closed the connection during the handshake ({what})")
+        data += chunk
+    return bytes(data)
+
+
+def _proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> bytes:
+    if token is None:
+        return bytes(32)
+    return hmac.new(token.secret, label + first + second, hashlib.sha256).digest()
+
+
+def client_handshake(sock: socket.socket, token: Token | None, peer: str) -> None:
+    """Run the client side of the handshake on a connected socket.
+
+    Raises:
+        ProtocolError: ``peer`` is not an rpcdl worker, or speaks another version.
+        AuthenticationError: the tokens differ, or only one side has one.
+    """
+    client_nonce = os.urandom(_NONCE_BYTES)
+    flags = _HAS_TOKEN if token is not None else 0
+    sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
+    magic, version, worker_flags, worker_nonce, worker_proof = _WELCOME.unpack(
+        _recv_exact(sock, _WELCOME.size, "welcome")
+    )
+    if magic != MAGIC:
+        raise ProtocolError(f"{peer} is not an rpcdl worker (it answered with unexpected bytes)")
+    if version != VERSION:
+        raise ProtocolError(
+            f"{peer} speaks rpcdl protocol version {version}, this client speaks {VERSION}: "
+            "install the same rpcdl version on both sides"
+        )
+    sock.sendall(_proof(token, b"rpcdl-client", worker_nonce, client_nonce))
+    status, length = _VERDICT.unpack(_recv_exact(sock, _VERDICT.size, "verdict"))
+    message = _recv_exact(sock, min(length, _MAX_VERDICT_MESSAGE), "verdict").decode("utf-8", "replace")
+    worker_has_token = bool(worker_flags & _HAS_TOKEN)
+    if worker_has_token and token is None:
+        raise AuthenticationError(
+            f"worker {peer} requires a token: set RPCDL_TOKEN or RPCDL_TOKEN_FILE, or pass token=, "
+            "to the token the worker was started with"
+        )
+    if token is not None and not worker_has_token:
+        raise AuthenticationError(
+            f"worker {peer} runs without a token but this client has one: refusing to trust an "
+            "unauthenticated worker; start it with the same RPCDL_TOKEN, or unset the client's token"
+        )
+    if not hmac.compare_digest(worker_proof, _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)):
+        raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
+    if status != 0:
+        raise AuthenticationError(f"worker {peer} refused the connection: {message}")
+
+
+def server_handshake(sock: socket.socket, token: Token | None, peer: str) -> None:
+    """Run the worker side of the handshake on an accepted socket.
+
+    The verdict is sent to the client before an error is raised here, so both
+    sides know why a connection was refused.
+
+    Raises:
+        ProtocolError: the peer is not an rpcdl client or speaks another version.
+        AuthenticationError: the peer does not prove it holds the worker's token.
+    """
+    magic, version, client_flags, client_nonce = _HELLO.unpack(_recv_exact(sock, _HELLO.size, "hello"))
+    if magic != MAGIC:
+        raise ProtocolError(f"{peer} is not an rpcdl client (bad magic bytes)")
+    worker_nonce = os.urandom(_NONCE_BYTES)
+    flags = _HAS_TOKEN if token is not None else 0
+    proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
+    sock.sendall(_WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
+    if version != VERSION:
+        reason = f"client {peer} speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
+        _send_verdict(sock, reason)
+        raise ProtocolError(reason)
+    client_proof = _recv_exact(sock, 32, "proof")
+    client_has_token = bool(client_flags & _HAS_TOKEN)
+    reason = ""
+    if token is not None and not client_has_token:
+        reason = "this worker requires a token (RPCDL_TOKEN) and the client sent none"
+    elif token is None and client_has_token:
+        reason = "this worker has no token but the client sent one"
+    elif not hmac.compare_digest(client_proof, _proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
+        reason = "token mismatch: the client holds a different token"
+    _send_verdict(sock, reason)
+    if reason:
+        raise AuthenticationError(f"refused {peer}: {reason}")
+
+
+def _send_verdict(sock: socket.socket, reason: str) -> None:
+    message = reason.encode()[:_MAX_VERDICT_MESSAGE]
+    sock.sendall(_VERDICT.pack(1 if reason else 0, len(message)) + message)
+
+
+# ---------------------------------------------------------------------------- frames
+
+
+def encode_frame(frame: Frame) -> list[memoryview | bytes]:
+    """Return the pieces of ``frame`` in wire order, ready for :func:`send_pieces`.
+
+    The buffers are not copied: they go to the socket from their own memory.
+    """
+    views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in frame.buffers]
+    lengths = struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
+    head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(frame.payload))
+    if len(frame.payload) <= _INLINE_PAYLOAD:
+        return [head + lengths + bytes(frame.payload), *views]
+    return [head + lengths, frame.payload, *views]
+
+
+def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> int:
+    """Send ``pieces`` in order with scatter-gather I/O; return the bytes sent."""
+    total = 0
+    if not hasattr(sock, "sendmsg") or _is_tls(sock):
+        for piece in pieces:
+            sock.sendall(piece)
+            total += len(memoryview(piece).cast("B"))
+        return total
+    views = [memoryview(p).cast("B") for p in pieces]
+    views = [v for v in views if v.nbytes]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        total += sent
+        while sent:
+            size = views[first].nbytes
+            if sent >= size:
+                sent -= size
+                first += 1
+            else:
+                views[first] = views[first][sent:]
+                sent = 0
+    return total
+
+
+def _is_tls(sock: socket.socket) -> bool:
+    return type(sock).__name__ == "SSLSocket"
+
+
+def send_frame(sock: socket.socket, frame: Frame) -> int:
+    """Encode and send one frame; return the bytes sent."""
+    return send_pieces(sock, encode_frame(frame))
+
+
+def _default_allocate(call_id: int, size: int) -> bytearray:
+    return bytearray(size)
+
+
+def set_io_timeouts(sock: socket.socket, receive: float | None, send: float | None) -> None:
+    """Put ``sock`` in blocking mode with kernel receive and send timeouts.
+
+    Kernel timeouts (``SO_RCVTIMEO`` / ``SO_SNDTIMEO``) cost nothing per call,
+    unlike Python's socket timeouts, which poll before every operation. A timed
+    out operation raises :class:`BlockingIOError`.
+    """
+    sock.settimeout(None)
+    for option, seconds in ((socket.SO_RCVTIMEO, receive), (socket.SO_SNDTIMEO, send)):
+        whole = int(seconds or 0)
+        micros = int(((seconds or 0) - whole) * 1e6)
+        sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micros))
+
+
+_TIMED_OUT = (BlockingIOError, TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+class _Idle(Exception):
+    pass
+
+
+class FrameReader:
+    """Reads frames from a socket through one reusable receive buffer.
+
+    Small frames arrive in as few ``recv`` calls as possible; large payloads and
+    buffers are received with ``recv_into`` straight into memory from
+    ``allocate``, which is where tensors end up living.
+
+    Args:
+        sock: a connected socket after the handshake, set up by
+            :func:`set_io_timeouts`: its receive timeout is how long
+            :meth:`read_frame` waits for a frame to start.
+        limits: the bounds checked before allocating.
+        stall_timeout: seconds the peer may go without sending a byte in the
+            middle of a frame.
+        chunk_size: size of the receive buffer.
+    """
+
+    def __init__(self, sock: socket.socket, limits: Limits, stall_timeout: float, chunk_size: int = 256 * 1024):
+        self._sock = sock
+        self._limits = limits
+        self._stall_timeout = stall_timeout
+        self._buffer = bytearray(chunk_size)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+        self._progress = 0.0
+        self.bytes_read = 0
+
+    def read_frame(self, allocate: Callable[[int, int], Any] = _default_allocate) -> Frame | None:
+        """Read one whole frame, or return ``None`` if none started within the receive timeout.
+
+        Args:
+            allocate: called with the frame's call id and a size for each
+                out-of-band buffer; returns writable memory of that size.
+
+        Raises:
+            ConnectionLost: the peer closed the connection.
+            ProtocolError: the frame breaks the protocol or the limits.
+            TimeoutError: the peer stalled in the middle of a frame.
+        """
+        try:
+            self._fill(_HEADER.size, idle=True)
+        except _Idle:
+            return None
+        kind, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, self._start)
+        self._start += _HEADER.size
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise ProtocolError(f"unknown frame kind {kind}") from None
+        if count > self._limits.max_buffers:
+            raise ProtocolError(f"frame announces {count} buffers, the limit is {self._limits.max_buffers}")
+        if payload_size > self._limits.max_message_bytes:
+            raise ProtocolError(f"frame announces {payload_size} bytes, the limit is {self._limits.max_message_bytes}")
+        sizes: tuple[int, ...] = ()
+        if count:
+            sizes_raw = bytearray(8 * count)
+            self._read_into(memoryview(sizes_raw))
+            sizes = struct.unpack(f"!{count}Q", sizes_raw)
+        if payload_size + sum(sizes) > self._limits.max_message_bytes:
+            raise ProtocolError(
+                f"frame announces {payload_size + sum(sizes)} bytes, the limit is {self._limits.max_message_bytes}"
+            )
+        payload = self._read_payload(payload_size)
+        buffers = []
+        for size in sizes:
+            buffer = allocate(call_id, size)
+            self._read_into(memoryview(buffer).cast("B"))
+            buffers.append(buffer)
+        return Frame(kind, call_id, ref, payload, buffers, flags)
+
+    def _read_payload(self, size: int) -> bytes | bytearray:
+        if size <= len(self._buffer) // 2:
+            self._fill(size)
+            payload = bytes(self._view[self._start : self._start + size])
+            self._start += size
+            return payload
+        payload = bytearray(size)
+        self._read_into(memoryview(payload))
+        return payload
+
+    def _read_into(self, target: memoryview) -> None:
+        size = target.nbytes
+        buffered = min(self._end - self._start, size)
+        target[:buffered] = self._view[self._start : self._start + buffered]
+        self._start += buffered
+        position = buffered
+        while position < size:
+            remaining = size - position
+            if remaining < len(self._buffer) // 4:
+                self._fill(remaining)
+                target[position:] = self._view[self._start : self._start + remaining]
+                self._start += remaining
+                return
+            position += self._recv_into(target[position:], idle=False)
+
+    def _fill(self, size: int, idle: bool = False) -> None:
+        """Make ``size`` bytes available in the receive buffer."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buffer) - self._start < size:
+            remaining = self._end - self._start
+            self._buffer[:remaining] = self._view[self._start : self._end]
+            self._start, self._end = 0, remaining
+        while self._end - self._start < size:
+            self._end += self._recv_into(self._view[self._end :], idle=idle and self._end == self._start)
+
+    def _recv_into(self, target: memoryview, idle: bool) -> int:
+        if not idle:
+            self._progress = time.monotonic()
+        while True:
+            try:
+                received = self._sock.recv_into(target)
+            except _TIMED_OUT:
+                if idle:
+                    raise _Idle from None
+                if time.monotonic() - self._progress > self._stall_timeout:
+                    raise TimeoutError(
+                        f"the peer sent nothing for {self._stall_timeout:g}s in the middle of a message"
+                    ) from None
+                continue
+            if not received:
+                raise ConnectionLost("the peer closed the connection")
+            self.bytes_read += received
+            self._progress = time.monotonic()
+            return received

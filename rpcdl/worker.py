@@ -1,0 +1,528 @@
+"""The worker: a server that runs the functions clients send it.
+
+Each client connection has two service threads that take turns reading it.
+The one that reads a call runs it at once when a slot is free (``parallel``
+slots in all) and the other thread can go on reading; otherwise the call waits
+in a queue for one of ``parallel`` executor threads. Whoever runs a call frees
+its slot, then sends the answer, so network transfers overlap with computation
+whatever ``parallel`` is. No client can stop the worker: a connection that
+misbehaves is logged in one line and closed.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .address import format_address, is_loopback
+from .errors import ConnectionLost, ProtocolError
+from .rref import RRefStore, StoreView
+from .security import Token, default_server_tls, resolve_token
+from .serialization import dump_exception, dumps, loads, peer_context
+from .wire import Frame, FrameReader, Kind, Limits, send_frame, server_handshake, set_io_timeouts
+
+log = logging.getLogger("rpcdl.worker")
+
+_WILDCARDS = {"", "0.0.0.0", "::"}
+_IDLE_TICK = 1.0
+_SERVICE_THREADS = 2
+
+
+class _Counters:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.calls_served = 0
+        self.calls_failed = 0
+        self.calls_rejected = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.busy_seconds = 0.0
+        self.clients = 0
+        self.connections_total = 0
+        self.connections_refused = 0
+        self.outstanding = 0
+
+    def add(self, **deltas: float) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+class _ClientConnection:
+    """The worker's side of one client connection."""
+
+    def __init__(self, worker: Worker, sock: socket.socket, peer: str):
+        self.worker = worker
+        self.sock = sock
+        self.peer = peer
+        self.store_view = StoreView(worker._store, self, worker.timeout)
+        self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
+        self.idle_threads = _SERVICE_THREADS  # guarded by the worker's scheduler lock
+        self.closed = False
+        self._read_turn = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._counted = 0
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"rpcdl-service-{peer}", daemon=True)
+            for _ in range(_SERVICE_THREADS)
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, frame: Frame) -> None:
+        """Send ``frame``; a connection that cannot take it is closed."""
+        if self.closed:
+            return
+        try:
+            with self._send_lock:
+                sent = send_frame(self.sock, frame)
+        except OSError as exc:
+            log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
+            self.close()
+            return
+        self.worker._counters.add(bytes_out=sent)
+
+    def answer(self, frame: Frame) -> None:
+        """Send the answer to a call and count the call as done."""
+        try:
+            self.send(frame)
+        finally:
+            self.worker._counters.add(outstanding=-1)
+
+    def close(self) -> None:
+        with self._send_lock:
+            if self.closed:
+                return
+            self.closed = True
+        _shutdown_socket(self.sock)
+        self.worker._forget(self)
+
+    def _serve(self) -> None:
+        worker = self.worker
+        while not self.closed:
+            with self._read_turn:
+                if self.closed:
+                    return
+                try:
+                    frame = self.reader.read_frame(_allocate)
+                except ConnectionLost:
+                    log.debug("client %s disconnected", self.peer)
+                    self.close()
+                    return
+                except (OSError, ProtocolError) as exc:
+                    if not self.closed:
+                        log.warning("closed connection from %s: %s", self.peer, exc or type(exc).__name__)
+                    self.close()
+                    return
+                if frame is None:
+                    continue
+                worker._counters.add(bytes_in=self.reader.bytes_read - self._counted)
+                self._counted = self.reader.bytes_read
+                try:
+                    run_here = worker._dispatch(self, frame)
+                except ProtocolError as exc:
+                    log.warning("closed connection from %s: %s", self.peer, exc)
+                    self.close()
+                    return
+            if run_here:
+                worker._run(self, frame, from_service_thread=True)
+
+
+def _shutdown_socket(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _allocate(call_id: int, size: int) -> Any:
+    return torch.empty(size, dtype=torch.uint8).numpy()
+
+
+class Worker:
+    """An rpcdl worker to embed in a process: serves calls from background threads.
+
+    Args:
+        host: interface to listen on. Loopback by default; listening elsewhere
+            requires a token unless ``insecure=True``.
+        port: port to listen on; ``0`` lets the system pick a free one.
+        timeout: seconds a client may stall in the middle of a message, and
+            that a call may wait for the RRef it uses.
+        parallel: how many calls run at once.
+        token: shared secret clients must prove they hold; defaults to
+            ``RPCDL_TOKEN`` / ``RPCDL_TOKEN_FILE``; ``""`` for none.
+        insecure: allow a non-loopback ``host`` without a token.
+        ssl_context: serve TLS with this context (see
+            :func:`rpcdl.security.server_tls_context`); defaults to one from
+            ``RPCDL_TLS_CERT`` / ``RPCDL_TLS_KEY`` when set.
+        limits: bounds on what a client may make the worker allocate.
+        advertise: the host name clients should use, when it differs from
+            ``host`` (by default the machine's name when ``host`` is a wildcard).
+
+    Example::
+
+        >>> with rpcdl.Worker() as worker:  # doctest: +SKIP
+        ...     rpcdl.rpc_sync(worker.address, sum, ([1, 2, 3],))
+        6
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout: float = 120.0,
+        parallel: int = 1,
+        token: str | bytes | Token | None = None,
+        insecure: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
+        limits: Limits | None = None,
+        advertise: str | None = None,
+    ):
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port must be an integer in 0..65535 (0 picks a free port), got {port!r}")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"parallel must be a positive integer (calls run at once), got {parallel!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.parallel = parallel
+        self.limits = limits or Limits()
+        self._token = resolve_token(token)
+        if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
+            raise PermissionError(
+                f"refusing to listen on {host or '0.0.0.0'} without a token: anyone who can reach this port "
+                "could run code as this user. Set RPCDL_TOKEN (or RPCDL_TOKEN_FILE, or --token-file) on the "
+                "workers and the trainers, or pass insecure=True (--insecure) on a network you trust"
+            )
+        self._ssl = ssl_context if ssl_context is not None else default_server_tls()
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=512)
+        bound_port = self._listener.getsockname()[1]
+        if advertise is None:
+            advertise = socket.gethostname() if host in _WILDCARDS else host
+        self.address = format_address(advertise, bound_port)
+        self._store = RRefStore()
+        self._counters = _Counters()
+        self._scheduler = threading.Condition(threading.Lock())
+        self._queue: collections.deque[tuple[_ClientConnection, Frame]] = collections.deque()
+        self._running = 0
+        self._connections: set[_ClientConnection] = set()
+        self._connections_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._draining = False
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._started_at = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Worker:
+        """Start serving from background threads; return ``self``."""
+        if self._threads:
+            return self
+        self._threads = [threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._execute_queued, name=f"rpcdl-executor-{i}", daemon=True)
+            for i in range(self.parallel)
+        ]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self, grace: float = 30.0) -> bool:
+        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, close.
+
+        Calls arriving meanwhile are rejected, so clients retry them elsewhere.
+
+        Returns:
+            whether every call in flight finished within ``grace``.
+        """
+        if self._stopped.is_set():
+            return True
+        self._draining = True
+        _shutdown_socket(self._listener)
+        deadline = time.monotonic() + grace
+        while self._counters.outstanding > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished = self._counters.outstanding <= 0
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            connection.close()
+        with self._scheduler:
+            self._stopping = True
+            self._scheduler.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        self._stopped.set()
+        return finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the worker has stopped; return whether it has."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """The worker's counters, as :func:`rpcdl.stats` returns them."""
+        c = self._counters
+        with c.lock:
+            return {
+                "address": self.address,
+                "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self._started_at, 3),
+                "parallel": self.parallel,
+                "calls_served": c.calls_served,
+                "calls_failed": c.calls_failed,
+                "calls_rejected": c.calls_rejected,
+                "calls_in_flight": c.outstanding,
+                "busy_s": round(c.busy_seconds, 6),
+                "bytes_in": c.bytes_in,
+                "bytes_out": c.bytes_out,
+                "clients": c.clients,
+                "connections_total": c.connections_total,
+                "connections_refused": c.connections_refused,
+                "rrefs": len(self._store),
+                "draining": self._draining,
+                "tls": self._ssl is not None,
+                "authenticated": self._token is not None,
+            }
+
+    # ------------------------------------------------------------------ threads
+
+    def _accept(self) -> None:
+        while not self._draining:
+            try:
+                sock, address = self._listener.accept()
+            except OSError:
+                if self._draining:
+                    return
+                time.sleep(0.05)  # out of descriptors, say: try again shortly
+                continue
+            peer = format_address(address[0], address[1])
+            thread = threading.Thread(target=self._serve, args=(sock, peer), name=f"rpcdl-reader-{peer}", daemon=True)
+            thread.start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.limits.handshake_timeout)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_side=True)
+            server_handshake(sock, self._token, peer)
+            set_io_timeouts(sock, receive=_IDLE_TICK, send=self.timeout)
+        except Exception as exc:
+            self._counters.add(connections_refused=1)
+            log.warning("refused connection from %s: %s", peer, exc or type(exc).__name__)
+            _shutdown_socket(sock)
+            return
+        connection = _ClientConnection(self, sock, peer)
+        with self._connections_lock:
+            if self._draining:
+                _shutdown_socket(sock)
+                return
+            self._connections.add(connection)
+        self._counters.add(clients=1, connections_total=1)
+        connection.start()
+
+    def _forget(self, connection: _ClientConnection) -> None:
+        with self._connections_lock:
+            if connection not in self._connections:
+                return
+            self._connections.discard(connection)
+        self._store.release_holder(connection)
+        self._counters.add(clients=-1)
+
+    def _dispatch(self, connection: _ClientConnection, frame: Frame) -> bool:
+        """Handle a frame just read; return whether the reading thread should run it now."""
+        if frame.kind == Kind.CALL:
+            self._counters.add(outstanding=1)
+            if self._draining:
+                self._counters.add(calls_rejected=1)
+                connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=b"the worker is shutting down"))
+                return False
+            if frame.ref:
+                self._store.expect(frame.ref, connection)
+            with self._scheduler:
+                if self._running < self.parallel and not self._queue and connection.idle_threads > 1:
+                    self._running += 1
+                    connection.idle_threads -= 1
+                    return True
+                self._queue.append((connection, frame))
+                self._scheduler.notify()
+            return False
+        if frame.kind == Kind.RELEASE:
+            count = len(frame.payload) // 8
+            for uid in struct.unpack(f"!{count}Q", frame.payload[: count * 8]):
+                self._store.release(uid)
+        elif frame.kind == Kind.PING:
+            connection.send(Frame(Kind.PONG, frame.call_id))
+        elif frame.kind == Kind.STATS:
+            connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=json.dumps(self.stats()).encode()))
+        else:
+            raise ProtocolError(f"a client may not send {frame.kind.name} frames")
+        return False
+
+    def _execute_queued(self) -> None:
+        while True:
+            with self._scheduler:
+                while not self._stopping and not (self._queue and self._running < self.parallel):
+                    self._scheduler.wait()
+                if self._stopping:
+                    return
+                connection, frame = self._queue.popleft()
+                self._running += 1
+            self._run(connection, frame, from_service_thread=False)
+
+    def _run(self, connection: _ClientConnection, frame: Frame, from_service_thread: bool) -> None:
+        """Run a call in a slot already taken, free the slot, then answer."""
+        try:
+            if connection.closed:  # nobody to answer: do not run it
+                if frame.ref:
+                    self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
+                answer = Frame(Kind.REJECTED, frame.call_id)
+            else:
+                answer = self._execute(connection, frame)
+        finally:
+            with self._scheduler:
+                self._running -= 1
+                connection.idle_threads += from_service_thread
+                self._scheduler.notify()
+        connection.answer(answer)
+
+    def _execute(self, connection: _ClientConnection, frame: Frame) -> Frame:
+        started = time.perf_counter()
+        failed = True
+        try:
+            with peer_context(connection.peer, connection.store_view):
+                func, args, kwargs = loads(frame.payload, frame.buffers)
+                value = func(*args, **kwargs)
+                if frame.ref:
+                    self._store.complete(frame.ref, value)
+                    value = None
+                try:
+                    payload, buffers = dumps(value)
+                except Exception as exc:
+                    raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
+            failed = False
+            return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
+        except BaseException as exc:
+            if frame.ref:
+                self._store.complete(frame.ref, error=exc)
+            log.debug("call from %s raised %s", connection.peer, type(exc).__name__)
+            return Frame(Kind.ERROR, frame.call_id, payload=dump_exception(exc))
+        finally:
+            self._counters.add(
+                busy_seconds=time.perf_counter() - started, calls_failed=int(failed), calls_served=int(not failed)
+            )
+
+
+def _name(func: Any) -> str:
+    return f"{getattr(func, '__qualname__', type(func).__name__)}()"
+
+
+def append_address(path: str | os.PathLike, address: str) -> None:
+    """Append ``address`` as one line to the file ``path``, under an exclusive lock.
+
+    Many workers may share one file (a Slurm job step, say): the lock keeps
+    their lines whole.
+    """
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            handle.write(address + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def run_worker(
+    host: str,
+    port: int,
+    timeout: float = 120,
+    parallel: int = 1,
+    *,
+    token: str | bytes | None = None,
+    insecure: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
+    num_threads: int | None = 1,
+    address_file: str | os.PathLike | None = None,
+    grace: float = 30.0,
+    advertise: str | None = None,
+    on_ready: Callable[[Worker], Any] | None = None,
+) -> None:
+    """Listen and serve calls until SIGTERM or SIGINT (blocks).
+
+    When ready, prints the worker's ``host:port`` on one line of standard
+    output and appends it to ``address_file`` if given. On SIGTERM or SIGINT it
+    stops accepting, lets calls in flight finish for up to ``grace`` seconds
+    and returns.
+
+    Args:
+        host: interface to bind to (``"0.0.0.0"`` for all; requires a token or
+            ``insecure=True``).
+        port: port to bind to; ``0`` picks a free one.
+        timeout: seconds a client may stall in the middle of a transfer.
+        parallel: how many calls run at once.
+        token, insecure, ssl_context, advertise: as for :class:`Worker`.
+        num_threads: ``torch.set_num_threads`` for this process (``None`` leaves it).
+        address_file: file to append the address to, under a lock.
+        grace: seconds calls in flight get to finish on shutdown.
+        on_ready: called with the started worker instead of printing the address.
+
+    Example::
+
+        $ python -c "import rpcdl; rpcdl.run_worker('127.0.0.1', 6543)"
+        127.0.0.1:6543
+    """
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    worker = Worker(
+        host, port, timeout=timeout, parallel=parallel, token=token, insecure=insecure,
+        ssl_context=ssl_context, advertise=advertise,
+    ).start()  # fmt: skip
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, lambda *_: stop.set())
+    try:
+        if address_file is not None:
+            append_address(address_file, worker.address)
+        if on_ready is not None:
+            on_ready(worker)
+        else:
+            print(worker.address, flush=True)
+        log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), parallel)
+        while not stop.wait(0.5):
+            pass
+        log.info("rpcdl worker %s stopping", worker.address)
+    finally:
+        finished = worker.stop(grace)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if not finished:
+        log.warning("rpcdl worker %s stopped with calls still running after %gs", worker.address, grace)

@@ -1,0 +1,50 @@
+"""Shared fixtures: real worker processes on loopback, started and stopped by the tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import rpcdl
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py for the workers too
+
+
+@pytest.fixture(autouse=True)
+def _clean_credentials(monkeypatch):
+    """Tests run without the developer's tokens or TLS settings."""
+    for name in ("RPCDL_TOKEN", "RPCDL_TOKEN_FILE", "RPCDL_TLS_CA", "RPCDL_TLS_CERT", "RPCDL_TLS_KEY", "RPCDL_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def two_workers():
+    """Two worker processes shared by the tests that do not break them."""
+    saved = {k: os.environ.pop(k) for k in ("RPCDL_TOKEN", "RPCDL_TOKEN_FILE") if k in os.environ}
+    try:
+        with rpcdl.local_workers(2) as workers:
+            yield list(workers)
+    finally:
+        os.environ.update(saved)
+        rpcdl.shutdown()
+
+
+@pytest.fixture
+def spawn_workers():
+    """Start worker processes that the test may kill: ``spawn_workers(n, **options)``."""
+    contexts = []
+
+    def spawn(n: int, **options):
+        context = rpcdl.local_workers(n, **options)
+        workers = context.__enter__()
+        contexts.append(context)
+        return workers
+
+    yield spawn
+    for context in reversed(contexts):
+        context.__exit__(None, None, None)
+    rpcdl.shutdown()
