@@ -1,0 +1,106 @@
+"""Helpers for data-parallel training: split workers and data across ranks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, RandomSampler
+
+from .address import parse_address
+from .dataloader import RPCDataloader
+
+
+def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    return rank, world_size
+
+
+def shard_workers(workers: Sequence[str], rank: int | None = None, world_size: int | None = None) -> list[str]:
+    """The workers rank ``rank`` of ``world_size`` uses: ``workers[rank::world_size]``.
+
+    With fewer workers than ranks, ranks share them (rank ``r`` uses worker
+    ``r % len(workers)``) and a warning says so. ``rank`` and ``world_size``
+    default to those of the initialized ``torch.distributed`` group, else 0 and 1.
+
+    Example::
+
+        >>> shard_workers(["a:1", "b:1", "c:1", "d:1"], rank=1, world_size=2)
+        ['b:1', 'd:1']
+    """
+    if isinstance(workers, str) or not workers:
+        raise ValueError(f"workers must be a non-empty list of 'host:port' strings, got {workers!r}")
+    for address in workers:
+        parse_address(address)
+    rank, world_size = _rank_and_world_size(rank, world_size)
+    if len(workers) < world_size:
+        warnings.warn(
+            f"{len(workers)} workers for {world_size} ranks: ranks share workers; start at least one per rank",
+            stacklevel=2,
+        )
+        return [workers[rank % len(workers)]]
+    return list(workers[rank::world_size])
+
+
+def distributed_loader(
+    loader: RPCDataloader,
+    world_size: int | None = None,
+    rank: int | None = None,
+    shuffle: bool | None = None,
+    *,
+    seed: int = 0,
+    drop_last: bool | None = None,
+) -> RPCDataloader:
+    """A copy of ``loader`` that reads only this rank's share of the dataset.
+
+    The copy draws indices from a :class:`~torch.utils.data.DistributedSampler`
+    (every rank sees a disjoint shard, padded to equal length unless
+    ``drop_last``) and keeps the other settings of ``loader``. Like
+    aitoolbox's ``DDPHandler.build_loader_sampler`` for rpcdl loaders.
+
+    Args:
+        loader: the single-process loader.
+        world_size, rank: default to the initialized ``torch.distributed`` group's.
+        shuffle: shuffle the shard; defaults to whether ``loader`` shuffles.
+        seed: seed of the sampler's shuffling, the same on every rank.
+        drop_last: defaults to ``loader.drop_last``.
+
+    Returns:
+        the new loader; its sampler is ``new_loader.sampler`` (call ``set_epoch``
+        on the loader or the sampler each epoch).
+
+    Example::
+
+        >>> train = distributed_loader(RPCDataloader(dataset, batch_size=32, shuffle=True))  # doctest: +SKIP
+    """
+    if not isinstance(loader, RPCDataloader):
+        raise TypeError(f"loader must be an RPCDataloader, got {type(loader).__name__}")
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        raise ValueError("distributed_loader needs a loader built with batch_size, not with a custom batch_sampler")
+    rank, world_size = _rank_and_world_size(rank, world_size)
+    if shuffle is None:
+        shuffle = isinstance(loader.sampler, RandomSampler)
+    drop_last = loader.drop_last if drop_last is None else drop_last
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
+    return RPCDataloader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        prefetch_factor=loader.prefetch_factor,
+        in_order=loader.in_order,
+        seed=loader.seed,
+    )
