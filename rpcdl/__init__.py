@@ -3,6 +3,7 @@
 The names here are the public API; see the documentation for guides.
 """
 
+from .cache import CachedDataset, CacheLoader
 from .client import ping, remote, rpc_async, rpc_sync, shutdown, stats
 from .dataloader import NoWorkersLeft, RPCDataloader
 from .dataset import DatasetMismatch, RPCDataset
@@ -24,6 +25,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "CacheLoader",
+    "CachedDataset",
     "ConnectionLost",
     "DatasetMismatch",
     "NoWorkersLeft",

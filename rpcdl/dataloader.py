@@ -254,8 +254,10 @@ class RPCDataloader:
         self.generator = generator
         self.seed = seed
         self._slots = [_WorkerSlot(address, i) for i, address in enumerate(dataset.workers)]
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._next_epoch = 0
         self._explicit_epoch: int | None = None
+        self._told_epoch: int | None = None
         self._iterator: _EpochIterator | None = None
         self._resume: dict[str, Any] | None = None
 
@@ -276,7 +278,11 @@ class RPCDataloader:
         return {slot.address: slot.state.value for slot in self._slots}
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (otherwise epochs count iterations from 0)."""
+        """Make the next iteration epoch ``epoch``.
+
+        Otherwise epochs count iterations from 0, or follow the epoch last given
+        to the sampler's own ``set_epoch`` when the training loop calls it.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         self._explicit_epoch = epoch
@@ -290,17 +296,22 @@ class RPCDataloader:
         if self._iterator is not None:
             self._iterator.close()
         resume, self._resume = self._resume, None
+        samplers = [s for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)) if s]
+        told = {getattr(s, "epoch", self._told_epoch) for s in samplers if hasattr(s, "set_epoch")}
         if resume is not None:
             epoch = resume["epoch"]
         elif self._explicit_epoch is not None:
             epoch = self._explicit_epoch
+        elif told - {self._told_epoch}:
+            epoch = max(told - {self._told_epoch})  # the user called sampler.set_epoch(): follow it
         else:
             epoch = self._next_epoch
         self._explicit_epoch = None
         self._next_epoch = epoch + 1
-        for candidate in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
-            if hasattr(candidate, "set_epoch"):
-                candidate.set_epoch(epoch)
+        for sampler in samplers:
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+        self._told_epoch = epoch
         generator = self._sampler_generator()
         if resume is not None and resume.get("generator_state") is not None and generator is not None:
             generator.set_state(resume["generator_state"])
@@ -355,7 +366,7 @@ class _EpochIterator(Iterator[Any]):
         self.generator_state = generator_state
         self.finished = False
         self._slots = loader._slots
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._events = loader._events  # shared by epochs: a probe may finish in a later one
         source = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
         skip_prefix = resume["yielded_prefix"] if resume else 0
         skip = set(resume["yielded_extra"]) if resume else set()
@@ -377,7 +388,9 @@ class _EpochIterator(Iterator[Any]):
             self._reseed_workers()
         now = time.monotonic()
         for slot in self._slots:
-            if slot.state == _State.DOWN:
+            # A probe still in flight reports to the epoch that sent it, which is over: probe again.
+            if slot.state in (_State.DOWN, _State.PROBING):
+                slot.state = _State.DOWN
                 slot.probe_at = now
 
     # ------------------------------------------------------------------ iteration
@@ -577,10 +590,13 @@ class _EpochIterator(Iterator[Any]):
         try:
             value = future.wait()
         except Exception as exc:
+            worker_failed = is_transient(exc) or (remote_origin(exc) and isinstance(exc, RRefNotFound))
             if not attempt.live or task.done:
+                if worker_failed and slot.state == _State.ACTIVE:
+                    self._mark_down(slot, exc)  # its batch was saved by a copy, yet the worker failed
                 return
-            attempt.live = False
-            if is_transient(exc) or (remote_origin(exc) and isinstance(exc, RRefNotFound)):
+            if worker_failed:
+                attempt.live = False
                 self._retry(task)
                 self._mark_down(slot, exc)
                 return

@@ -29,13 +29,11 @@ PROTOCOL = 5
 
 
 def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
-    if isinstance(buffer, np.ndarray):
-        flat = torch.from_numpy(buffer)
-    elif len(memoryview(buffer)):
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    if not memoryview(buffer).nbytes:
+        tensor = torch.empty(shape, dtype=dtype)
     else:
-        flat = torch.empty(0, dtype=torch.uint8)
-    tensor = flat.view(dtype).view(shape)
+        flat = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else torch.frombuffer(buffer, dtype=torch.uint8)
+        tensor = flat.view(dtype).view(shape)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor

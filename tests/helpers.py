@@ -25,18 +25,21 @@ class RangeDataset(Dataset):
         return torch.tensor(index)
 
 
-class SlowOnPidDataset(RangeDataset):
-    """Slow only in the worker process whose address is in ``slow_addresses`` (by env)."""
+SLOWDOWN = 1.0  # set per worker process with set_slowdown()
 
-    def __init__(self, n: int, delay: float, slow_port: int, fast_delay: float = 0.0):
-        super().__init__(n, fast_delay)
-        self.slow = os.environ.get("RPCDL_TEST_PORT") == str(slow_port)
-        self.slow_delay = delay
+
+def set_slowdown(factor: float) -> None:
+    """Make this worker's ScaledDelayDataset that many times slower."""
+    global SLOWDOWN
+    SLOWDOWN = factor
+
+
+class ScaledDelayDataset(RangeDataset):
+    """Sleeps ``delay * SLOWDOWN`` per sample: one worker can be made slower than the others."""
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if self.slow:
-            time.sleep(self.slow_delay)
-        return super().__getitem__(index)
+        time.sleep(self.delay * SLOWDOWN)
+        return torch.tensor(index)
 
 
 class FailingDataset(RangeDataset):

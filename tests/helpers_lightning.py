@@ -1,0 +1,82 @@
+"""A dataset and a model for the Lightning tests: they record which sample came from where.
+
+Importable by the workers (tests/ is on their path) and by the DDP job's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import Dataset
+
+
+class ProbeDataset(Dataset):
+    """Sample ``i`` says who loaded it: its index, the worker's pid and a random draw made there."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "index": torch.tensor(index),
+            "pid": torch.tensor(os.getpid()),
+            "noise": torch.rand(()),  # the "augmentation", drawn from the worker's seeded generator
+        }
+
+
+class RecordingModel(pl.LightningModule):
+    """Records every training batch: epoch, batch index, sample indices, worker pids and draws."""
+
+    def __init__(self, record_to: str | None = None):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.record_to = record_to
+        self.records: list[dict[str, Any]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.records.append(
+            {
+                "epoch": self.current_epoch,
+                "batch": batch_idx,
+                "indices": batch["index"].tolist(),
+                "pids": batch["pid"].tolist(),
+                "noise": batch["noise"].tolist(),
+            }
+        )
+        return self.layer(batch["noise"].float().unsqueeze(1)).pow(2).mean()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_noise", batch["noise"].float().mean(), batch_size=len(batch["index"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_end(self) -> None:
+        if self.record_to:
+            path = Path(self.record_to) / f"rank{self.global_rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            datamodule = self.trainer.datamodule
+            path.write_text(
+                json.dumps(
+                    {
+                        "rank": self.global_rank,
+                        "world_size": self.trainer.world_size,
+                        "workers": datamodule.workers,
+                        "batches_served": datamodule.loaders["train"].batches_served,
+                        "records": self.records,
+                    }
+                )
+            )
+
+
+def probe_spec(n: int) -> dict[str, Any]:
+    """The ``train_dataset`` argument of RPCDataModule for a ProbeDataset of ``n`` samples."""
+    return {"class_path": "helpers_lightning.ProbeDataset", "init_args": {"n": n}}

@@ -1,0 +1,43 @@
+"""A two-process DDP training on CPU through RPCDataModule, run by tests/test_lightning.py.
+
+Usage: python tests/lightning_ddp_job.py OUT_DIR  (workers from $RPCDL_WORKERS)
+
+Lightning's "ddp" strategy starts rank 1 by running this script again. The job
+fits twice with the same seed; each rank writes what it saw to
+OUT_DIR/run{1,2}/rank{0,1}.json.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import lightning.pytorch as pl
+from helpers_lightning import RecordingModel, probe_spec
+
+from rpcdl.integrations.lightning import RPCDataModule
+
+SAMPLES = 32
+BATCH_SIZE = 4
+
+
+def main(out_dir: str) -> None:
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    for run in (1, 2):
+        data = RPCDataModule(train_dataset=probe_spec(SAMPLES), batch_size=BATCH_SIZE, shuffle=True, seed=1234)
+        model = RecordingModel(record_to=f"{out_dir}/run{run}")
+        trainer = pl.Trainer(
+            strategy="ddp",
+            devices=2,
+            accelerator="cpu",
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, datamodule=data)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,298 @@
+"""Faults during an epoch on real worker processes: SIGKILL, SIGSTOP, a connection reset mid-transfer.
+
+Whatever fails, every index of the epoch is yielded exactly once; a worker that
+comes back with a dataset of another length is kept out with an error naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+import helpers
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import rpcdl
+
+# ---------------------------------------------------------------------------- datasets (imported by the workers)
+
+
+class PortLengthDataset(Dataset):
+    """Sample ``i`` is ``tensor(i)``, its length ``length``, unless the worker's port is in ``other_lengths``.
+
+    The port is read from the worker's command line (``--port``, which
+    :func:`rpcdl.local_workers` passes as ``0`` at first and as the old port on a
+    restart), so a restarted worker can be made to build another length.
+    """
+
+    def __init__(self, length: int, other_lengths: dict[int, int], delay: float = 0.0):
+        port = int(sys.argv[sys.argv.index("--port") + 1])
+        self.n = other_lengths.get(port, length)
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(self.delay)
+        return torch.tensor(index)
+
+
+class WideDataset(Dataset):
+    """Sample ``i`` is ``width`` copies of ``i``: batches large enough to be cut mid-transfer."""
+
+    def __init__(self, n: int, width: int):
+        self.n, self.width = n, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((self.width,), index, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------- a proxy that can cut the network
+
+
+class TcpProxy:
+    """Forwards loopback TCP connections to ``upstream``; can reset them mid-stream.
+
+    One thread multiplexes every connection. ``cut_after`` bytes into the
+    worker-to-client stream (all connections together), it forwards the bytes
+    up to that point and resets both sides of every connection (RST, as a
+    network failure does). Connections made afterwards are forwarded again.
+
+    Args:
+        upstream: ``"host:port"`` of the worker.
+        cut_after: bytes of worker-to-client traffic after which to cut, or ``None``.
+        record: keep a copy of all the bytes forwarded (both directions).
+    """
+
+    def __init__(self, upstream: str, cut_after: int | None = None, record: bool = False):
+        host, _, port = upstream.rpartition(":")
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.setblocking(False)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._cut_after = cut_after
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._stop = threading.Event()
+        self.downstream_bytes = 0
+        self.connections = 0
+        self.cuts = 0
+        self.recorded = bytearray() if record else None
+        self._thread = threading.Thread(target=self._loop, name="test-proxy", daemon=True)
+
+    def __enter__(self) -> TcpProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for pair in list(self._pairs):
+            self._close(pair, reset=False)
+        self._selector.close()
+        self._listener.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(0.05):
+                if key.fileobj is self._listener:
+                    self._accept()
+                    continue
+                source, target, pair, downstream = key.data
+                try:
+                    data = source.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    self._close(pair, reset=False)
+                    continue
+                if downstream and self._cut_after is not None and self.downstream_bytes + len(data) >= self._cut_after:
+                    keep = self._cut_after - self.downstream_bytes
+                    self._forward(target, data[:keep], downstream, pair)
+                    self._cut_after = None
+                    self.cuts += 1
+                    for each in list(self._pairs):
+                        self._close(each, reset=True)
+                    continue
+                self._forward(target, data, downstream, pair)
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        worker = socket.create_connection(self._upstream, timeout=10)
+        client.settimeout(10)
+        pair = (client, worker)
+        self._pairs.append(pair)
+        self.connections += 1
+        self._selector.register(client, selectors.EVENT_READ, (client, worker, pair, False))
+        self._selector.register(worker, selectors.EVENT_READ, (worker, client, pair, True))
+
+    def _forward(self, target: socket.socket, data: bytes, downstream: bool, pair) -> None:
+        if downstream:
+            self.downstream_bytes += len(data)
+        if self.recorded is not None:
+            self.recorded += data
+        try:
+            target.sendall(data)
+        except OSError:
+            self._close(pair, reset=True)
+
+    def _close(self, pair: tuple[socket.socket, socket.socket], reset: bool) -> None:
+        if pair not in self._pairs:
+            return
+        self._pairs.remove(pair)
+        for sock in pair:
+            try:
+                self._selector.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            if reset:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _indices(batch: torch.Tensor) -> list[int]:
+    return batch.reshape(len(batch), -1)[:, 0].tolist()
+
+
+def _epoch(loader: rpcdl.RPCDataloader) -> list[int]:
+    return [index for batch in loader for index in _indices(batch)]
+
+
+def _epochs_until(loader: rpcdl.RPCDataloader, n: int, condition, deadline_s: float = 30.0) -> int:
+    """Run epochs (each checked exactly-once) until ``condition()``; return how many ran."""
+    deadline = time.monotonic() + deadline_s
+    epochs = 0
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met; worker states: {loader.worker_states()}"
+        assert sorted(_epoch(loader)) == list(range(n))
+        epochs += 1
+    return epochs
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def test_sigkill_mid_epoch_then_restarts_with_same_and_other_length(spawn_workers, caplog):
+    """Two workers die in the middle of an epoch. Both restart: one builds the
+    same dataset and rejoins, though the epoch in which it died is over; the
+    other builds a dataset of another length and is kept out, named in the
+    error. Every epoch yields each index once."""
+    caplog.set_level(logging.WARNING, logger="rpcdl")
+    workers = spawn_workers(3)
+    other_lengths = {int(workers[2].rpartition(":")[2]): 80}
+    dataset = rpcdl.RPCDataset(workers, PortLengthDataset, 96, other_lengths, 0.005)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4, timeout=2)
+
+    seen = []
+    for i, batch in enumerate(loader):
+        seen.extend(batch.tolist())
+        if i == 12:  # batches of workers 1 and 2 are in flight
+            workers.kill(1, signal.SIGKILL)
+            workers.kill(2, signal.SIGKILL)
+    assert sorted(seen) == list(range(96))
+    states = loader.worker_states()
+    assert states[workers[0]] == "active" and states[workers[1]] != "active" and states[workers[2]] != "active"
+
+    restarts = [threading.Thread(target=workers.restart, args=(i,)) for i in (1, 2)]
+    for thread in restarts:
+        thread.start()
+    for thread in restarts:
+        thread.join()
+    _epochs_until(loader, 96, lambda: set(loader.worker_states().values()) == {"active", "excluded"})
+    assert loader.worker_states() == {workers[0]: "active", workers[1]: "active", workers[2]: "excluded"}
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(workers[2] in m and "length 80" in m and "96" in m for m in errors), errors
+    served = dict(loader.batches_served)
+    assert sorted(_epoch(loader)) == list(range(96))
+    assert loader.batches_served[workers[1]] > served[workers[1]]
+    assert loader.batches_served[workers[2]] == served[workers[2]]
+
+    # When the others are gone too, the final error names it and why it was kept out.
+    workers.kill(0)
+    workers.kill(1)
+    with pytest.raises(rpcdl.NoWorkersLeft) as info:
+        _epoch(loader)
+    message = str(info.value)
+    assert f"{workers[2]} (excluded: " in message and "length 80" in message
+
+
+def test_hung_worker_sigstop_is_caught_by_timeout(spawn_workers, caplog):
+    """A worker stopped with SIGSTOP holds batches forever: after ``timeout`` they go elsewhere."""
+    caplog.set_level(logging.WARNING, logger="rpcdl")
+    workers = spawn_workers(2)
+    n = 160  # 1.6 s of work for one worker: longer than the timeout
+    dataset = rpcdl.RPCDataset(workers, helpers.RangeDataset, n, 0.01)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4, timeout=1.0, prefetch_factor=3)
+    seen = []
+    try:
+        for i, batch in enumerate(loader):
+            seen.extend(batch.tolist())
+            if i == 5:
+                workers.kill(0, signal.SIGSTOP)
+        assert sorted(seen) == list(range(n))
+        assert loader.worker_states()[workers[0]] in ("down", "probing")
+        left = [r.getMessage() for r in caplog.records if "left the loader" in r.getMessage()]
+        assert any(workers[0] in m and "did not answer" in m for m in left), left
+    finally:
+        workers.processes[0].send_signal(signal.SIGCONT)
+    # Resumed, it answers probes again and rejoins.
+    _epochs_until(loader, n, lambda: loader.worker_states()[workers[0]] == "active")
+    served = loader.batches_served[workers[0]]
+    assert sorted(_epoch(loader)) == list(range(n))
+    assert loader.batches_served[workers[0]] > served
+
+
+@pytest.fixture
+def embedded_workers():
+    """Two workers in this process (threads): enough where no process is to be killed."""
+    workers = [rpcdl.Worker(timeout=10).start() for _ in range(2)]
+    yield [worker.address for worker in workers]
+    rpcdl.shutdown()
+    for worker in workers:
+        worker.stop(grace=1)
+
+
+def test_connection_reset_mid_transfer(embedded_workers, caplog):
+    """The network between trainer and worker resets in the middle of a batch:
+    no torn batch is yielded, the lost batches are loaded again, the worker rejoins."""
+    caplog.set_level(logging.WARNING, logger="rpcdl")
+    workers = embedded_workers
+    n, width, batch_size = 192, 16384, 8  # 512 KiB batches
+    with TcpProxy(workers[0], cut_after=(2 << 20) + 12345) as proxy:
+        dataset = rpcdl.RPCDataset([proxy.address, workers[1]], WideDataset, n, width)
+        loader = rpcdl.RPCDataloader(dataset, batch_size=batch_size, timeout=10)
+        seen = []
+        for batch in loader:
+            assert batch.shape == (batch_size, width)
+            assert torch.equal(batch, batch[:, :1].expand_as(batch)), "a torn batch was yielded"
+            seen.extend(_indices(batch))
+        assert sorted(seen) == list(range(n))
+        assert proxy.cuts == 1
+        left = [r.getMessage() for r in caplog.records if "left the loader" in r.getMessage()]
+        assert any(proxy.address in m for m in left), left
+        # Through a new connection, the worker (its dataset rebuilt: the old one
+        # went with the connection that held it) serves batches again.
+        _epochs_until(loader, n, lambda: loader.worker_states()[proxy.address] == "active")
+        served = loader.batches_served[proxy.address]
+        assert sorted(_epoch(loader)) == list(range(n))
+        assert loader.batches_served[proxy.address] > served
+        assert proxy.connections >= 2
