@@ -105,6 +105,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="INFO", help="logging level on standard error (default: %(default)s)")
+    parser.add_argument("--watch-pid", type=_positive_int, help=argparse.SUPPRESS)
 
 
 def run_worker_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -122,7 +123,7 @@ def run_worker_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         run_worker(
             args.host, args.port, args.timeout, args.parallel, token=token, insecure=args.insecure,
             ssl_context=ssl_context, num_threads=args.threads, address_file=args.address_file,
-            grace=args.grace, advertise=args.advertise,
+            grace=args.grace, advertise=args.advertise, watch_pid=args.watch_pid,
         )  # fmt: skip
     except (PermissionError, OSError, ValueError) as exc:
         print(f"rpcdl worker: {exc}", file=sys.stderr)
@@ -191,10 +192,10 @@ def _status(args: argparse.Namespace) -> int:
         rows.append(row)
     headers = [name for name, _ in columns]
     widths = [max(len(h), *(len(r[i]) for r in rows if len(r) == len(headers))) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         if len(row) == len(headers):
-            print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
         else:
             print("  ".join(row))
     return 1 if failures else 0
@@ -243,4 +244,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

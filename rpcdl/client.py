@@ -49,7 +49,7 @@ def _can_pin() -> bool:
 
 
 class _Call:
-    __slots__ = ("call_id", "future", "deadline", "timeout", "pin_memory", "what", "transform", "started", "sync")
+    __slots__ = ("call_id", "deadline", "future", "pin_memory", "started", "sync", "timeout", "transform", "what")
 
     def __init__(
         self, timeout: float, what: str, *, sync: bool, pin_memory: bool = False, transform: Callable | None = None
@@ -374,7 +374,10 @@ def _key(address: str, token: Token | None, ssl_context: ssl.SSLContext | None) 
 
 
 def connection_to(
-    address: str, timeout: float = 120.0, token: str | bytes | Token | None = None, ssl_context: ssl.SSLContext | None = None
+    address: str,
+    timeout: float = 120.0,
+    token: str | bytes | Token | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Connection:
     """Return this process's connection to ``address``, opening one if needed."""
     token = resolve_token(token)
@@ -606,6 +609,12 @@ def remote(
     """
     _, call = _call(host, func, args, kwargs, sync=False, rref=True, timeout=timeout, **options)
     return call.transform(None)
+
+
+def ping_async(host: str, timeout: float = 10.0, **options: Any) -> torch.futures.Future[float]:
+    """:func:`ping` without waiting: a future of the round-trip time."""
+    _, call = _submit(Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", **options)
+    return call.future
 
 
 def ping(host: str, timeout: float = 10.0, **options: Any) -> float:

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from .client import rpc_async
+from .client import ping_async, rpc_async
 from .dataset import DatasetMismatch, RPCDataset
 from .errors import RPCDLError, is_transient, remote_origin
 from .rref import RRefNotFound
@@ -65,13 +65,6 @@ def _fetch_sample(dataset: Any, index: Any, convert_fn: Callable, seed: int | No
     return convert_fn(dataset[index])
 
 
-def _probe(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
-
-
 # ---------------------------------------------------------------------------- bookkeeping
 
 
@@ -85,8 +78,18 @@ class _State(enum.Enum):
 class _WorkerSlot:
     """What the loader knows of one worker."""
 
-    __slots__ = ("address", "global_index", "state", "in_flight", "service_time", "last_done",
-                 "probe_at", "probe_delay", "failure", "served")  # fmt: skip
+    __slots__ = (
+        "address",
+        "failure",
+        "global_index",
+        "in_flight",
+        "last_done",
+        "probe_at",
+        "probe_delay",
+        "served",
+        "service_time",
+        "state",
+    )  # fmt: skip
 
     def __init__(self, address: str, global_index: int):
         self.address = address
@@ -110,7 +113,7 @@ class _WorkerSlot:
 
 
 class _Task:
-    __slots__ = ("seq", "indices", "attempts", "done")
+    __slots__ = ("attempts", "done", "indices", "seq")
 
     def __init__(self, seq: int, indices: Any):
         self.seq = seq
@@ -120,7 +123,7 @@ class _Task:
 
 
 class _Attempt:
-    __slots__ = ("task", "worker", "sent_at", "live")
+    __slots__ = ("live", "sent_at", "task", "worker")
 
     def __init__(self, task: _Task, worker: _WorkerSlot, sent_at: float):
         self.task, self.worker, self.sent_at, self.live = task, worker, sent_at, True
@@ -210,8 +213,12 @@ class RPCDataloader:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
             raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}")
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"batch_size should be a positive integer value or None, but got batch_size={batch_size!r}")
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(
+                f"batch_size should be a positive integer value or None, but got batch_size={batch_size!r}"
+            )
         if seed is not None and not isinstance(seed, int):
             raise TypeError(f"seed must be an integer or None, got {seed!r}")
         # torch.utils.data.DataLoader's rules, with its messages.
@@ -225,9 +232,7 @@ class RPCDataloader:
             batch_size = None
             drop_last = False
         elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
-            )
+            raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
         if sampler is None:
             sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None:
@@ -653,14 +658,12 @@ class _EpochIterator(Iterator[Any]):
             if slot.state != _State.DOWN or slot.probe_at > now:
                 continue
             slot.state = _State.PROBING
-            rref = self.loader.dataset.rref(slot.address)
-            timeout = min(self.loader.timeout, _PROBE_TIMEOUT)
-            if rref is None:
+            if self.loader.dataset.rref(slot.address) is None:
                 future = self.loader.dataset.build_async(slot.address)
                 kind = "built"
-            else:
-                future = rpc_async(slot.address, _probe, (rref,), timeout=timeout)
-                kind = "probed"
+            else:  # a batch will tell whether it still holds the dataset
+                future = ping_async(slot.address, timeout=min(self.loader.timeout, _PROBE_TIMEOUT))
+                kind = "pinged"
             future.add_done_callback(lambda done, slot=slot, kind=kind: self._events.put((kind, slot, done)))
 
     def _on_probe(self, kind: str, slot: _WorkerSlot, future: torch.futures.Future) -> None:
@@ -670,19 +673,12 @@ class _EpochIterator(Iterator[Any]):
             result = future.wait()
             if kind == "built":
                 self.loader.dataset.accept(slot.address, *result)
-            elif result != self.loader.dataset._length:
-                raise DatasetMismatch(f"worker {slot.address} now holds a dataset of length {result}")
         except DatasetMismatch as exc:
             slot.state = _State.EXCLUDED
             slot.failure = exc
             log.error("%s", exc)
             return
         except Exception as exc:
-            if remote_origin(exc) and isinstance(exc, RRefNotFound):
-                self.loader.dataset.forget(slot.address)
-                slot.state = _State.DOWN
-                slot.probe_at = time.monotonic()
-                return
             if not is_transient(exc):
                 log.error("worker %s cannot rebuild the dataset, it is kept out: %s", slot.address, exc)
                 slot.state = _State.EXCLUDED
@@ -716,4 +712,3 @@ class _EpochIterator(Iterator[Any]):
 
 
 _NOTHING = object()
-

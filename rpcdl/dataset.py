@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import cloudpickle
 import torch
 from torch.utils.data import Dataset
 
@@ -152,6 +153,20 @@ class RPCDataset(Dataset):
         """Free the copies on every worker now rather than when this object is collected."""
         with self._lock:
             self._rrefs = dict.fromkeys(self.workers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_failures"] = {}
+        state["factory"], state["args"], state["kwargs"] = None, None, None
+        state["_recipe"] = cloudpickle.dumps((self.factory, self.args, self.kwargs))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.factory, self.args, self.kwargs = cloudpickle.loads(state.pop("_recipe"))
+        state = {k: v for k, v in state.items() if k not in ("factory", "args", "kwargs")}
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         if self._length is None:

@@ -124,7 +124,8 @@ def local_workers(
 
     The workers inherit this process's ``sys.path`` (so they import the same
     modules) and environment. Each listens on a free port chosen by the system
-    and is known to answer before this yields.
+    and is known to answer before this yields. They stop on exit from the
+    context, and by themselves if this process dies.
 
     Args:
         n: how many worker processes.
@@ -153,7 +154,7 @@ def local_workers(
         environment["RPCDL_TOKEN"] = token
     command = [
         sys.executable, "-m", "rpcdl", "worker", "--host", "127.0.0.1",
-        "--parallel", str(parallel), "--timeout", str(timeout), *extra_args,
+        "--parallel", str(parallel), "--timeout", str(timeout), "--watch-pid", str(os.getpid()), *extra_args,
     ]  # fmt: skip
     workers = LocalWorkers(command, environment, startup_timeout)
     try:

@@ -32,7 +32,7 @@ class RRefNotFound(LookupError):
 
 
 class _Entry:
-    __slots__ = ("value", "error", "ready", "holder", "released")
+    __slots__ = ("error", "holder", "ready", "released", "value")
 
     def __init__(self, holder: object):
         self.value: Any = None
@@ -113,7 +113,7 @@ class RRefStore:
 class StoreView:
     """A worker's store as seen while (un)pickling one connection's messages."""
 
-    __slots__ = ("store", "holder", "timeout")
+    __slots__ = ("holder", "store", "timeout")
 
     def __init__(self, store: RRefStore, holder: object, timeout: float):
         self.store, self.holder, self.timeout = store, holder, timeout
@@ -128,7 +128,7 @@ class StoreView:
 class _Handle:
     """The shared state of every RRef object naming one remote object in this process."""
 
-    __slots__ = ("owner", "uid", "connection", "__weakref__")
+    __slots__ = ("__weakref__", "connection", "owner", "uid")
 
     def __init__(self, owner: str, uid: int, connection: Any):
         self.owner, self.uid, self.connection = owner, uid, connection
@@ -180,7 +180,7 @@ class RRef(Generic[T]):
         tensor([1., 1., 1.])
     """
 
-    __slots__ = ("_value", "_handle", "_uid_in_store", "__weakref__")
+    __slots__ = ("__weakref__", "_handle", "_uid_in_store", "_value")
 
     def __init__(self, value: T = _MISSING):  # type: ignore[assignment]
         self._value = value

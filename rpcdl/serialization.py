@@ -32,7 +32,9 @@ def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], req
     if not memoryview(buffer).nbytes:
         tensor = torch.empty(shape, dtype=dtype)
     else:
-        flat = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else torch.frombuffer(buffer, dtype=torch.uint8)
+        flat = (
+            torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else torch.frombuffer(buffer, dtype=torch.uint8)
+        )
         tensor = flat.view(dtype).view(shape)
     if requires_grad:
         tensor.requires_grad_(True)

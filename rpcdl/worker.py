@@ -214,7 +214,9 @@ class Worker:
                 "workers and the trainers, or pass insecure=True (--insecure) on a network you trust"
             )
         self._ssl = ssl_context if ssl_context is not None else default_server_tls()
-        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=512)
+        self._listener = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=512
+        )
         bound_port = self._listener.getsockname()[1]
         if advertise is None:
             advertise = socket.gethostname() if host in _WILDCARDS else host
@@ -443,6 +445,16 @@ def _name(func: Any) -> str:
     return f"{getattr(func, '__qualname__', type(func).__name__)}()"
 
 
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def append_address(path: str | os.PathLike, address: str) -> None:
     """Append ``address`` as one line to the file ``path``, under an exclusive lock.
 
@@ -473,6 +485,7 @@ def run_worker(
     grace: float = 30.0,
     advertise: str | None = None,
     on_ready: Callable[[Worker], Any] | None = None,
+    watch_pid: int | None = None,
 ) -> None:
     """Listen and serve calls until SIGTERM or SIGINT (blocks).
 
@@ -492,6 +505,8 @@ def run_worker(
         address_file: file to append the address to, under a lock.
         grace: seconds calls in flight get to finish on shutdown.
         on_ready: called with the started worker instead of printing the address.
+        watch_pid: stop as SIGTERM would when the process with this pid is gone
+            (local workers follow the process that started them).
 
     Example::
 
@@ -518,7 +533,9 @@ def run_worker(
             print(worker.address, flush=True)
         log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), parallel)
         while not stop.wait(0.5):
-            pass
+            if watch_pid is not None and not _process_exists(watch_pid):
+                log.info("process %d is gone", watch_pid)
+                break
         log.info("rpcdl worker %s stopping", worker.address)
     finally:
         finished = worker.stop(grace)

@@ -119,7 +119,7 @@ def test_tensor_dtypes_and_views_roundtrip(two_workers):
         torch.randn(3, requires_grad=True),
     ]
     back = rpcdl.rpc_sync(two_workers[0], lambda xs: xs, (values,))
-    for original, received in zip(values, back):
+    for original, received in zip(values, back, strict=True):
         assert received.dtype == original.dtype and received.shape == original.shape
         assert torch.equal(received.detach(), original.detach())
         assert received.requires_grad == original.requires_grad
@@ -171,8 +171,12 @@ def test_dropped_rref_is_freed_on_its_owner(spawn_workers):
 
 def test_rref_freed_when_its_client_disconnects(spawn_workers):
     (address,) = spawn_workers(1)
-    code = f"import rpcdl, torch; r = rpcdl.remote('{address}', torch.zeros, (10,)); r.to_here(); import os; os._exit(0)"
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    code = (
+        f"import rpcdl, torch; r = rpcdl.remote('{address}', torch.zeros, (10,)); r.to_here(); import os; os._exit(0)"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    )
     deadline = time.monotonic() + 10
     while _rrefs_held(address) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -349,7 +353,7 @@ def test_client_with_a_token_refuses_a_worker_without_one(two_workers):
 
 
 def test_non_loopback_bind_without_token_is_refused():
-    with pytest.raises(PermissionError, match="refusing to listen on 0.0.0.0 without a token"):
+    with pytest.raises(PermissionError, match=r"refusing to listen on 0\.0\.0\.0 without a token"):
         rpcdl.Worker("0.0.0.0", 0)
     result = subprocess.run(
         [sys.executable, "-m", "rpcdl", "worker", "--host", "0.0.0.0", "--port", "0"],

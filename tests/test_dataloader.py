@@ -60,7 +60,7 @@ def test_same_batches_as_torch_dataloader(two_workers, shuffle, drop_last, batch
     remote = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, n)
     got = list(rpcdl.RPCDataloader(remote, sampler=sampler(), **options))
     assert len(got) == len(expected) == len(rpcdl.RPCDataloader(remote, sampler=sampler(), **options))
-    for ours, theirs in zip(got, expected):
+    for ours, theirs in zip(got, expected, strict=True):
         assert torch.equal(ours, theirs)
 
 
@@ -213,11 +213,10 @@ def _open_descriptors() -> int:
 def test_breaking_out_of_epochs_leaks_nothing(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 500)
     loader = rpcdl.RPCDataloader(dataset, batch_size=4, prefetch_factor=4)
-    for batch in itertools.islice(loader, 3):  # warm up connections and threads
-        pass
+    list(itertools.islice(loader, 3))  # warm up connections and threads
     threads, descriptors = threading.active_count(), _open_descriptors()
     for _ in range(50):
-        for i, batch in enumerate(loader):
+        for i, _ in enumerate(loader):
             if i == 2:
                 break
     time.sleep(0.5)
