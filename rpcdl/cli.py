@@ -191,7 +191,7 @@ def _status(args: argparse.Namespace) -> int:
             row.append(str(value))
         rows.append(row)
     headers = [name for name, _ in columns]
-    widths = [max(len(h), *(len(r[i]) for r in rows if len(r) == len(headers))) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows if len(r) == len(headers))]) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         if len(row) == len(headers):

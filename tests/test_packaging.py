@@ -1,0 +1,68 @@
+"""The package as users install it: the wheel's contents, and README's commands in CI."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    (built,) = out.glob("rpcdl-*.whl")
+    return built
+
+
+def test_wheel_maps_integrations_into_the_package(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for expected in (
+        "rpcdl/__init__.py",
+        "rpcdl/integrations/__init__.py",
+        "rpcdl/integrations/lightning.py",
+        "rpcdl/integrations/torchdata.py",
+        "rpcdl/py.typed",
+    ):
+        assert expected in names, expected
+    assert not any(name.startswith("integrations/") for name in names)
+    assert any(name.startswith("rpcdl/configs/") and name.endswith(".yaml") for name in names)
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "rpcdl = rpcdl.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_wheel_imports_its_integrations(wheel, tmp_path):
+    zipfile.ZipFile(wheel).extractall(tmp_path)
+    code = (
+        "import rpcdl, rpcdl.integrations.torchdata, rpcdl.integrations.lightning;"
+        "print(rpcdl.__file__); print(rpcdl.integrations.lightning.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert all(line.startswith(str(tmp_path)) for line in result.stdout.split()), result.stdout
+
+
+def _readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return [line for block in blocks for line in block.splitlines() if line.startswith("pip install")]
+
+
+def test_ci_runs_readme_test_command():
+    commands = _readme_commands()
+    assert any(command.endswith("&& rpcdl demo") for command in commands)
+    test_commands = [command for command in commands if command.endswith("&& pytest")]
+    assert len(test_commands) == 1
+    assert test_commands[0] in (ROOT / ".ci" / "run").read_text().splitlines()
