@@ -28,11 +28,13 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("rpcdl.integrations.torchdata needs torchdata>=0.9: pip install 'rpcdl[torchdata]'") from exc
 
+from rpcdl.address import check_workers
 from rpcdl.dataloader import RPCDataloader
 from rpcdl.dataset import RPCDataset
-from rpcdl.distributed import _rank_and_world_size
+from rpcdl.distributed import rank_and_world_size
+from rpcdl.scheduler import Task
 
-from ._remote_map import RemoteMap, Task, check_fn, check_options, check_workers
+from ._remote_map import RemoteMap, check_fn, check_options
 
 __all__ = ["RPCIterableDataset", "RPCMapper", "RPCMapperIterDataPipe"]
 
@@ -64,13 +66,13 @@ class _RemoteMapOwner:
         """How many items each worker mapped (and this process accepted) so far."""
         if self._remote_map is None or self._remote_map.pid != os.getpid():
             return dict.fromkeys(self.workers, 0)
-        return self._remote_map.items_served
+        return self._remote_map.pool.served
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state in this process: ``active``, ``down`` or ``probing``."""
         if self._remote_map is None or self._remote_map.pid != os.getpid():
             return dict.fromkeys(self.workers, "active")
-        return self._remote_map.worker_states()
+        return self._remote_map.pool.states()
 
 
 # ---------------------------------------------------------------------------- torchdata.nodes
@@ -184,23 +186,22 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
             self._snapshot, self._steps = self.source.state_dict(), 0
         self._pulled = 0
 
-    def _pull(self) -> tuple[Any, Any]:
-        item = next(self.source)
-        self._pulled += 1
-        snapshot = self.source.state_dict() if self._pulled % self.snapshot_frequency == 0 else None
-        return item, snapshot
+    def _pull(self) -> Iterator[tuple[Any, Any]]:
+        """The items of ``source``, each with the source's state after it (every ``snapshot_frequency``)."""
+        for item in self.source:
+            self._pulled += 1
+            yield item, (self.source.state_dict() if self._pulled % self.snapshot_frequency == 0 else None)
 
     def next(self) -> T:
         if self._pass is None:
-            self._pass = self._get_remote_map().start(self._pull)
+            self._pass = self._get_remote_map().start(self._pull())
         task: Task = next(self._pass)
-        if task.tag is not None:
-            self._snapshot, self._steps = task.tag, 0
+        snapshot = task.payload[1]
+        if snapshot is not None:
+            self._snapshot, self._steps = snapshot, 0
         else:
             self._steps += 1
-        if task.error is not None:
-            raise task.error
-        return task.value
+        return self._remote_map.result(task)
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self._snapshot, self.STEPS_KEY: self._steps}
@@ -259,13 +260,11 @@ class RPCMapperIterDataPipe(_RemoteMapOwner, IterDataPipe):
         self._remote_map = None
 
     def __iter__(self) -> Iterator[Any]:
-        items = iter(self.source_datapipe)
-        remote_pass = self._get_remote_map().start(lambda: (next(items), None))
+        remote_map = self._get_remote_map()
+        remote_pass = remote_map.start((item, None) for item in self.source_datapipe)
         try:
             for task in remote_pass:
-                if task.error is not None:
-                    raise task.error
-                yield task.value
+                yield remote_map.result(task)
         finally:
             remote_pass.close()
 
@@ -393,7 +392,7 @@ class RPCIterableDataset(IterableDataset):
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         if rank is not None and world_size is not None:
-            _rank_and_world_size(rank, world_size)
+            rank_and_world_size(rank, world_size)
         check_options(prefetch_factor, timeout)
         self.dataset = dataset
         self.batch_size = batch_size
@@ -414,7 +413,7 @@ class RPCIterableDataset(IterableDataset):
         self.epoch = epoch
 
     def _rank_indices(self) -> list[int]:
-        rank, world_size = _rank_and_world_size(self.rank, self.world_size)
+        rank, world_size = rank_and_world_size(self.rank, self.world_size)
         count = len(self.dataset)
         if self.shuffle:
             generator = torch.Generator()

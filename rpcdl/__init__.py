@@ -5,7 +5,7 @@ The names here are the public API; see the documentation for guides.
 
 from .cache import CachedDataset, CacheLoader
 from .client import ping, remote, rpc_async, rpc_sync, shutdown, stats
-from .dataloader import NoWorkersLeft, RPCDataloader
+from .dataloader import RPCDataloader
 from .dataset import DatasetMismatch, RPCDataset
 from .errors import (
     AuthenticationError,
@@ -18,6 +18,7 @@ from .errors import (
 )
 from .local import local_workers
 from .rref import RRef
+from .scheduler import NoWorkersLeft
 from .seeding import set_random_seeds
 from .worker import Worker, run_worker
 

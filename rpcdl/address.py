@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Sequence
+from typing import Any
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -50,3 +52,22 @@ def is_loopback(host: str) -> bool:
     except socket.gaierror:
         return False
     return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def check_workers(workers: Any) -> list[str]:
+    """Validate a list of worker addresses; return it as a plain list.
+
+    Raises:
+        TypeError: ``workers`` is not a non-empty list of strings.
+        ValueError: an address is malformed, or listed twice.
+    """
+    if isinstance(workers, str) or not isinstance(workers, Sequence) or not workers:
+        raise TypeError(
+            f"workers must be a non-empty list of 'host:port' strings, got {workers!r}; "
+            "start workers with `rpcdl worker` or use rpcdl.local_workers(n)"
+        )
+    for address in workers:
+        parse_address(address)
+    if len(set(workers)) != len(workers):
+        raise ValueError(f"workers lists the same worker twice: {list(workers)}")
+    return list(workers)

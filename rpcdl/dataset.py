@@ -11,7 +11,7 @@ import cloudpickle
 import torch
 from torch.utils.data import Dataset
 
-from .address import parse_address
+from .address import check_workers
 from .client import rpc_async
 from .errors import is_transient
 from .rref import RRef
@@ -75,18 +75,10 @@ class RPCDataset(Dataset):
     timeout: float = 120.0
 
     def __init__(self, workers: Sequence[str], dataset: Callable[..., Dataset], *args: Any, **kwargs: Any):
-        if isinstance(workers, str) or not isinstance(workers, Sequence) or not workers:
-            raise TypeError(
-                f"workers must be a non-empty list of 'host:port' strings, got {workers!r}; "
-                "start workers with `rpcdl worker` or use rpcdl.local_workers(n)"
-            )
-        for address in workers:
-            parse_address(address)
-        if len(set(workers)) != len(workers):
-            raise ValueError(f"workers lists the same worker twice: {list(workers)}")
+        workers = check_workers(workers)
         if not callable(dataset):
             raise TypeError(f"dataset must be a dataset class or a callable returning one, got {dataset!r}")
-        self.workers: list[str] = list(workers)
+        self.workers: list[str] = workers
         self.factory = dataset
         self.args = args
         self.kwargs = kwargs

@@ -8,11 +8,12 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, RandomSampler
 
-from .address import parse_address
+from .address import check_workers
 from .dataloader import RPCDataloader
 
 
-def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def rank_and_world_size(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """``(rank, world_size)``: those given, else the initialized torch.distributed group's, else ``(0, 1)``."""
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if rank is None:
@@ -36,11 +37,8 @@ def shard_workers(workers: Sequence[str], rank: int | None = None, world_size: i
         >>> shard_workers(["a:1", "b:1", "c:1", "d:1"], rank=1, world_size=2)
         ['b:1', 'd:1']
     """
-    if isinstance(workers, str) or not workers:
-        raise ValueError(f"workers must be a non-empty list of 'host:port' strings, got {workers!r}")
-    for address in workers:
-        parse_address(address)
-    rank, world_size = _rank_and_world_size(rank, world_size)
+    workers = check_workers(workers)
+    rank, world_size = rank_and_world_size(rank, world_size)
     if len(workers) < world_size:
         warnings.warn(
             f"{len(workers)} workers for {world_size} ranks: ranks share workers; start at least one per rank",
@@ -85,7 +83,7 @@ def distributed_loader(
         raise TypeError(f"loader must be an RPCDataloader, got {type(loader).__name__}")
     if loader.batch_size is None and loader.batch_sampler is not None:
         raise ValueError("distributed_loader needs a loader built with batch_size, not with a custom batch_sampler")
-    rank, world_size = _rank_and_world_size(rank, world_size)
+    rank, world_size = rank_and_world_size(rank, world_size)
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     drop_last = loader.drop_last if drop_last is None else drop_last

@@ -187,7 +187,7 @@ def test_every_worker_dead_raises_no_workers_left(spawn_workers):
     workers = spawn_workers(2)
     dataset = rpcdl.RPCDataset(workers, helpers.RangeDataset, 200, 0.005)
     loader = rpcdl.RPCDataloader(dataset, batch_size=5, timeout=2)
-    with pytest.raises(rpcdl.NoWorkersLeft, match="no worker of this loader is left") as info:
+    with pytest.raises(rpcdl.NoWorkersLeft, match="no worker is left") as info:
         for i, _ in enumerate(loader):
             if i == 3:
                 workers.kill(0)

@@ -8,13 +8,13 @@ import time
 import helpers
 import pytest
 import torch
-from rpcdl.integrations.torchdata import RPCIterableDataset, RPCMapper, RPCMapperIterDataPipe
 from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
 from torch.utils.data.datapipes.iter import IterableWrapper
 from torchdata.nodes import Batcher, Loader, Mapper, SamplerWrapper
 
 import rpcdl
 from rpcdl.errors import is_transient, remote_origin
+from rpcdl.integrations.torchdata import RPCIterableDataset, RPCMapper, RPCMapperIterDataPipe
 
 
 def affine(x: int) -> int:
@@ -101,6 +101,8 @@ def test_rpc_mapper_raises_user_errors_once_with_the_remote_traceback(two_worker
 def test_rpc_mapper_loses_and_repeats_nothing_when_a_worker_is_killed(two_workers, spawn_workers):
     killable = spawn_workers(1)
     steady, victim = two_workers[0], killable[0]
+    for address in (steady, victim):  # warm: a cold first call would lose every race to the other worker
+        rpcdl.rpc_sync(address, slow_affine, (0,))
     node = RPCMapper(SamplerWrapper(range(160)), [steady, victim], slow_affine, prefetch_factor=2, timeout=30)
     seen, served_before_restart = [], None
     for index, batch in enumerate(Loader(Batcher(node, 4, drop_last=False))):
