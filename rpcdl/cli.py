@@ -16,7 +16,7 @@ from .security import TOKEN_ENV, TOKEN_FILE_ENV, read_token_file, server_tls_con
 
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
-_PLUGGED_COMMANDS: list[str] = ["demo"]
+_PLUGGED_COMMANDS: list[str] = ["demo", "bench"]
 
 
 def _positive_int(text: str) -> int:

@@ -9,6 +9,7 @@ process forked from a client never reuses its parent's connections.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import json
@@ -417,6 +418,14 @@ def shutdown() -> None:
         _pool.clear()
     for connection in connections:
         connection.close()
+    for connection in connections:
+        if connection._thread is not threading.current_thread():
+            connection._thread.join(timeout=1.0)
+
+
+# Threads still completing futures while the interpreter finalizes abort the
+# process (torch's C++ futures), so connections close before that.
+atexit.register(shutdown)
 
 
 # ---------------------------------------------------------------------------- calls

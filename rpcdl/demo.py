@@ -8,6 +8,7 @@ import importlib.resources
 import json
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker processes to start on loopback when --workers is not given (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-epochs", type=_positive_int, metavar="N", help="training epochs (default: the config's, 10)"
+        "--max-epochs", type=_positive_int, metavar="N", help="training epochs (default: the config's, 8)"
     )
     parser.add_argument(
         "--limit", type=_limit, metavar="N|F",
@@ -131,6 +132,13 @@ def _batch_length(batch: Any) -> int:
     return len(first)
 
 
+def _warm_up() -> None:
+    """Runs on each worker while the trainer starts: import scikit-learn and read the digits once."""
+    from .examples.digits import _load_digits
+
+    _load_digits()
+
+
 def _worker_counters(workers: list[str]) -> dict[str, dict[str, Any]]:
     from .client import stats
 
@@ -143,7 +151,7 @@ def _worker_counters(workers: list[str]) -> dict[str, dict[str, Any]]:
     return counters
 
 
-def _train(args: argparse.Namespace, workers: list[str], config: Path) -> dict[str, Any]:
+def _train(args: argparse.Namespace, workers: list[str], config: Path, warming: list[Any]) -> dict[str, Any]:
     from rpcdl.integrations.lightning import cli_main
 
     cli_args = ["--config", str(config), "--data.init_args.workers", json.dumps(workers)]
@@ -158,9 +166,17 @@ def _train(args: argparse.Namespace, workers: list[str], config: Path) -> dict[s
         cli_args += ["--seed_everything", str(args.seed), "--data.init_args.seed", str(args.seed)]
     if args.no_progress:
         cli_args += ["--trainer.enable_progress_bar", "false"]
-    cli = cli_main(args=cli_args, run=False, save_config_callback=None)
+    # LightningCLI warns when it is given args while sys.argv holds others (the demo's own options).
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        cli = cli_main(args=cli_args, run=False, save_config_callback=None)
+    finally:
+        sys.argv = argv
     throughput = _summary_callback()
     cli.trainer.callbacks.append(throughput)
+    for future in warming:
+        with contextlib.suppress(Exception):  # a worker that cannot load the data fails the fit, with its reason
+            future.wait()
     before = _worker_counters(workers)
     started = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -218,9 +234,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"rpcdl demo needs the demo extra ({exc.name} is missing): pip install 'rpcdl[demo]'", file=sys.stderr)
         return 2
-    from .client import ping
+    from .client import ping, rpc_async
     from .local import local_workers
 
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if args.config:
@@ -233,16 +250,18 @@ def run(args: argparse.Namespace) -> int:
         if args.workers:
             for address in args.workers:
                 try:
-                    ping(address, timeout=10.0)
+                    ping(address, timeout=5.0)
                 except Exception as exc:
                     print(f"rpcdl demo: worker {address} does not answer: {exc}", file=sys.stderr)
                     return 1
             workers = list(args.workers)
         else:
             print(f"rpcdl demo: starting {args.local_workers} local workers...", flush=True)
-            workers = list(stack.enter_context(local_workers(args.local_workers)))
+            quiet = ["--log-level", "WARNING"]
+            workers = list(stack.enter_context(local_workers(args.local_workers, extra_args=quiet)))
             print(f"rpcdl demo: workers ready at {', '.join(workers)}", flush=True)
-        summary = _train(args, workers, config)
+        warming = [rpc_async(address, _warm_up, timeout=120.0) for address in workers]
+        summary = _train(args, workers, config, warming)
     total = time.perf_counter() - started
     summary["total_s"] = round(total, 3)
     _print_summary(summary, total)

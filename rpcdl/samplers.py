@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, Sampler
 
 from .client import rpc_sync
 from .dataset import RPCDataset
-from .distributed import _rank_and_world_size
+from .distributed import rank_and_world_size
 
 
 def _complexities_of(dataset: Any, complexity_fn: Callable[[Any], Any]) -> list[Any]:
@@ -98,7 +98,7 @@ class LoadBalancingDistributedSampler(Sampler[int]):
             raise ValueError(f"random_level must be a number in [0, 1], got {random_level!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an integer, got {seed!r}")
-        self.rank, self.num_replicas = _rank_and_world_size(rank, num_replicas)
+        self.rank, self.num_replicas = rank_and_world_size(rank, num_replicas)
         self.dataset = dataset
         self.shuffle = bool(shuffle)
         self.seed = seed

@@ -11,6 +11,7 @@ misbehaves is logged in one line and closed.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import fcntl
 import json
@@ -22,6 +23,7 @@ import ssl
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -240,6 +242,7 @@ class Worker:
         """Start serving from background threads; return ``self``."""
         if self._threads:
             return self
+        _running_workers.add(self)
         self._threads = [threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True)]
         self._threads += [
             threading.Thread(target=self._execute_queued, name=f"rpcdl-executor-{i}", daemon=True)
@@ -275,6 +278,7 @@ class Worker:
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self._stopped.set()
+        _running_workers.discard(self)
         return finished
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -439,6 +443,16 @@ class Worker:
             self._counters.add(
                 busy_seconds=time.perf_counter() - started, calls_failed=int(failed), calls_served=int(not failed)
             )
+
+
+_running_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_workers() -> None:
+    """Embedded workers stop before the interpreter finalizes under their threads."""
+    for worker in list(_running_workers):
+        worker.stop(grace=1.0)
 
 
 def _name(func: Any) -> str:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 import rpcdl
+import rpcdl.redis_server
 from rpcdl.cache import CachedDataset, CacheLoader, CacheUnavailable, MemoryStore
 from rpcdl.redis_server import RedisServer, find_redis_server
 
@@ -133,6 +135,16 @@ def test_values_come_back_bit_for_bit_and_as_fresh_copies():
     assert bits(cache.get("half", lambda k: None)) == bits(values["half"])
 
 
+def test_a_value_that_cannot_be_serialized_is_returned_but_not_cached(caplog):
+    cache = CacheLoader(dataset_name=name())
+    locks = []
+    with caplog.at_level(logging.WARNING, logger="rpcdl.cache"):
+        for _ in range(2):
+            locks.append(cache.get(0, lambda key: threading.Lock()))
+    assert locks[0] is not locks[1] and cache.stats()["misses"] == 2
+    assert "cannot be serialized" in caplog.text
+
+
 def test_memory_store_is_bounded_and_evicts_least_recently_used():
     store = MemoryStore(capacity=100)
     store.set_many({"a": b"x" * 40, "b": b"y" * 40})
@@ -200,6 +212,27 @@ def test_redis_writes_are_batched_and_buffered_values_are_served(redis_server):
     reader = CacheLoader("redis", dataset_name, hosts=[redis_server.host_spec])
     for i in range(4):
         assert bits(reader.get(i, lambda k: pytest.fail("not shared"))) == bits(values[i])
+
+
+def test_concurrent_readers_always_get_their_own_key(redis_server):
+    cache = CacheLoader("redis", name(), writer_buffer_size=7, hosts=[redis_server.host_spec])
+    wrong = []
+
+    def reader(offset: int) -> None:
+        for i in range(150):
+            key = (i + offset) % 150
+            value = cache.get(key, lambda k: torch.tensor([k]))
+            if int(value) != key:
+                wrong.append((key, value))
+
+    threads = [threading.Thread(target=reader, args=(offset,)) for offset in (0, 37, 75, 112)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+    assert cache.num_keys() == 150
+    assert cache.stats()["hits"] + cache.stats()["misses"] == 600
 
 
 def test_cluster_mode_spreads_keys_over_both_servers(two_redis_servers):
@@ -280,8 +313,19 @@ _OWNER_SCRIPT = textwrap.dedent(
     server = shared_local_server(12345678)
     maxmemory = redis.Redis(host="127.0.0.1", port=server.port).config_get("maxmemory")["maxmemory"]
     print(server.port, server.process.pid, maxmemory, flush=True)
-    if sys.argv[1] == "wait":
-        time.sleep(120)
+    """
+)
+
+# The server module stands alone: loaded without the package (and torch), this owner starts in a blink.
+_KILLED_OWNER_SCRIPT = textwrap.dedent(
+    """
+    import importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("redis_server", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    server = module.shared_local_server(None)
+    print(server.port, server.process.pid, "-", flush=True)
+    time.sleep(120)
     """
 )
 
@@ -311,16 +355,18 @@ def _gone(pid: int, port: int, deadline: float) -> bool:
 
 @pytest.mark.parametrize("ending", ["exit", "sigkill"])
 def test_hosts_none_starts_a_local_server_with_capacity_stopped_with_its_owner(ending):
-    owner = subprocess.Popen(
-        [sys.executable, "-c", _OWNER_SCRIPT, "wait" if ending == "sigkill" else "exit"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    if ending == "exit":
+        command = [sys.executable, "-c", _OWNER_SCRIPT]
+    else:
+        command = [sys.executable, "-c", _KILLED_OWNER_SCRIPT, rpcdl.redis_server.__file__]
+    owner = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         port, pid, maxmemory = owner.stdout.readline().split()
-        assert maxmemory == "12345678"
+        assert _alive(int(pid))
         if ending == "sigkill":
             owner.send_signal(signal.SIGKILL)
+        else:
+            assert maxmemory == "12345678"
         assert owner.wait(timeout=60) in (0, -signal.SIGKILL)
         assert _gone(int(pid), int(port), time.monotonic() + 15), "redis-server outlived its owner"
     finally:
