@@ -12,8 +12,6 @@ takes the model and the data module as class paths, so the files in
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 import logging
 import os
 import re
@@ -25,11 +23,12 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
-from rpcdl.address import parse_address
+from rpcdl.address import check_workers, parse_address
 from rpcdl.dataloader import RPCDataloader
 from rpcdl.dataset import RPCDataset
 from rpcdl.distributed import shard_workers
-from rpcdl.local import local_workers
+from rpcdl.integrations._recipes import dataset_recipe, import_object
+from rpcdl.local import LocalWorkers, local_workers
 from rpcdl.seeding import derive_seed
 
 __all__ = ["WORKERS_ENV", "RPCDataModule", "cli_main", "read_workers_file", "resolve_workers"]
@@ -71,7 +70,7 @@ def read_workers_file(path: str | os.PathLike) -> list[str]:
 
     Raises:
         ValueError: a line is not ``HOST:PORT`` (the message gives the line number),
-            or the file lists no worker.
+            the file lists no worker, or lists one twice.
 
     Example::
 
@@ -91,7 +90,10 @@ def read_workers_file(path: str | os.PathLike) -> list[str]:
             addresses.append(entry)
     if not addresses:
         raise ValueError(f"the workers file {path} lists no worker (one HOST:PORT per line is expected)")
-    return addresses
+    try:
+        return check_workers(addresses)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def resolve_workers(workers: Sequence[str] | str | os.PathLike | None) -> list[str] | None:
@@ -133,79 +135,10 @@ def resolve_workers(workers: Sequence[str] | str | os.PathLike | None) -> list[s
         )
     if not isinstance(workers, Sequence) or not workers:
         raise TypeError(f"workers must be a list of 'HOST:PORT' strings, a file path or None, got {workers!r}")
-    addresses = []
-    for address in workers:
-        parse_address(address)
-        addresses.append(address.strip())
-    return addresses
-
-
-# ---------------------------------------------------------------------------- datasets
-
-
-def _import_object(path: str) -> Any:
-    module_name, _, name = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"class_path must be a dotted path such as 'package.module.Class', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"cannot import {module_name!r} for class_path {path!r}: {exc}") from exc
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise ImportError(f"module {module_name!r} has no {name!r} (class_path {path!r})") from None
-
-
-def _dataset_recipe(spec: Any, name: str) -> tuple[Callable[..., Dataset], dict[str, Any]] | None:
-    """``(factory, kwargs)`` built on the workers for a dataset argument, checked here."""
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        factory, kwargs = _import_object(spec), {}
-    elif isinstance(spec, dict):
-        unknown = set(spec) - {"class_path", "init_args"}
-        if "class_path" not in spec or unknown:
-            raise ValueError(
-                f"{name} must look like {{'class_path': 'package.module.Dataset', 'init_args': {{...}}}}, "
-                f"got keys {sorted(spec)}"
-            )
-        factory = _import_object(spec["class_path"])
-        kwargs = dict(spec.get("init_args") or {})
-    elif callable(spec):
-        factory, kwargs = spec, {}
-    else:
-        raise TypeError(f"{name} must be a class path, a {{class_path, init_args}} mapping or a callable, got {spec!r}")
-    if not callable(factory):
-        raise TypeError(f"{name}: {factory!r} is not a class or a callable returning a dataset")
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(**kwargs)
-        except TypeError as exc:
-            label = getattr(factory, "__qualname__", repr(factory))
-            raise TypeError(f"{name}: init_args {kwargs} do not fit {label}{signature}: {exc}") from None
-    return factory, kwargs
+    return check_workers([address.strip() if isinstance(address, str) else address for address in workers])
 
 
 # ---------------------------------------------------------------------------- loaders
-
-
-class _RankSampler(DistributedSampler):
-    """DistributedSampler whose epoch is its loader's, read when an epoch starts."""
-
-    def __init__(self, dataset: Any, loader_epoch: Callable[[], int | None], **kwargs: Any):
-        super().__init__(dataset, **kwargs)
-        self._loader_epoch = loader_epoch
-
-    def __iter__(self) -> Iterator[int]:
-        epoch = self._loader_epoch()
-        if epoch is not None:
-            self.epoch = epoch
-        return super().__iter__()
 
 
 class _UnpaddedShard(Sampler[int]):
@@ -228,33 +161,20 @@ class _TrainerLoader(RPCDataloader):
         super().__init__(*args, **kwargs)
         self._epoch_source = epoch_source
         self._batch_limit = batch_limit
-        self._counted_epochs = 0
-        self._resume_epoch: int | None = None
-        self.epoch: int | None = None
 
-    def __iter__(self) -> Iterator[Any]:
-        if self._resume_epoch is not None:
-            epoch, self._resume_epoch = self._resume_epoch, None
-        else:
-            epoch = self._epoch_source()
-            if epoch is None:
-                epoch = self._counted_epochs
+    def _begin_epoch(self) -> tuple[int, Any, dict[str, Any] | None]:
+        epoch = self._epoch_source()
+        if epoch is not None and self._resume is None:
             self.set_epoch(epoch)
-        self.epoch = epoch
-        self._counted_epochs = epoch + 1
-        return super().__iter__()
+        return super()._begin_epoch()
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        # Lightning stops at len(loader) (or its batch limit) without asking for one more batch:
-        # an epoch whose batches were all yielded resumes as the start of the next one.
-        if state["yielded_prefix"] >= min(len(self), self._batch_limit()) and not state["yielded_extra"]:
-            state = {**state, "epoch": state["epoch"] + 1, "yielded_prefix": 0, "yielded_extra": []}
+        # Lightning ends an epoch at its batch limit without asking for more batches: a state at
+        # the limit is the start of the next epoch.
+        if not state["yielded_extra"] and state["yielded_prefix"] >= self._batch_limit():
+            state = {**state, "epoch": state["epoch"] + 1, "yielded_prefix": 0}
         return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._resume_epoch = int(state["epoch"])
 
 
 # ---------------------------------------------------------------------------- the data module
@@ -285,6 +205,8 @@ class RPCDataModule(pl.LightningDataModule):
             each dataset on the workers: ``{"class_path": "pkg.mod.Dataset",
             "init_args": {...}}``, a class path string, or (from Python) a class
             or any callable returning a map-style dataset. ``None``: no such split.
+            Init arguments that are themselves ``{"class_path", "init_args"}``
+            mappings (a transform, say) are built on the workers too.
         batch_size: samples per batch.
         eval_batch_size: samples per batch of the val, test and predict loaders
             (default: ``batch_size``).
@@ -343,14 +265,14 @@ class RPCDataModule(pl.LightningDataModule):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an integer or None, got {seed!r}")
         if isinstance(collate_fn, str):
-            collate_fn = _import_object(collate_fn)
+            collate_fn = import_object(collate_fn)
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be a function (or its dotted path), got {collate_fn!r}")
         if workers is not None and not isinstance(workers, (str, os.PathLike)):
             resolve_workers(workers)  # a list: check it now; files and the environment are read in setup()
         self.workers_argument = workers
         specs = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
-        self.recipes = {split: _dataset_recipe(spec, f"{split}_dataset") for split, spec in specs.items()}
+        self.recipes = {split: dataset_recipe(spec, f"{split}_dataset") for split, spec in specs.items()}
         if not any(self.recipes.values()):
             raise ValueError("RPCDataModule needs at least one of train_dataset, val_dataset, test_dataset, "
                              "predict_dataset")  # fmt: skip
@@ -379,7 +301,9 @@ class RPCDataModule(pl.LightningDataModule):
         self.loaders: dict[str, RPCDataloader] = {}
         """The last loader handed to the trainer, by split (kept after teardown for their counters)."""
         self.rank, self.world_size = 0, 1
-        self._local: contextlib.AbstractContextManager | None = None
+        self.started_workers: LocalWorkers | None = None
+        """The worker processes this module started (when given no workers), until teardown."""
+        self._local_context: contextlib.AbstractContextManager | None = None
         self._base_seed: int | None = None
         self._pending_train_state: dict[str, Any] | None = None
 
@@ -426,10 +350,10 @@ class RPCDataModule(pl.LightningDataModule):
         for dataset in self.datasets.values():
             dataset.release()
         self.datasets.clear()
-        if self._local is not None:
-            local, self._local = self._local, None
+        if self._local_context is not None:
+            context, self._local_context, self.started_workers = self._local_context, None, None
             self.workers, self.all_workers = [], []
-            local.__exit__(None, None, None)
+            context.__exit__(None, None, None)
 
     def state_dict(self) -> dict[str, Any]:
         """The seed and the training loader's position in its epoch."""
@@ -478,8 +402,9 @@ class RPCDataModule(pl.LightningDataModule):
     def _connect(self) -> None:
         addresses = resolve_workers(self.workers_argument)
         if addresses is None:
-            self._local = local_workers(self.num_local_workers)
-            self.all_workers = list(self._local.__enter__())
+            self._local_context = local_workers(self.num_local_workers)
+            self.started_workers = self._local_context.__enter__()
+            self.all_workers = list(self.started_workers)
             self.workers = list(self.all_workers)
             log.info("started %d local workers: %s", len(self.workers), ", ".join(self.workers))
             return
@@ -502,16 +427,11 @@ class RPCDataModule(pl.LightningDataModule):
         if dataset is None:
             raise RuntimeError(f"the {split} dataset is not built yet: call setup() first (the Trainer does)")
         training = split == "train"
-        loader: _TrainerLoader | None = None
-
-        def loader_epoch() -> int | None:
-            return loader.epoch if loader is not None else None
-
         if split == "predict":
             sampler: Sampler = _UnpaddedShard(len(dataset), self.rank, self.world_size)
         else:
-            sampler = _RankSampler(
-                dataset, loader_epoch, num_replicas=self.world_size, rank=self.rank,
+            sampler = DistributedSampler(
+                dataset, num_replicas=self.world_size, rank=self.rank,
                 shuffle=self.shuffle and training, seed=self._base_seed, drop_last=False,
             )  # fmt: skip
         loader = _TrainerLoader(

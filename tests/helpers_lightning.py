@@ -1,35 +1,13 @@
-"""A dataset and a model for the Lightning tests: they record which sample came from where.
-
-Importable by the workers (tests/ is on their path) and by the DDP job's processes.
-"""
+"""A model for the Lightning tests that records which sample came from where (see probe_dataset.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import Dataset
-
-
-class ProbeDataset(Dataset):
-    """Sample ``i`` says who loaded it: its index, the worker's pid and a random draw made there."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {
-            "index": torch.tensor(index),
-            "pid": torch.tensor(os.getpid()),
-            "noise": torch.rand(()),  # the "augmentation", drawn from the worker's seeded generator
-        }
 
 
 class RecordingModel(pl.LightningModule):
@@ -56,6 +34,9 @@ class RecordingModel(pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log("val_noise", batch["noise"].float().mean(), batch_size=len(batch["index"]))
 
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return batch["index"]
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -75,8 +56,3 @@ class RecordingModel(pl.LightningModule):
                     }
                 )
             )
-
-
-def probe_spec(n: int) -> dict[str, Any]:
-    """The ``train_dataset`` argument of RPCDataModule for a ProbeDataset of ``n`` samples."""
-    return {"class_path": "helpers_lightning.ProbeDataset", "init_args": {"n": n}}

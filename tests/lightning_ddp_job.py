@@ -10,10 +10,10 @@ OUT_DIR/run{1,2}/rank{0,1}.json.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import lightning.pytorch as pl
-from helpers_lightning import RecordingModel, probe_spec
+from helpers_lightning import RecordingModel
+from probe_dataset import probe_spec
 
 from rpcdl.integrations.lightning import RPCDataModule
 
@@ -22,8 +22,8 @@ BATCH_SIZE = 4
 
 
 def main(out_dir: str) -> None:
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     for run in (1, 2):
+        # workers=None: the addresses in $RPCDL_WORKERS; rank r uses workers[r::2]
         data = RPCDataModule(train_dataset=probe_spec(SAMPLES), batch_size=BATCH_SIZE, shuffle=True, seed=1234)
         model = RecordingModel(record_to=f"{out_dir}/run{run}")
         trainer = pl.Trainer(

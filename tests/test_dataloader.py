@@ -254,3 +254,32 @@ def test_load_state_dict_rejects_foreign_state(two_workers):
     loader = rpcdl.RPCDataloader(rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 4))
     with pytest.raises(ValueError, match="not an RPCDataloader state"):
         loader.load_state_dict({"foo": 1})
+
+
+def test_an_iterator_starts_its_epoch_on_the_first_batch(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 12)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4, shuffle=True)
+    first = [b.tolist() for b in loader]
+    state = loader.state_dict()
+    iter(loader)  # made and dropped, as Lightning does to check the loader is iterable
+    after = loader.state_dict()
+    assert after["epoch"] == state["epoch"] == 1 and loader.epoch == 0
+    assert torch.equal(after["generator_state"], state["generator_state"])
+    resumed = rpcdl.RPCDataloader(dataset, batch_size=4, shuffle=True)
+    resumed.load_state_dict(state)
+    iter(resumed)
+    assert resumed.state_dict()["epoch"] == 1  # the loaded state is not used up by iter() alone
+    assert sorted(i for b in resumed for i in b.tolist()) == list(range(12))
+    assert sorted(i for b in first for i in b) == list(range(12))
+
+
+def test_state_after_the_last_batch_is_the_next_epoch(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 12)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4)
+    iterator = iter(loader)
+    for _ in range(3):  # every batch, without asking for one more
+        next(iterator)
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["yielded_prefix"] == 0
+    loader.close()
+    with pytest.raises(StopIteration):
+        next(iterator)

@@ -1,0 +1,82 @@
+"""``rpcdl demo``: the README's main job, shortened."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("sklearn")
+
+from rpcdl.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_seed(monkeypatch):
+    """LightningCLI's seed_everything sets $PL_GLOBAL_SEED: undo it after each test."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+
+
+OPTIONS = ("--workers", "--local-workers", "--max-epochs", "--limit", "--batch-size", "--seed", "--config",
+           "--no-progress", "--summary-json")  # fmt: skip
+
+
+def test_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "digits" in text and "validation accuracy" in text
+    for option in OPTIONS:
+        assert option in text
+
+
+def test_short_demo_with_its_own_workers_learns(tmp_path, monkeypatch, capsys):
+    """`rpcdl demo` as the README runs it (local workers), 2 short epochs: accuracy far above chance (0.1)."""
+    monkeypatch.chdir(tmp_path)
+    summary_file = tmp_path / "summary.json"
+    code = main(["demo", "--max-epochs", "2", "--limit", "30", "--no-progress", "--summary-json", str(summary_file)])
+    assert code == 0
+    out = capsys.readouterr().out
+    summary = json.loads(summary_file.read_text())
+    assert summary["epochs"] == 2
+    assert summary["val_acc"] >= 0.5
+    assert summary["samples_per_s"] > 0
+    assert len(summary["workers"]) == 2
+    # 2 x 30 training batches, 2 sanity-check and 2 x 3 validation batches, plus what was prefetched
+    assert sum(w["batches"] for w in summary["workers"].values()) >= 2 * 30 + 2 + 2 * 3
+    for address, counters in summary["workers"].items():
+        assert counters["batches"] > 0 and counters["calls"] >= counters["batches"] and counters["busy_s"] > 0
+        assert address in out
+    assert f"validation accuracy  {summary['val_acc']:.3f}" in out
+    assert "samples/s" in out
+    assert list(tmp_path.iterdir()) == [summary_file]  # no logs or checkpoints left behind
+
+
+def test_demo_uses_the_workers_it_is_given(two_workers, tmp_path, capsys):
+    summary_file = tmp_path / "summary.json"
+    code = main(["demo", "--workers", *two_workers, "--max-epochs", "1", "--limit", "4", "--no-progress",
+                 "--seed", "5", "--summary-json", str(summary_file)])  # fmt: skip
+    assert code == 0
+    summary = json.loads(summary_file.read_text())
+    assert sorted(summary["workers"]) == sorted(two_workers)
+    assert sum(w["batches"] for w in summary["workers"].values()) >= 4
+    assert "starting" not in capsys.readouterr().out
+
+
+def test_demo_reports_a_worker_that_does_not_answer(capsys):
+    with socket.socket() as probe:  # a loopback port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    assert main(["demo", "--workers", address, "--max-epochs", "1"]) == 1
+    assert f"worker {address} does not answer" in capsys.readouterr().err
+
+
+def test_demo_rejects_bad_options(capsys):
+    for argv in (["--limit", "0"], ["--limit", "1.5"], ["--max-epochs", "0"], ["--workers", "nohost"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["demo", *argv])
+        assert exited.value.code == 2
+    assert "expected" in capsys.readouterr().err
