@@ -1,28 +1,42 @@
 """rpcdl: run PyTorch datasets on remote CPU workers, stream ready batches to training.
 
-The names here are the public API; see the documentation for guides.
+The names here are the public API; see the documentation for guides. They are
+imported on first use, so the command line starts without loading torch.
 """
 
-from .cache import CachedDataset, CacheLoader
-from .client import ping, remote, rpc_async, rpc_sync, shutdown, stats
-from .dataloader import RPCDataloader
-from .dataset import DatasetMismatch, RPCDataset
-from .errors import (
-    AuthenticationError,
-    ConnectionLost,
-    ProtocolError,
-    RemoteError,
-    RPCDLError,
-    WorkerTimeout,
-    WorkerUnavailable,
-)
-from .local import local_workers
-from .rref import RRef
-from .scheduler import NoWorkersLeft
-from .seeding import set_random_seeds
-from .worker import Worker, run_worker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "AuthenticationError": "errors",
+    "ConnectionLost": "errors",
+    "ProtocolError": "errors",
+    "RPCDLError": "errors",
+    "RemoteError": "errors",
+    "WorkerTimeout": "errors",
+    "WorkerUnavailable": "errors",
+    "ping": "client",
+    "remote": "client",
+    "rpc_async": "client",
+    "rpc_sync": "client",
+    "shutdown": "client",
+    "stats": "client",
+    "RRef": "rref",
+    "Worker": "worker",
+    "run_worker": "worker",
+    "RPCDataset": "dataset",
+    "DatasetMismatch": "dataset",
+    "RPCDataloader": "dataloader",
+    "NoWorkersLeft": "scheduler",
+    "local_workers": "local",
+    "set_random_seeds": "seeding",
+    "CacheLoader": "cache",
+    "CachedDataset": "cache",
+}
 
 __all__ = [
     "AuthenticationError",
@@ -50,3 +64,37 @@ __all__ = [
     "shutdown",
     "stats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rpcdl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rpcdl.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from .cache import CachedDataset, CacheLoader
+    from .client import ping, remote, rpc_async, rpc_sync, shutdown, stats
+    from .dataloader import RPCDataloader
+    from .dataset import DatasetMismatch, RPCDataset
+    from .errors import (
+        AuthenticationError,
+        ConnectionLost,
+        ProtocolError,
+        RemoteError,
+        RPCDLError,
+        WorkerTimeout,
+        WorkerUnavailable,
+    )
+    from .local import local_workers
+    from .rref import RRef
+    from .scheduler import NoWorkersLeft
+    from .seeding import set_random_seeds
+    from .worker import Worker, run_worker

@@ -41,6 +41,7 @@ log = logging.getLogger("rpcdl.worker")
 _WILDCARDS = {"", "0.0.0.0", "::"}
 _IDLE_TICK = 1.0
 _SERVICE_THREADS = 2
+_MAX_HANDSHAKES = 256  # connections in their handshake at once, each with a thread for up to handshake_timeout
 
 
 class _Counters:
@@ -76,6 +77,7 @@ class _ClientConnection:
         self.closed = False
         self._read_turn = threading.Lock()
         self._send_lock = threading.Lock()
+        self._close_lock = threading.Lock()
         self._counted = 0
         self._threads = [
             threading.Thread(target=self._serve, name=f"rpcdl-service-{peer}", daemon=True)
@@ -107,7 +109,7 @@ class _ClientConnection:
             self.worker._counters.add(outstanding=-1)
 
     def close(self) -> None:
-        with self._send_lock:
+        with self._close_lock:  # not the send lock: a send may block for the whole timeout
             if self.closed:
                 return
             self.closed = True
@@ -230,6 +232,7 @@ class Worker:
         self._running = 0
         self._connections: set[_ClientConnection] = set()
         self._connections_lock = threading.Lock()
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._threads: list[threading.Thread] = []
         self._draining = False
         self._stopping = False
@@ -328,10 +331,28 @@ class Worker:
                 time.sleep(0.05)  # out of descriptors, say: try again shortly
                 continue
             peer = format_address(address[0], address[1])
-            thread = threading.Thread(target=self._serve, args=(sock, peer), name=f"rpcdl-reader-{peer}", daemon=True)
-            thread.start()
+            if not self._handshakes.acquire(blocking=False):
+                self._refuse(sock, peer, f"more than {_MAX_HANDSHAKES} connections are in their handshake")
+                continue
+            thread = threading.Thread(target=self._serve, args=(sock, peer), name=f"rpcdl-peer-{peer}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no more threads: refuse this one, keep accepting
+                self._handshakes.release()
+                self._refuse(sock, peer, str(exc))
+
+    def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
+        self._counters.add(connections_refused=1)
+        log.warning("refused connection from %s: %s", peer, reason)
+        _shutdown_socket(sock)
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            self._handshake(sock, peer)
+        finally:
+            self._handshakes.release()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.limits.handshake_timeout)
@@ -340,9 +361,7 @@ class Worker:
             server_handshake(sock, self._token, peer)
             set_io_timeouts(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
-            self._counters.add(connections_refused=1)
-            log.warning("refused connection from %s: %s", peer, exc or type(exc).__name__)
-            _shutdown_socket(sock)
+            self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return
         connection = _ClientConnection(self, sock, peer)
         with self._connections_lock:
@@ -415,7 +434,8 @@ class Worker:
             with self._scheduler:
                 self._running -= 1
                 connection.idle_threads += from_service_thread
-                self._scheduler.notify()
+                if self._queue:  # an executor has work now; waking one otherwise costs a thread switch per call
+                    self._scheduler.notify()
         connection.answer(answer)
 
     def _execute(self, connection: _ClientConnection, frame: Frame) -> Frame:
