@@ -546,8 +546,9 @@ class CachedDataset(Dataset):
 
     Args:
         dataset: the dataset to wrap.
-        backend, dataset_name, writer_buffer_size, **kwargs: as for
-            :class:`CacheLoader` (``writer_buffer_size`` defaults to 20 here).
+        backend, dataset_name, writer_buffer_size: as for :class:`CacheLoader`
+            (``writer_buffer_size`` defaults to 20 here).
+        **kwargs: the backend's options, as for :class:`CacheLoader`.
 
     Example::
 

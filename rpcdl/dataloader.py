@@ -171,6 +171,7 @@ class RPCDataloader:
         self._next_epoch = 0
         self._explicit_epoch: int | None = None
         self._told_epoch: int | None = None
+        self._started_epoch: int | None = None
         self._iterator: _EpochIterator | None = None
         self._resume: dict[str, Any] | None = None
 
@@ -205,9 +206,24 @@ class RPCDataloader:
             return len(self.batch_sampler)
         return len(self.sampler)
 
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the iteration in progress (or last run); ``None`` before the first."""
+        return self._started_epoch
+
     def __iter__(self) -> Iterator[Any]:
+        """Start an epoch. It begins with the first ``next()``: an iterator made and dropped costs nothing."""
+        self.close()
+        self._iterator = _EpochIterator(self)
+        return self._iterator
+
+    def close(self) -> None:
+        """End the epoch in progress, if any; batches still in flight are dropped when they arrive."""
         if self._iterator is not None:
             self._iterator.close()
+
+    def _begin_epoch(self) -> tuple[int, Any, dict[str, Any] | None]:
+        """Choose the epoch, tell the samplers; return ``(epoch, generator state, resumed state)``."""
         resume, self._resume = self._resume, None
         samplers = [s for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)) if s]
         told = {getattr(s, "epoch", self._told_epoch) for s in samplers if hasattr(s, "set_epoch")}
@@ -221,6 +237,7 @@ class RPCDataloader:
             epoch = self._next_epoch
         self._explicit_epoch = None
         self._next_epoch = epoch + 1
+        self._started_epoch = epoch
         for sampler in samplers:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
@@ -228,9 +245,7 @@ class RPCDataloader:
         generator = self._sampler_generator()
         if resume is not None and resume.get("generator_state") is not None and generator is not None:
             generator.set_state(resume["generator_state"])
-        generator_state = generator.get_state() if generator is not None else None
-        self._iterator = _EpochIterator(self, epoch, generator_state, resume)
-        return self._iterator
+        return epoch, generator.get_state() if generator is not None else None, resume
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the current epoch: load it into a new loader to resume.
@@ -238,10 +253,16 @@ class RPCDataloader:
         With the semantics of torchdata's ``StatefulDataLoader``: a loader that
         loads this state yields, on its next iteration, the batches of the same
         epoch not yielded yet, in the same order (the sampler's random order is
-        restored through its generator).
+        restored through its generator). Once every batch of an epoch has been
+        yielded, the state is the start of the next epoch.
         """
-        if self._iterator is not None and not self._iterator.finished:
-            return self._iterator.state_dict()
+        if self._resume is not None:
+            return dict(self._resume)
+        iterator = self._iterator
+        if iterator is not None and iterator.started and not iterator.finished:
+            state = iterator.state_dict()
+            if not self._epoch_complete(state):
+                return state
         generator = self._sampler_generator()
         return {
             "epoch": self._explicit_epoch if self._explicit_epoch is not None else self._next_epoch,
@@ -250,11 +271,18 @@ class RPCDataloader:
             "generator_state": generator.get_state() if generator is not None else None,
         }
 
+    def _epoch_complete(self, state: dict[str, Any]) -> bool:
+        try:
+            return not state["yielded_extra"] and state["yielded_prefix"] >= len(self)
+        except TypeError:  # a sampler without a length
+            return False
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch."""
         missing = {"epoch", "yielded_prefix", "yielded_extra"} - set(state)
         if missing:
             raise ValueError(f"not an RPCDataloader state: missing {sorted(missing)}")
+        self.close()
         self._resume = dict(state)
 
     def _revive(self, slot: WorkerSlot) -> torch.futures.Future:
@@ -279,13 +307,18 @@ class RPCDataloader:
 
 
 class _EpochIterator(Iterator[Any]):
-    """One epoch: batches from the scheduler, in order, with the position kept for resuming."""
+    """One epoch, started by the first ``next()``: batches from the scheduler, in order, with the position kept."""
 
-    def __init__(self, loader: RPCDataloader, epoch: int, generator_state: Any, resume: dict[str, Any] | None):
+    def __init__(self, loader: RPCDataloader):
         self.loader = loader
-        self.epoch = epoch
-        self.generator_state = generator_state
+        self.epoch: int | None = None
+        self.started = False
         self.finished = False
+
+    def _start(self) -> None:
+        loader = self.loader
+        self.started = True
+        self.epoch, self.generator_state, resume = loader._begin_epoch()
         skip_prefix = resume["yielded_prefix"] if resume else 0
         skip = set(resume["yielded_extra"]) if resume else set()
         self._yielded_prefix = skip_prefix
@@ -302,6 +335,8 @@ class _EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         if self.finished:
             raise StopIteration
+        if not self.started:
+            self._start()
         try:
             task = next(self._dispatch)
         except StopIteration:
@@ -319,7 +354,8 @@ class _EpochIterator(Iterator[Any]):
     def close(self) -> None:
         """Stop the epoch; answers still in flight are dropped when they arrive."""
         self.finished = True
-        self._dispatch.close()
+        if self.started:
+            self._dispatch.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {

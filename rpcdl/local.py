@@ -15,10 +15,14 @@ from .client import ping
 
 
 class LocalWorkers(list):
-    """The addresses of worker processes started by :func:`local_workers`.
+    """The addresses of worker processes started by :func:`~rpcdl.local_workers`.
 
     It is a plain list of ``"host:port"`` strings, with the processes and a few
     methods to stop and restart them (handy to rehearse failures).
+
+    Attributes:
+        processes: the :class:`subprocess.Popen` of each worker, in the order of
+            the addresses.
     """
 
     def __init__(self, command: list[str], env: dict[str, str], startup_timeout: float):
@@ -137,7 +141,7 @@ def local_workers(
         startup_timeout: seconds each worker has to become ready.
 
     Yields:
-        a :class:`LocalWorkers`: the list of ``"127.0.0.1:port"`` addresses.
+        a :class:`~rpcdl.local.LocalWorkers`: the list of ``"127.0.0.1:port"`` addresses.
 
     Example::
 

@@ -360,6 +360,8 @@ class Dispatch(Iterator[Task]):
             value = future.wait()
         except Exception as exc:
             if not attempt.live or task.done:
+                if _worker_failure(exc) and slot.state == WorkerState.ACTIVE:
+                    self._mark_down(slot, exc)  # a copy elsewhere saved the task, yet this worker failed
                 return
             attempt.live = False
             if not _worker_failure(exc):
@@ -388,7 +390,9 @@ class Dispatch(Iterator[Task]):
             if attempt.live:
                 attempt.live = False
                 attempt.slot.in_flight.discard(attempt)
-        self._finished.append(task)
+        task.attempts = []  # no task <-> attempt cycle: the value goes when the consumer drops it
+        if not self.in_order:  # in order, tasks are handed out from _outstanding
+            self._finished.append(task)
 
     def _retry(self, task: Task) -> None:
         if not task.done and not any(a.live for a in task.attempts) and task not in self._waiting:
