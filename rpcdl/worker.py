@@ -179,6 +179,10 @@ class Worker:
         advertise: the host name clients should use, when it differs from
             ``host`` (by default the machine's name when ``host`` is a wildcard).
 
+    Attributes:
+        address: the ``"host:port"`` clients reach this worker at, known as
+            soon as it is constructed (the port chosen with ``port=0`` included).
+
     Example::
 
         >>> with rpcdl.Worker() as worker:  # doctest: +SKIP
