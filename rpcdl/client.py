@@ -20,11 +20,13 @@ import ssl
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from . import buffers
 from .address import format_address, parse_address
 from .errors import AuthenticationError, ConnectionLost, ProtocolError, WorkerTimeout, WorkerUnavailable
 from .rref import RRef, holding_handle, new_uid
@@ -49,14 +51,35 @@ def _can_pin() -> bool:
     return _cuda_available
 
 
+class _Future(torch.futures.Future):
+    """The future of a call: waiting on it reads answers from the worker meanwhile.
+
+    So a thread blocked in ``wait()`` gets its answer without a thread switch,
+    and waiting inside a callback (which runs on whichever thread read the
+    answer) cannot starve the connection.
+    """
+
+    _connection: Connection | None = None
+    _call: Callable[[], _Call | None] = staticmethod(lambda: None)  # a weak reference: no cycle holds the result
+
+    def wait(self) -> Any:
+        call = self._call()  # None once answered: the result is there or being set
+        if call is not None and not self.done() and self._connection is not None:
+            self._connection.wait(call)
+        return super().wait()
+
+
 class _Call:
-    __slots__ = ("call_id", "deadline", "future", "pin_memory", "started", "sync", "timeout", "transform", "what")
+    __slots__ = (
+        "__weakref__", "call_id", "deadline", "future", "pin_memory", "started", "sync", "timeout", "transform", "what"
+    )  # fmt: skip
 
     def __init__(
         self, timeout: float, what: str, *, sync: bool, pin_memory: bool = False, transform: Callable | None = None
     ):
         self.call_id = next(_call_ids)
-        self.future: torch.futures.Future = torch.futures.Future()
+        self.future = _Future()
+        self.future._call = weakref.ref(self)
         self.started = time.monotonic()
         self.deadline = self.started + timeout
         self.timeout = timeout
@@ -92,6 +115,7 @@ class Connection:
         self._pending: dict[int, _Call] = {}
         self._async_pending = 0
         self._reading = False
+        self._role_waiters = 0  # threads waiting in _cond for the reading role
         self._queued: list[Frame] = []
         self._releases: collections.deque[int] = collections.deque()
         self._ready = False
@@ -117,6 +141,7 @@ class Connection:
 
     def submit(self, kind: Kind, call: _Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> None:
         frame = Frame(kind, call.call_id, ref, payload, list(buffers))
+        call.future._connection = self
         with self._cond:
             if self._closed:
                 raise _Closed(self._error)
@@ -129,24 +154,26 @@ class Connection:
                 return
         self._send([frame])
 
-    def wait(self, call: _Call) -> Any:
-        """Wait for a call submitted with ``sync=True``, reading answers meanwhile."""
+    def wait(self, call: _Call) -> None:
+        """Wait until ``call`` is answered (or fails), reading answers meanwhile."""
         future = call.future
         while not future.done():
             with self._cond:
-                while not future.done():
-                    now = time.monotonic()
-                    if now >= call.deadline:
-                        self._expire_locked(now)
-                        continue
-                    if self._ready and not self._reading:
-                        self._reading = True
-                        break
-                    self._cond.wait(min(call.deadline - now, _RELEASE_TICK))
-                else:
+                while not future.done() and (self._reading or not self._ready) and time.monotonic() < call.deadline:
+                    self._role_waiters += 1
+                    try:
+                        self._cond.wait(min(call.deadline - time.monotonic(), _RELEASE_TICK))
+                    finally:
+                        self._role_waiters -= 1
+                if future.done():
                     break
-            self._read_once()
-        return future.wait()
+                overdue = time.monotonic() >= call.deadline
+                if not overdue:
+                    self._reading = True
+            if overdue:
+                self._expire(time.monotonic())
+            else:
+                self._read_once()
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker (safe to call from a finalizer)."""
@@ -174,12 +201,16 @@ class Connection:
         except OSError as exc:
             self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
 
-    def _expire_locked(self, now: float) -> list[_Call]:
-        """Fail the calls past their deadline (called with the lock held)."""
-        overdue = [call for call in self._pending.values() if call.deadline <= now]
-        for call in overdue:
-            del self._pending[call.call_id]
-            self._async_pending -= not call.sync
+    def _expire(self, now: float) -> None:
+        """Fail the calls past their deadline."""
+        with self._cond:
+            overdue = [call for call in self._pending.values() if call.deadline <= now]
+            for call in overdue:
+                del self._pending[call.call_id]
+                self._async_pending -= not call.sync
+            if overdue:
+                self._cond.notify_all()
+        for call in overdue:  # outside the lock: callbacks may make calls
             if self._ready:
                 error: Exception = WorkerTimeout(
                     f"worker {self.address} did not answer {call.what} within {call.timeout:g}s"
@@ -190,9 +221,6 @@ class Connection:
                     f"(last error: {self._last_connect_error or 'still connecting'})"
                 )
             call.future.set_exception(error)
-        if overdue:
-            self._cond.notify_all()
-        return overdue
 
     def _fail(self, reason: str, error_type: type[Exception] = ConnectionLost) -> None:
         with self._cond:
@@ -226,7 +254,8 @@ class Connection:
         finally:
             with self._cond:
                 self._reading = False
-                self._cond.notify_all()
+                if self._role_waiters:  # waking the idle connection thread for nothing costs a thread switch
+                    self._cond.notify_all()
         if frame is not None:
             try:
                 self._deliver(frame)
@@ -236,6 +265,8 @@ class Connection:
     def _allocate(self, call_id: int, size: int) -> Any:
         call = self._pending.get(call_id)
         pin = call is not None and call.pin_memory and _can_pin()
+        if size >= buffers.MIN_BYTES and not pin:
+            return buffers.take(size)
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
 
     def _deliver(self, frame: Frame) -> None:
@@ -300,28 +331,31 @@ class Connection:
         self._serve_async_calls()
 
     def _serve_async_calls(self) -> None:
-        """Read for asynchronous calls (nobody waits in :meth:`wait` for those) until closed."""
-        last_release = time.monotonic()
+        """Until closed: read for asynchronous calls (nobody waits in :meth:`wait` for them),
+        fail overdue calls, flush RRef releases."""
+        last_flush = time.monotonic()
         while True:
             with self._cond:
-                while not self._closed and (self._async_pending == 0 or self._reading):
-                    self._cond.wait(_RELEASE_TICK if self._async_pending == 0 else _IDLE_TICK)
-                    self._expire_locked(time.monotonic())
-                    if time.monotonic() - last_release > _RELEASE_TICK:
-                        break
+                if not self._closed and (self._async_pending == 0 or self._reading):
+                    waits_for_role = self._async_pending > 0
+                    self._role_waiters += waits_for_role
+                    try:
+                        self._cond.wait(_IDLE_TICK if waits_for_role else _RELEASE_TICK)
+                    finally:
+                        self._role_waiters -= waits_for_role
                 if self._closed:
                     return
-                take_role = self._async_pending > 0 and not self._reading
+            now = time.monotonic()
+            self._expire(now)  # without the reading role: callbacks may wait for answers
+            if self._releases and now - last_flush > _RELEASE_TICK:
+                last_flush = now
+                self._send([])
+            with self._cond:
+                take_role = self._async_pending > 0 and not self._reading and not self._closed
                 if take_role:
                     self._reading = True
-            if time.monotonic() - last_release > _RELEASE_TICK:
-                last_release = time.monotonic()
-                if self._releases:
-                    self._send([])
             if take_role:
                 self._read_once()
-                with self._cond:
-                    self._expire_locked(time.monotonic())
 
     def _connect(self) -> socket.socket:
         delay = 0.02
@@ -346,8 +380,8 @@ class Connection:
             except OSError as exc:
                 _close_quietly(sock)
                 self._last_connect_error = exc
+                self._expire(time.monotonic())
                 with self._cond:
-                    self._expire_locked(time.monotonic())
                     deadline = max([self._connect_deadline, *(c.deadline for c in self._pending.values())])
                     if self._closed:
                         raise WorkerUnavailable(self._error) from None
@@ -461,7 +495,7 @@ def _submit(
     token: Any = None,
     ssl_context: ssl.SSLContext | None = None,
     on_connection: Callable[[Connection], Any] | None = None,
-) -> tuple[Connection, _Call]:
+) -> _Call:
     call = _Call(timeout, what, sync=sync, pin_memory=pin_memory, transform=transform)
     for _ in range(3):
         connection = connection_to(host, timeout, token, ssl_context)
@@ -469,7 +503,7 @@ def _submit(
             on_connection(connection)
         try:
             connection.submit(kind, call, payload, buffers, ref)
-            return connection, call
+            return call
         except _Closed:
             continue
     raise WorkerUnavailable(f"could not keep a connection to worker {host} open")
@@ -505,7 +539,7 @@ def _call(
     timeout: float = 120.0,
     token: str | bytes | None = None,
     ssl_context: ssl.SSLContext | None = None,
-) -> tuple[Connection, _Call]:
+) -> _Call:
     address = _check_address(host)
     timeout = _check_timeout(timeout)
     payload, buffers = _serialize_call(address, func, args, kwargs)
@@ -565,11 +599,10 @@ def rpc_async(
         >>> fut.wait()  # doctest: +SKIP
         tensor([2., 2.])
     """
-    _, call = _call(
+    return _call(
         host, func, args, kwargs, sync=False, pin_memory=pin_memory, rref=rref, timeout=timeout,
         token=token, ssl_context=ssl_context,
-    )  # fmt: skip
-    return call.future
+    ).future  # fmt: skip
 
 
 def rpc_sync(
@@ -592,8 +625,7 @@ def rpc_sync(
         >>> rpcdl.rpc_sync("127.0.0.1:6543", min, (1, 2))  # doctest: +SKIP
         1
     """
-    connection, call = _call(host, func, args, kwargs, sync=True, timeout=timeout, **options)
-    return connection.wait(call)
+    return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
 
 
 def remote(
@@ -616,14 +648,12 @@ def remote(
         >>> rref.to_here()  # doctest: +SKIP
         tensor([4., 4.])
     """
-    _, call = _call(host, func, args, kwargs, sync=False, rref=True, timeout=timeout, **options)
-    return call.transform(None)
+    return _call(host, func, args, kwargs, sync=False, rref=True, timeout=timeout, **options).transform(None)
 
 
 def ping_async(host: str, timeout: float = 10.0, **options: Any) -> torch.futures.Future[float]:
     """:func:`ping` without waiting: a future of the round-trip time."""
-    _, call = _submit(Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", **options)
-    return call.future
+    return _submit(Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", **options).future
 
 
 def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
@@ -635,8 +665,9 @@ def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
         WorkerUnavailable: the worker cannot be reached within ``timeout``.
         WorkerTimeout: it was reached but did not answer within ``timeout``.
     """
-    connection, call = _submit(Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", sync=True, **options)
-    return connection.wait(call)
+    return _submit(
+        Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", sync=True, **options
+    ).future.wait()
 
 
 def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
@@ -647,7 +678,5 @@ def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
         >>> rpcdl.stats("127.0.0.1:6543")["calls_served"]  # doctest: +SKIP
         42
     """
-    connection, call = _submit(
-        Kind.STATS, _check_address(host), _check_timeout(timeout), "a stats request", sync=True, **options
-    )
-    return connection.wait(call)
+    call = _submit(Kind.STATS, _check_address(host), _check_timeout(timeout), "a stats request", sync=True, **options)
+    return call.future.wait()

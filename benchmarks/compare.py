@@ -1,0 +1,20 @@
+"""``rpcdl bench`` with rpcdataloader and torch.distributed.rpc beside it, when they are installed.
+
+Takes the options of ``rpcdl bench`` (``--help``). Example::
+
+    python benchmarks/compare.py --local 2 --json results.json --plot results.png
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from baselines import available
+
+from rpcdl.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main(extra_systems=available()))

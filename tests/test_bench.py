@@ -1,0 +1,107 @@
+"""``rpcdl bench``: a tiny run of every scenario, the table, the JSON and the plot (never speed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rpcdl.bench import RPCDL, SCENARIOS, SOCKET, TARGETS, TORCH, Figure, evaluate_targets, format_table
+
+
+def run_bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "rpcdl", "bench", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_a_quick_run_prints_the_table_and_writes_json_and_plot(two_workers, tmp_path):
+    report, picture = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = run_bench(
+        "--workers", *two_workers, "--quick", "--io-workers", "1", "2", "--no-progress",
+        "--json", str(report), "--plot", str(picture),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("scenario"))
+    for column in ("metric", RPCDL, TORCH, SOCKET, f"{RPCDL}/{TORCH}", f"{RPCDL}/{SOCKET}"):
+        assert column in header
+    for scenario in SCENARIOS:
+        assert any(line.startswith(scenario) for line in lines), scenario
+    assert "targets:" in result.stdout and "load average" in result.stdout
+
+    document = json.loads(report.read_text())
+    assert document["systems"][:3] == [RPCDL, TORCH, SOCKET]
+    assert document["machine"]["cpus"] == os.cpu_count()
+    figures = {(f["scenario"], f["metric"]): f for f in document["figures"]}
+    latency = figures[("latency", "p50")]
+    assert set(latency["systems"]) == {RPCDL, SOCKET}  # torch's DataLoader makes no calls
+    assert latency["systems"][RPCDL]["median"] > 0 and latency["ratios"][SOCKET] > 0
+    for key in [("small", "batches/s"), ("image", "MB/s"), ("straggler", "kept"), ("io", "speedup x2")]:
+        assert set(figures[key]["systems"]) >= {RPCDL, TORCH}, key
+    assert SOCKET in figures[("image", "MB/s")]["systems"]
+    assert figures[("straggler", "kept")]["systems"][RPCDL]["median"] > 0
+    assert [f"epoch {e} peak" for e in range(1, 11)] == [
+        metric for scenario, metric in figures if scenario == "memory" and metric.startswith("epoch")
+    ]
+    assert len(document["targets"]) == len(TARGETS)
+    assert {target["met"] for target in document["targets"]} <= {True, False, None}
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ratios_and_targets_from_figures():
+    latency = Figure("latency", "p50", "us", "lower")
+    for value in (100.0, 300.0, 200.0):
+        latency.add(RPCDL, value)
+    latency.add("rpcdataloader", 1000.0)
+    latency.add(SOCKET, 50.0)
+    kept = Figure("straggler", "kept", "x", "higher")
+    kept.add(RPCDL, 0.9)
+    assert latency.median(RPCDL) == 200.0
+    assert latency.ratio("rpcdataloader") == pytest.approx(0.2)
+    assert latency.ratio(SOCKET) == pytest.approx(4.0)
+
+    results = {r["target"]: r for r in evaluate_targets([latency, kept])}
+    assert results["no-op rpc_sync p50 latency vs rpcdataloader"]["met"] is True
+    assert results["no-op rpc_sync p50 latency vs torch.distributed.rpc"]["met"] is None  # not measured
+    assert results["straggler: throughput kept vs fast workers only"]["met"] is True
+    assert results["pipelined calls/s vs rpcdataloader"]["value"] is None
+
+    table = format_table([latency, kept], [RPCDL, "rpcdataloader", SOCKET])
+    row = next(line for line in table.splitlines() if line.startswith("latency"))
+    assert "200" in row and "0.20x" in row and "4.00x" in row
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--local", "0"], "expected a positive integer"),
+        (["--workers", "not-an-address"], "malformed worker address"),
+        (["--scenario", "nope"], "invalid choice"),
+        (["--local", "2", "--workers", "127.0.0.1:1"], "not allowed with argument"),
+    ],
+    ids=["local", "workers", "scenario", "both"],
+)
+def test_bad_arguments_are_explained(args, message):
+    result = run_bench(*args, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_a_worker_that_does_not_answer_is_reported(unused_port):
+    result = run_bench("--workers", f"127.0.0.1:{unused_port}", "--quick", timeout=60)
+    assert result.returncode == 2
+    assert f"worker 127.0.0.1:{unused_port} does not answer" in result.stderr
+
+
+@pytest.fixture
+def unused_port():
+    """A port nothing listens on: bound by this test (so no one else gets it) but not listening."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        yield holder.getsockname()[1]
