@@ -39,6 +39,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cli_args import positive_int, worker_address
+from .local import child_environment, stop_process
+
 HELP = "measure rpcdl side by side with torch's DataLoader and a raw loopback socket"
 DESCRIPTION = (
     "Run benchmark scenarios against local worker processes (--local N, the default being 2) or running "
@@ -300,7 +303,7 @@ class SocketSystem(System):
     def start(self, bench: Bench) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from rpcdl.bench import socket_server; socket_server()"],
-            stdout=subprocess.PIPE, text=True, env=_child_environment(),
+            stdout=subprocess.PIPE, text=True, env=child_environment(),
         )  # fmt: skip
         port = int(self.process.stdout.readline())
         self.sock = socket.create_connection(("127.0.0.1", port))
@@ -312,7 +315,7 @@ class SocketSystem(System):
         if self.sock is not None:
             self.sock.close()
         if self.process is not None:
-            _stop_process(self.process)
+            stop_process(self.process)
 
     def call(self) -> None:
         self.sock.sendall(self._echo)
@@ -333,24 +336,6 @@ class SocketSystem(System):
         for _ in range(count):
             _recv_exact_into(self.sock, header)
             _recv_exact_into(self.sock, target)
-
-
-def _child_environment() -> dict[str, str]:
-    environment = dict(os.environ)
-    environment["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, environment.get("PYTHONPATH", "")] if p)
-    return environment
-
-
-def _stop_process(process: subprocess.Popen, grace: float = 10.0) -> None:
-    if process.poll() is None:
-        process.terminate()
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    if process.stdout is not None:
-        process.stdout.close()
 
 
 # ---------------------------------------------------------------------------- figures
@@ -1020,35 +1005,15 @@ def plot(figures: Sequence[Figure], systems: Sequence[str], path: str) -> None:
 # ---------------------------------------------------------------------------- command line
 
 
-def _address(text: str) -> str:
-    from .address import parse_address
-
-    try:
-        parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl bench``."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
-        "--workers", nargs="+", type=_address, metavar="HOST:PORT",
+        "--workers", nargs="+", type=worker_address, metavar="HOST:PORT",
         help="benchmark these running workers (rpcdl worker); the local baselines use as many processes",
     )  # fmt: skip
     where.add_argument(
-        "--local", type=_positive_int, metavar="N",
+        "--local", type=positive_int, metavar="N",
         help="start N local worker processes (default: 2; the io scenario starts up to 8)",
     )  # fmt: skip
     parser.add_argument(
@@ -1056,11 +1021,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"scenarios to run, in order (default: all): {', '.join(SCENARIOS)}",
     )  # fmt: skip
     parser.add_argument(
-        "--rounds", type=_positive_int, metavar="R",
+        "--rounds", type=positive_int, metavar="R",
         help="interleaved rounds per scenario; figures are medians over them (default: 5, 1 with --quick)",
     )  # fmt: skip
     parser.add_argument(
-        "--io-workers", type=_positive_int, nargs="+", metavar="K",
+        "--io-workers", type=positive_int, nargs="+", metavar="K",
         help="worker counts of the io scenario (default: 1 2 4 8; 1 2 with --quick)",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, in seconds")

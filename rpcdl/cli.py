@@ -11,50 +11,12 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from .address import parse_address
+from .cli_args import port, positive_float, positive_int, worker_address
 from .security import TOKEN_ENV, TOKEN_FILE_ENV, read_token_file, server_tls_context
 
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
 _PLUGGED_COMMANDS: list[str] = ["demo", "bench"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0 picks a free port), got {value}")
-    return value
-
-
-def _address(text: str) -> str:
-    try:
-        parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool = False) -> None:
@@ -64,18 +26,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         help="interface to listen on (default: 127.0.0.1; 0.0.0.0 for all, which requires a token or --insecure)",
     )  # fmt: skip
     parser.add_argument(
-        "--port", type=_port, default=6543 if seed_defaults else 0,
+        "--port", type=port, default=6543 if seed_defaults else 0,
         help="port to listen on; 0 picks a free port (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--timeout", type=_positive_float, default=120.0,
+        "--timeout", type=positive_float, default=120.0,
         help="seconds a client may stall in the middle of a transfer (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--parallel", type=_positive_int, default=1, help="calls run at once in each process (default: %(default)s)"
+        "--parallel", type=positive_int, default=1, help="calls run at once in each process (default: %(default)s)"
     )
     parser.add_argument(
-        "--procs", type=_positive_int, default=1,
+        "--procs", type=positive_int, default=1,
         help="worker processes to start, each on its own port (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
@@ -98,14 +60,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "when listening on a wildcard address, else --host)",
     )  # fmt: skip
     parser.add_argument(
-        "--threads", type=_positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
+        "--threads", type=positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
     )
     parser.add_argument(
-        "--grace", type=_positive_float, default=30.0,
+        "--grace", type=positive_float, default=30.0,
         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="INFO", help="logging level on standard error (default: %(default)s)")
-    parser.add_argument("--watch-pid", type=_positive_int, help=argparse.SUPPRESS)
+    parser.add_argument("--watch-pid", type=positive_int, help=argparse.SUPPRESS)
 
 
 def run_worker_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -219,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status", help="show the counters of running workers", description="Print a table of the workers' counters."
     )
-    status.add_argument("workers", nargs="+", type=_address, metavar="HOST:PORT", help="workers to ask")
-    status.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds to wait for each worker")
+    status.add_argument("workers", nargs="+", type=worker_address, metavar="HOST:PORT", help="workers to ask")
+    status.add_argument("--timeout", type=positive_float, default=10.0, help="seconds to wait for each worker")
 
     for name in _PLUGGED_COMMANDS:
         module = importlib.import_module(f"rpcdl.{name}")

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .cli_args import positive_int, worker_address
+
 HELP = "train a small CNN on scikit-learn's digits through local (or given) workers"
 DESCRIPTION = (
     "Start two rpcdl worker processes on loopback (or use running ones with --workers), train the "
@@ -22,19 +24,9 @@ DESCRIPTION = (
 )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _limit(text: str) -> int | float:
     try:
-        return _positive_int(text)
+        return positive_int(text)
     except argparse.ArgumentTypeError:
         pass
     try:
@@ -46,34 +38,24 @@ def _limit(text: str) -> int | float:
     return value
 
 
-def _address(text: str) -> str:
-    from .address import parse_address
-
-    try:
-        parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl demo``."""
     parser.add_argument(
-        "--workers", nargs="+", type=_address, metavar="HOST:PORT",
+        "--workers", nargs="+", type=worker_address, metavar="HOST:PORT",
         help="use these running workers (rpcdl worker) instead of starting local ones",
     )  # fmt: skip
     parser.add_argument(
-        "--local-workers", type=_positive_int, default=2, metavar="N",
+        "--local-workers", type=positive_int, default=2, metavar="N",
         help="worker processes to start on loopback when --workers is not given (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-epochs", type=_positive_int, metavar="N", help="training epochs (default: the config's, 8)"
+        "--max-epochs", type=positive_int, metavar="N", help="training epochs (default: the config's, 8)"
     )
     parser.add_argument(
         "--limit", type=_limit, metavar="N|F",
         help="train on only N batches (or a fraction F) of each epoch, for a quick run",
     )  # fmt: skip
-    parser.add_argument("--batch-size", type=_positive_int, metavar="N", help="training batch size (default: 32)")
+    parser.add_argument("--batch-size", type=positive_int, metavar="N", help="training batch size (default: 32)")
     parser.add_argument("--seed", type=int, help="seed of the model, the shuffle and the augmentation (default: 0)")
     parser.add_argument(
         "--config", metavar="YAML",

@@ -11,8 +11,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from .client import ping
-
 
 class LocalWorkers(list):
     """The addresses of worker processes started by :func:`~rpcdl.local_workers`.
@@ -40,7 +38,7 @@ class LocalWorkers(list):
         try:
             return process, _read_ready_line(process, self._startup_timeout)
         except BaseException:
-            _stop(process, grace=1.0)
+            stop_process(process, grace=1.0)
             raise
 
     def start(self, count: int) -> None:
@@ -50,7 +48,7 @@ class LocalWorkers(list):
         for process in started:
             self.append(_read_ready_line(process, self._startup_timeout))
         for address in self:
-            ping(address, timeout=self._startup_timeout)
+            _ping(address, timeout=self._startup_timeout)
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to worker ``index`` (SIGKILL by default) and reap it if it exits."""
@@ -75,7 +73,7 @@ class LocalWorkers(list):
                 time.sleep(0.2)  # the port may linger for a moment
         self.processes[index] = process
         self[index] = address
-        ping(address, timeout=self._startup_timeout)
+        _ping(address, timeout=self._startup_timeout)
         return address
 
     def stop(self, grace: float = 10.0) -> None:
@@ -84,7 +82,13 @@ class LocalWorkers(list):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         for process in self.processes:
-            _stop(process, grace)
+            stop_process(process, grace)
+
+
+def _ping(address: str, timeout: float) -> None:
+    from .client import ping  # here: the command line imports this module without torch
+
+    ping(address, timeout=timeout)
 
 
 def _read_ready_line(process: subprocess.Popen, timeout: float) -> str:
@@ -101,7 +105,8 @@ def _read_ready_line(process: subprocess.Popen, timeout: float) -> str:
     raise RuntimeError(f"an rpcdl worker process did not report ready within {timeout:g}s")
 
 
-def _stop(process: subprocess.Popen, grace: float) -> None:
+def stop_process(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM ``process``, SIGKILL it after ``grace`` seconds, reap it and close its stdout."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
     try:
@@ -111,6 +116,14 @@ def _stop(process: subprocess.Popen, grace: float) -> None:
         process.wait()
     if process.stdout is not None:
         process.stdout.close()
+
+
+def child_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with this process's ``sys.path`` in ``PYTHONPATH``,
+    so a child process imports the same modules."""
+    environment = dict(os.environ if env is None else env)
+    environment["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, environment.get("PYTHONPATH", "")] if p)
+    return environment
 
 
 @contextmanager
@@ -152,8 +165,7 @@ def local_workers(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive number of workers, got {n!r}")
-    environment = dict(os.environ if env is None else env)
-    environment["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, environment.get("PYTHONPATH", "")] if p)
+    environment = child_environment(env)
     if token is not None:
         environment["RPCDL_TOKEN"] = token
     command = [
