@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cli_args import positive_int, worker_address
+from .cli_args import positive_int, silent_worker, worker_address
 from .local import child_environment, stop_process
 
 HELP = "measure rpcdl side by side with torch's DataLoader and a raw loopback socket"
@@ -1048,15 +1048,10 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
             print("rpcdl bench: --plot needs matplotlib: pip install 'rpcdl[bench]'", file=sys.stderr)
             return 2
     local = args.local or 2
-    if args.workers:
-        from .client import ping
-
-        for address in args.workers:
-            try:
-                ping(address, timeout=10.0)
-            except Exception as exc:
-                print(f"rpcdl bench: worker {address} does not answer: {exc}", file=sys.stderr)
-                return 2
+    problem = silent_worker(args.workers, timeout=10.0) if args.workers else None
+    if problem:
+        print(f"rpcdl bench: {problem}", file=sys.stderr)
+        return 2
     systems: list[System] = [RpcdlSystem(), TorchLoaderSystem(), SocketSystem(), *extra_systems]
     names = [system.name for system in systems]
     machine = machine_info()

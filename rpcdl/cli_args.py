@@ -1,4 +1,4 @@
-"""Argument types of the ``rpcdl`` commands: each says what it expected when the value is wrong."""
+"""Argument types and checks of the ``rpcdl`` commands: each says what is wrong with a value."""
 
 from __future__ import annotations
 
@@ -43,3 +43,15 @@ def worker_address(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def silent_worker(addresses: list[str], timeout: float) -> str | None:
+    """Ping each worker; return a line naming the first that does not answer, or ``None``."""
+    from .client import ping  # here: the commands' parsers load without torch
+
+    for address in addresses:
+        try:
+            ping(address, timeout=timeout)
+        except Exception as exc:
+            return f"worker {address} does not answer: {exc}"
+    return None

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .cli_args import positive_int, worker_address
+from .cli_args import positive_int, silent_worker, worker_address
 
 HELP = "train a small CNN on scikit-learn's digits through local (or given) workers"
 DESCRIPTION = (
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"rpcdl demo needs the demo extra ({exc.name} is missing): pip install 'rpcdl[demo]'", file=sys.stderr)
         return 2
-    from .client import ping, rpc_async
+    from .client import rpc_async
     from .local import local_workers
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -230,12 +230,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             config = stack.enter_context(config_file("digits.yaml"))
         if args.workers:
-            for address in args.workers:
-                try:
-                    ping(address, timeout=5.0)
-                except Exception as exc:
-                    print(f"rpcdl demo: worker {address} does not answer: {exc}", file=sys.stderr)
-                    return 1
+            problem = silent_worker(args.workers, timeout=5.0)
+            if problem:
+                print(f"rpcdl demo: {problem}", file=sys.stderr)
+                return 1
             workers = list(args.workers)
         else:
             print(f"rpcdl demo: starting {args.local_workers} local workers...", flush=True)

@@ -48,3 +48,19 @@ def spawn_workers():
     for context in reversed(contexts):
         context.__exit__(None, None, None)
     rpcdl.shutdown()
+
+
+@pytest.fixture
+def embedded_worker():
+    """Workers in this process (threads), for what no test kills: ``embedded_worker(**options)``."""
+    started: list[rpcdl.Worker] = []
+
+    def start(**options) -> rpcdl.Worker:
+        worker = rpcdl.Worker(**{"timeout": 10, **options}).start()
+        started.append(worker)
+        return worker
+
+    yield start
+    rpcdl.shutdown()
+    for worker in started:
+        worker.stop(grace=1)

@@ -186,23 +186,7 @@ def _epochs_until(loader: rpcdl.RPCDataloader, n: int, condition, deadline_s: fl
 # ---------------------------------------------------------------------------- tests
 
 
-@pytest.fixture
-def embedded_workers():
-    """``embedded_workers(n)``: workers in this process (threads), for the parts no test kills."""
-    started: list[rpcdl.Worker] = []
-
-    def start(n: int) -> list[rpcdl.Worker]:
-        workers = [rpcdl.Worker(timeout=10).start() for _ in range(n)]
-        started.extend(workers)
-        return workers
-
-    yield start
-    rpcdl.shutdown()
-    for worker in started:
-        worker.stop(grace=1)
-
-
-def test_sigkill_mid_epoch_then_restarts_with_same_and_other_length(spawn_workers, embedded_workers, tmp_path, caplog):
+def test_sigkill_mid_epoch_then_restarts_with_same_and_other_length(spawn_workers, embedded_worker, tmp_path, caplog):
     """A worker killed in the middle of an epoch restarts with the same dataset
     and rejoins, though the epoch in which it died is over. Killed again, it
     restarts with a dataset of another length and is kept out, named in the
@@ -210,7 +194,7 @@ def test_sigkill_mid_epoch_then_restarts_with_same_and_other_length(spawn_worker
     caplog.set_level(logging.WARNING, logger="rpcdl")
     length_file = tmp_path / "length"
     length_file.write_text("96")
-    (survivor,) = embedded_workers(1)
+    survivor = embedded_worker()
     victims = spawn_workers(1)
     victim = victims[0]
     dataset = rpcdl.RPCDataset([survivor.address, victim], FileLengthDataset, str(length_file), 0.005)
@@ -250,11 +234,11 @@ def test_sigkill_mid_epoch_then_restarts_with_same_and_other_length(spawn_worker
     assert f"{victim} (excluded: " in message and "length 80" in message
 
 
-def test_hung_worker_sigstop_is_caught_by_timeout(spawn_workers, embedded_workers, caplog):
+def test_hung_worker_sigstop_is_caught_by_timeout(spawn_workers, embedded_worker, caplog):
     """A worker stopped with SIGSTOP holds batches forever: after ``timeout`` they go elsewhere."""
     caplog.set_level(logging.WARNING, logger="rpcdl")
     hung = spawn_workers(1)
-    other = embedded_workers(1)[0]
+    other = embedded_worker()
     n = 160  # 1.6 s of work for one worker: longer than the timeout
     dataset = rpcdl.RPCDataset([hung[0], other.address], helpers.RangeDataset, n, 0.01)
     loader = rpcdl.RPCDataloader(dataset, batch_size=4, timeout=1.0, prefetch_factor=3)
@@ -276,11 +260,11 @@ def test_hung_worker_sigstop_is_caught_by_timeout(spawn_workers, embedded_worker
     assert loader.worker_states()[hung[0]] == "active"
 
 
-def test_connection_reset_mid_transfer(embedded_workers, caplog):
+def test_connection_reset_mid_transfer(embedded_worker, caplog):
     """The network between trainer and worker resets in the middle of a batch:
     no torn batch is yielded, the lost batches are loaded again, the worker rejoins."""
     caplog.set_level(logging.WARNING, logger="rpcdl")
-    workers = [worker.address for worker in embedded_workers(2)]
+    workers = [embedded_worker().address for _ in range(2)]
     n, width, batch_size = 192, 16384, 8  # 512 KiB batches
     with TcpProxy(workers[0], cut_after=(1 << 20) + 12345) as proxy:  # in the third batch
         dataset = rpcdl.RPCDataset([proxy.address, workers[1]], WideDataset, n, width)

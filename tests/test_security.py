@@ -63,29 +63,13 @@ def _everything_until_closed(sock: socket.socket) -> bytes:
         received += chunk
 
 
-@pytest.fixture
-def embedded():
-    """``embedded(**options)``: a worker in this process, stopped after the test."""
-    workers = []
-
-    def start(**options) -> rpcdl.Worker:
-        worker = rpcdl.Worker(timeout=10, **options).start()
-        workers.append(worker)
-        return worker
-
-    yield start
-    rpcdl.shutdown()
-    for worker in workers:
-        worker.stop(grace=1)
-
-
 # ---------------------------------------------------------------------------- the token
 
 
-def test_token_mismatch_is_refused_before_anything_is_unpickled(embedded, tmp_path, caplog):
+def test_token_mismatch_is_refused_before_anything_is_unpickled(embedded_worker, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="rpcdl")
     token = "the-right-token"
-    worker = embedded(token=token)
+    worker = embedded_worker(token=token)
     marker = tmp_path / "unpickled"
     attempts = {
         # A client that claims a token and sends a random proof with its call, not waiting for any answer.
@@ -178,9 +162,9 @@ def pki(tmp_path_factory):
     return directory
 
 
-def test_tls_with_a_self_signed_ca_verified_by_the_client(embedded, pki, monkeypatch):
+def test_tls_with_a_self_signed_ca_verified_by_the_client(embedded_worker, pki, monkeypatch):
     token = "tls-test-token"
-    worker = embedded(token=token, ssl_context=server_tls_context(pki / "worker.pem", pki / "worker.key"))
+    worker = embedded_worker(token=token, ssl_context=server_tls_context(pki / "worker.pem", pki / "worker.key"))
     trusted = client_tls_context(pki / "ca.pem")
     assert rpcdl.rpc_sync(worker.address, operator.add, (1, 2), token=token, ssl_context=trusted) == 3
     assert rpcdl.stats(worker.address, token=token, ssl_context=trusted)["tls"] is True
@@ -189,13 +173,14 @@ def test_tls_with_a_self_signed_ca_verified_by_the_client(embedded, pki, monkeyp
     with pytest.raises(rpcdl.AuthenticationError, match=f"certificate of worker {worker.address} failed verification"):
         rpcdl.rpc_sync(worker.address, min, (1, 2), token=token, ssl_context=client_tls_context(pki / "other-ca.pem"))
     # The right CA, but a certificate for another host.
-    impostor = embedded(token=token, ssl_context=server_tls_context(pki / "elsewhere.pem", pki / "elsewhere.key"))
+    elsewhere = server_tls_context(pki / "elsewhere.pem", pki / "elsewhere.key")
+    impostor = embedded_worker(token=token, ssl_context=elsewhere)
     with pytest.raises(rpcdl.AuthenticationError, match="failed verification"):
         rpcdl.rpc_sync(impostor.address, min, (1, 2), token=token, ssl_context=trusted)
     # Plain TCP to a TLS worker, and TLS to a plain worker: no call goes through.
     with pytest.raises(rpcdl.RPCDLError):
         rpcdl.rpc_sync(worker.address, min, (1, 2), token=token, timeout=1)
-    plain = embedded(token=token)
+    plain = embedded_worker(token=token)
     with pytest.raises(rpcdl.RPCDLError):
         rpcdl.rpc_sync(plain.address, min, (1, 2), token=token, ssl_context=trusted, timeout=1)
     assert rpcdl.rpc_sync(worker.address, max, (1, 2), token=token, ssl_context=trusted) == 2
@@ -216,7 +201,7 @@ def test_tls_with_a_self_signed_ca_verified_by_the_client(embedded, pki, monkeyp
     monkeypatch.setenv("RPCDL_TLS_KEY", str(pki / "worker.key"))
     monkeypatch.setenv("RPCDL_TLS_CA", str(pki / "ca.pem"))
     monkeypatch.setenv("RPCDL_TOKEN", token)
-    from_env = embedded()
+    from_env = embedded_worker()
     assert rpcdl.rpc_sync(from_env.address, operator.mul, (6, 7)) == 42
     assert rpcdl.stats(from_env.address)["tls"] is True
 
