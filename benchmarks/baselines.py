@@ -18,7 +18,9 @@ import sys
 import warnings
 from typing import Any
 
-from rpcdl.bench import PREFETCH, SLOWDOWN, Bench, LoaderSpec, System, _noop, set_slowdown
+from rpcdl.bench.scenarios import Bench
+from rpcdl.bench.systems import LoaderSpec, System
+from rpcdl.bench.workloads import PREFETCH, SLOWDOWN, noop, set_slowdown
 
 # rpcdataloader's run_worker binds a given port and prints nothing: bind port 0
 # instead (the system picks a free one) and print the address when listening.
@@ -86,7 +88,7 @@ class RpcdataloaderSystem(System):
     def call(self) -> None:
         from rpcdataloader import rpc_async
 
-        rpc_async(self.addresses[0], _noop).wait()
+        rpc_async(self.addresses[0], noop).wait()
 
     def calls(self, count: int, window: int) -> None:
         from rpcdataloader import rpc_async
@@ -95,7 +97,7 @@ class RpcdataloaderSystem(System):
         for _ in range(count):
             if len(in_flight) >= window:
                 in_flight.popleft().wait()
-            in_flight.append(rpc_async(self.addresses[0], _noop))
+            in_flight.append(rpc_async(self.addresses[0], noop))
         for future in in_flight:
             future.wait()
 
@@ -169,7 +171,7 @@ class TorchRpcSystem(System):
     def call(self) -> None:
         from torch.distributed import rpc
 
-        rpc.rpc_sync("worker1", _noop)
+        rpc.rpc_sync("worker1", noop)
 
     def calls(self, count: int, window: int) -> None:
         from torch.distributed import rpc
@@ -178,7 +180,7 @@ class TorchRpcSystem(System):
         for _ in range(count):
             if len(in_flight) >= window:
                 in_flight.popleft().wait()
-            in_flight.append(rpc.rpc_async("worker1", _noop))
+            in_flight.append(rpc.rpc_async("worker1", noop))
         for future in in_flight:
             future.wait()
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from rpcdl.bench import RPCDL, SCENARIOS, SOCKET, TARGETS, TORCH, Figure, evaluate_targets, format_table
+from rpcdl.bench.report import TARGETS, Figure, evaluate_targets, format_table
+from rpcdl.bench.workloads import RPCDL, SCENARIOS, SOCKET, TORCH
 
 
 def run_bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:

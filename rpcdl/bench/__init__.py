@@ -1,0 +1,148 @@
+"""``rpcdl bench``: rpcdl side by side with what users would pick instead, in one run.
+
+Every scenario measures each system in turn, round after round (interleaved,
+so a burst of load on the machine hits them all alike), and reports medians
+and the ratio of rpcdl's median to each other system's. The systems here are
+rpcdl, torch's DataLoader (as many local processes as rpcdl has workers) and
+a raw loopback socket; ``benchmarks/compare.py`` adds rpcdataloader and
+torch.distributed.rpc through ``main()``'s ``extra_systems``.
+
+Scenarios (two workers unless said):
+
+- ``latency``: no-op call round trips to one worker, p50 and p99;
+- ``pipelined``: no-op calls per second to one worker, 64 in flight;
+- ``small``: batches of 32 x float32[128] per second;
+- ``image``: MB/s of batches of 64 x uint8[3, 224, 224];
+- ``straggler``: one worker 10x slower than the others, against the same run
+  with the fast workers only;
+- ``io``: a dataset sleeping 5 ms per item, with 1, 2, 4 and 8 workers;
+- ``memory``: the client's peak RSS in each of 10 epochs of image batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from ..cli_args import positive_int, silent_worker, worker_address
+from .report import evaluate_targets, format_table, format_targets, machine_info, plot
+from .scenarios import Bench, Sizes
+from .systems import RpcdlSystem, SocketSystem, System, TorchLoaderSystem
+from .workloads import SCENARIOS
+
+HELP = "measure rpcdl side by side with torch's DataLoader and a raw loopback socket"
+DESCRIPTION = (
+    "Run benchmark scenarios against local worker processes (--local N, the default being 2) or running "
+    "workers (--workers HOST:PORT ...), each figure beside torch's DataLoader with as many local processes "
+    "and a raw loopback socket where meaningful, interleaved over several rounds. Prints a table of medians "
+    "and ratios (rpcdl / other); --json and --plot save them. Speeds depend on the machine and its load: "
+    "compare ratios from one run, not figures from different runs."
+)
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``rpcdl bench``."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--workers", nargs="+", type=worker_address, metavar="HOST:PORT",
+        help="benchmark these running workers (rpcdl worker); the local baselines use as many processes",
+    )  # fmt: skip
+    where.add_argument(
+        "--local", type=positive_int, metavar="N",
+        help="start N local worker processes (default: 2; the io scenario starts up to 8)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scenario", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), metavar="NAME",
+        help=f"scenarios to run, in order (default: all): {', '.join(SCENARIOS)}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=positive_int, metavar="R",
+        help="interleaved rounds per scenario; figures are medians over them (default: 5, 1 with --quick)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--io-workers", type=positive_int, nargs="+", metavar="K",
+        help="worker counts of the io scenario (default: 1 2 4 8; 1 2 with --quick)",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, in seconds")
+    parser.add_argument("--json", metavar="FILE", help="write the figures, the machine and the targets to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the figures into FILE.png (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
+    """Run ``rpcdl bench`` with parsed arguments; return the exit code."""
+    sizes = Sizes.quick() if args.quick else Sizes()
+    if args.rounds:
+        sizes.rounds = args.rounds
+    if args.io_workers:
+        sizes.io_workers = tuple(sorted(set(args.io_workers)))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("rpcdl bench: --plot needs matplotlib: pip install 'rpcdl[bench]'", file=sys.stderr)
+            return 2
+    local = args.local or 2
+    problem = silent_worker(args.workers, timeout=10.0) if args.workers else None
+    if problem:
+        print(f"rpcdl bench: {problem}", file=sys.stderr)
+        return 2
+    systems: list[System] = [RpcdlSystem(), TorchLoaderSystem(), SocketSystem(), *extra_systems]
+    names = [system.name for system in systems]
+    machine = machine_info()
+    bench = Bench(systems, workers=args.workers, local=local, sizes=sizes, progress=not args.no_progress)
+    started = time.time()
+    try:
+        figures = bench.run(args.scenario)
+    finally:
+        bench.close()
+    machine["load_average_after"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    targets = evaluate_targets(figures)
+    workers = f"{len(args.workers)} given" if args.workers else f"{local} local"
+    print(f"rpcdl bench: {workers} workers, {sizes.rounds} rounds, medians; ratios are rpcdl's median / the other's")
+    print(
+        f"machine: {machine['cpus']} CPUs, {machine['processor']}, {machine['platform']}; "
+        f"load average {machine.get('load_average')} before, {machine.get('load_average_after')} after"
+    )
+    print()
+    print(format_table(figures, names))
+    print()
+    print("targets:")
+    print(format_targets(targets))
+    for note in bench.notes:
+        print(f"note: {note}")
+    if args.json:
+        document = {
+            "command": getattr(args, "command_line", None) or " ".join(["rpcdl", *sys.argv[1:]]),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+            "seconds": round(time.time() - started, 1),
+            "machine": machine,
+            "workers": args.workers or {"local": local},
+            "rounds": sizes.rounds,
+            "systems": names,
+            "figures": [figure.as_dict() for figure in figures],
+            "targets": targets,
+            "notes": bench.notes,
+        }
+        with open(args.json, "w") as handle:
+            json.dump(document, handle, indent=2)
+    if args.plot:
+        plot(figures, names, args.plot)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, extra_systems: Sequence[System] = ()) -> int:
+    """``rpcdl bench`` as a function, with more systems to compare (benchmarks/compare.py)."""
+    parser = argparse.ArgumentParser(prog="rpcdl bench", description=DESCRIPTION)
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.command_line = " ".join([os.path.basename(sys.argv[0]), *argv])
+    return run(args, extra_systems)

@@ -1,0 +1,208 @@
+"""Figures and targets, and how they are printed, saved and drawn."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .workloads import RPCDL, SOCKET, TORCH
+
+# ---------------------------------------------------------------------------- figures
+
+
+@dataclass
+class Figure:
+    """One measured quantity for every system that could measure it."""
+
+    scenario: str
+    metric: str
+    unit: str
+    better: str  # "higher" or "lower"
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    note: str = ""
+
+    def add(self, system: str, value: float) -> None:
+        self.samples.setdefault(system, []).append(float(value))
+
+    def median(self, system: str) -> float | None:
+        values = self.samples.get(system)
+        return statistics.median(values) if values else None
+
+    def ratio(self, system: str, reference: str = RPCDL) -> float | None:
+        """``reference``'s median over ``system``'s."""
+        mine, theirs = self.median(reference), self.median(system)
+        if mine is None or not theirs:
+            return None
+        return mine / theirs
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "metric": self.metric,
+            "unit": self.unit,
+            "better": self.better,
+            "note": self.note,
+            "systems": {
+                name: {"median": self.median(name), "min": min(values), "max": max(values), "samples": values}
+                for name, values in self.samples.items()
+            },
+            "ratios": {name: self.ratio(name) for name in self.samples if name != RPCDL},
+        }
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal on a figure: rpcdl's median over ``against``'s (or rpcdl's own when ``against`` is None)."""
+
+    label: str
+    scenario: str
+    metric: str
+    against: str | None
+    op: str  # "<=" or ">="
+    threshold: float
+
+    def value(self, figures: Sequence[Figure]) -> float | None:
+        for figure in figures:
+            if figure.scenario == self.scenario and figure.metric == self.metric:
+                return figure.median(RPCDL) if self.against is None else figure.ratio(self.against)
+        return None
+
+    def met(self, value: float | None) -> bool | None:
+        if value is None:
+            return None
+        return value <= self.threshold if self.op == "<=" else value >= self.threshold
+
+
+RPCDATALOADER = "rpcdataloader"
+TORCH_RPC = "torch.distributed.rpc"
+
+TARGETS = (
+    Target("no-op rpc_sync p50 latency vs rpcdataloader", "latency", "p50", RPCDATALOADER, "<=", 0.25),
+    Target("no-op rpc_sync p50 latency vs torch.distributed.rpc", "latency", "p50", TORCH_RPC, "<=", 1.0),
+    Target("pipelined calls/s vs rpcdataloader", "pipelined", "calls/s", RPCDATALOADER, ">=", 5.0),
+    Target("small batches/s vs rpcdataloader", "small", "batches/s", RPCDATALOADER, ">=", 2.0),
+    Target("small batches/s vs torch DataLoader", "small", "batches/s", TORCH, ">=", 2.0),
+    Target("image MB/s vs rpcdataloader", "image", "MB/s", RPCDATALOADER, ">=", 1.5),
+    Target("image MB/s vs raw loopback socket", "image", "MB/s", SOCKET, ">=", 0.6),
+    Target("straggler: throughput kept vs fast workers only", "straggler", "kept", None, ">=", 0.8),
+    Target("I/O-bound: 8 workers vs 1 worker", "io", "speedup x8", None, ">=", 7.0),
+    Target("client peak memory / (prefetch window + 2 batches)", "memory", "peak / bound", None, "<=", 1.0),
+    Target("client peak memory growth, epochs 2-5 -> 6-10, in batches", "memory", "growth (batches)", None, "<=", 1.0),
+)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine and its load, for the report."""
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    with contextlib.suppress(OSError):
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+        models = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+        if models:
+            info["processor"] = models[0]
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as handle:
+        info["memory_gb"] = round(int(handle.readline().split()[1]) / 1e6, 1)
+    return info
+
+
+def _format_value(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def format_table(figures: Sequence[Figure], systems: Sequence[str]) -> str:
+    """A text table: one row per figure, each system's median, and rpcdl's ratio to each other system."""
+    others = [name for name in systems if name != RPCDL]
+    headers = ["scenario", "metric", "unit", *systems, *(f"{RPCDL}/{name}" for name in others)]
+    rows = []
+    for figure in figures:
+        if not figure.samples:
+            continue
+        cells = [figure.scenario, figure.metric, f"{figure.unit} ({figure.better})"]
+        cells += [_format_value(figure.median(name)) for name in systems]
+        cells += [_format_ratio(figure.ratio(name)) for name in others]
+        rows.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _format_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def evaluate_targets(figures: Sequence[Figure]) -> list[dict[str, Any]]:
+    """Where each of :data:`TARGETS` stands in ``figures``."""
+    results = []
+    for target in TARGETS:
+        value = target.value(figures)
+        results.append(
+            {
+                "target": target.label,
+                "goal": f"{target.op} {target.threshold:g}",
+                "value": value,
+                "met": target.met(value),
+            }
+        )
+    return results
+
+
+def format_targets(results: Sequence[dict[str, Any]]) -> str:
+    lines = []
+    for result in results:
+        status = {True: "met", False: "MISSED", None: "not measured"}[result["met"]]
+        value = "-" if result["value"] is None else f"{result['value']:.2f}"
+        lines.append(f"  {status:<12} {result['target']}: {value} (goal {result['goal']})")
+    return "\n".join(lines)
+
+
+def plot(figures: Sequence[Figure], systems: Sequence[str], path: str) -> None:
+    """Draw each figure's medians (bars, with min-max whiskers) per system into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [f for f in figures if f.samples and not f.metric.startswith("epoch ")]
+    columns = 4
+    rows = max(1, -(-len(shown) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for axis, figure in zip(axes.flat, shown, strict=False):
+        names = [name for name in systems if name in figure.samples]
+        medians = [figure.median(name) for name in names]
+        low = [m - min(figure.samples[n]) for m, n in zip(medians, names, strict=True)]
+        high = [max(figure.samples[n]) - m for m, n in zip(medians, names, strict=True)]
+        axis.bar(range(len(names)), medians, yerr=[low, high], capsize=3,
+                 color=[colors[systems.index(n) % len(colors)] for n in names])  # fmt: skip
+        axis.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
+        axis.set_title(f"{figure.scenario}: {figure.metric}", fontsize=9)
+        axis.set_ylabel(f"{figure.unit} ({figure.better} is better)", fontsize=7)
+    for axis in list(axes.flat)[len(shown) :]:
+        axis.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

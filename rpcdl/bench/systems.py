@@ -1,0 +1,183 @@
+"""The systems compared: rpcdl, torch's DataLoader and a raw loopback socket."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..local import child_environment, stop_process
+from .workloads import (
+    LENGTH,
+    PREFETCH,
+    REQUEST,
+    RPCDL,
+    SLOWDOWN,
+    SOCKET,
+    TORCH,
+    noop,
+    recv_exact_into,
+    set_slowdown,
+    slow_torch_worker,
+)
+
+if TYPE_CHECKING:
+    from .scenarios import Bench
+
+# ---------------------------------------------------------------------------- systems
+
+
+@dataclass
+class LoaderSpec:
+    """A data loading run: the dataset (built where the system loads), batches, workers."""
+
+    dataset: Callable[..., Any]
+    args: tuple
+    batch_size: int
+    workers: int
+    slow_worker: int | None = None  # index of the worker made SLOWDOWN times slower
+
+
+class System:
+    """Something measured side by side. Subclasses implement the capabilities they have.
+
+    Capabilities: ``call()`` (one no-op round trip, blocking), ``calls(count,
+    window)`` (``count`` no-op calls with ``window`` in flight), ``stream(size,
+    count)`` (receive ``count`` messages of ``size`` bytes) and ``loader(spec)``
+    (an iterable whose iterations are epochs). A system lacking one is left out
+    of the scenarios that need it.
+    """
+
+    name = "system"
+
+    def start(self, bench: Bench) -> None:
+        """Prepare (start processes); called once before the first scenario that uses it."""
+
+    def stop(self) -> None:
+        """Free what :meth:`start` and the loaders took."""
+
+    def release_loader(self, loader: Any) -> None:
+        """Free one loader made by :meth:`loader` (its worker processes or remote datasets)."""
+
+
+class RpcdlSystem(System):
+    name = RPCDL
+
+    def __init__(self) -> None:
+        self.bench: Bench | None = None
+
+    def start(self, bench: Bench) -> None:
+        self.bench = bench
+
+    def call(self) -> None:
+        from ..client import rpc_sync
+
+        rpc_sync(self.bench.worker_addresses(1)[0], noop)
+
+    def calls(self, count: int, window: int) -> None:
+        from ..client import rpc_async
+
+        address = self.bench.worker_addresses(1)[0]
+        in_flight: collections.deque = collections.deque()
+        for _ in range(count):
+            if len(in_flight) >= window:
+                in_flight.popleft().wait()
+            in_flight.append(rpc_async(address, noop))
+        for future in in_flight:
+            future.wait()
+
+    def loader(self, spec: LoaderSpec) -> Any:
+        from ..client import rpc_sync
+        from ..dataloader import RPCDataloader
+        from ..dataset import RPCDataset
+
+        addresses = self.bench.worker_addresses(spec.workers)
+        for index, address in enumerate(addresses):
+            rpc_sync(address, set_slowdown, (SLOWDOWN if index == spec.slow_worker else 1.0,))
+        dataset = RPCDataset(addresses, spec.dataset, *spec.args)
+        return RPCDataloader(dataset, batch_size=spec.batch_size, prefetch_factor=PREFETCH)
+
+    def release_loader(self, loader: Any) -> None:
+        from ..client import rpc_sync
+
+        for address in loader.workers:
+            rpc_sync(address, set_slowdown, (1.0,))
+        loader.dataset.release()
+
+
+class TorchLoaderSystem(System):
+    """torch.utils.data.DataLoader with as many worker processes as rpcdl has workers."""
+
+    name = TORCH
+
+    def loader(self, spec: LoaderSpec) -> Any:
+        import functools
+        import warnings
+
+        from torch.utils.data import DataLoader
+
+        # more worker processes than CPUs is the point of the io scenario: no warning about it
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        return DataLoader(
+            spec.dataset(*spec.args), batch_size=spec.batch_size, num_workers=spec.workers,
+            persistent_workers=True, prefetch_factor=PREFETCH,
+            worker_init_fn=functools.partial(slow_torch_worker, spec.slow_worker),
+        )  # fmt: skip
+
+    def release_loader(self, loader: Any) -> None:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
+class SocketSystem(System):
+    """A raw loopback TCP connection to a minimal Python peer: the transport's ceiling."""
+
+    name = SOCKET
+    message = 64  # bytes per echo, about an rpcdl no-op call
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+
+    def start(self, bench: Bench) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from rpcdl.bench.workloads import socket_server; socket_server()"],
+            stdout=subprocess.PIPE, text=True, env=child_environment(),
+        )  # fmt: skip
+        port = int(self.process.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._echo = REQUEST.pack(b"E", self.message, 0) + bytes(self.message)
+        self._answer = memoryview(bytearray(LENGTH.size + self.message))
+
+    def stop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.process is not None:
+            stop_process(self.process)
+
+    def call(self) -> None:
+        self.sock.sendall(self._echo)
+        recv_exact_into(self.sock, self._answer)
+
+    def calls(self, count: int, window: int) -> None:
+        while count > 0:
+            batch = min(window, count)
+            self.sock.sendall(self._echo * batch)
+            for _ in range(batch):
+                recv_exact_into(self.sock, self._answer)
+            count -= batch
+
+    def stream(self, size: int, count: int) -> None:
+        header = memoryview(bytearray(LENGTH.size))
+        target = memoryview(bytearray(size))
+        self.sock.sendall(REQUEST.pack(b"S", size, count))
+        for _ in range(count):
+            recv_exact_into(self.sock, header)
+            recv_exact_into(self.sock, target)

@@ -1,0 +1,140 @@
+"""What the benchmarks run: datasets and functions for the workers, the raw socket peer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+SCENARIOS = ("latency", "pipelined", "small", "memory", "image", "straggler", "io")  # memory before image: a cold start
+RPCDL = "rpcdl"
+TORCH = "torch DataLoader"
+SOCKET = "socket"
+
+SMALL_BATCH = 32
+SMALL_FEATURES = 128
+IMAGE_BATCH = 64
+IMAGE_SHAPE = (3, 224, 224)
+IMAGE_BATCH_BYTES = IMAGE_BATCH * IMAGE_SHAPE[0] * IMAGE_SHAPE[1] * IMAGE_SHAPE[2]
+IO_DELAY = 0.005
+IO_BATCH = 4
+STRAGGLER_DELAY = 0.002
+STRAGGLER_BATCH = 4
+SLOWDOWN = 10.0
+PREFETCH = 2
+PIPELINE_WINDOW = 64
+MEMORY_EPOCHS = 10
+
+
+# ---------------------------------------------------------------------------- run on workers
+
+
+def noop() -> None:
+    """The no-op call of the latency scenarios."""
+
+
+_slowdown = 1.0  # per process: how much slower SleepDataset is here
+
+
+def set_slowdown(factor: float) -> None:
+    """Make :class:`SleepDataset` ``factor`` times slower in this process (the straggler)."""
+    global _slowdown
+    _slowdown = float(factor)
+
+
+class SmallDataset:
+    """Rows of float32[features]; batches of them are a few KB."""
+
+    def __init__(self, length: int, features: int = SMALL_FEATURES):
+        import torch
+
+        self.rows = torch.randn(length, features)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[index]
+
+
+class ImageDataset:
+    """uint8[3, 224, 224] images (a few distinct ones, repeated): batches are MB."""
+
+    def __init__(self, length: int, distinct: int = 8):
+        import torch
+
+        self.length = length
+        self.images = torch.randint(0, 256, (distinct, *IMAGE_SHAPE), dtype=torch.uint8)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.images[index % len(self.images)]
+
+
+class SleepDataset:
+    """Sleeps ``delay`` seconds per item (times this process's slowdown): I/O-bound loading."""
+
+    def __init__(self, length: int, delay: float):
+        self.length = length
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(self.delay * _slowdown)
+        return index
+
+
+def slow_torch_worker(slow_index: int | None, worker_id: int) -> None:
+    """``worker_init_fn`` of torch's DataLoader: slow down one of its worker processes."""
+    if worker_id == slow_index:
+        set_slowdown(SLOWDOWN)
+
+
+# ---------------------------------------------------------------------------- raw socket peer
+
+
+def socket_server() -> None:
+    """A raw loopback peer for the socket baseline: echoes frames, or streams them on request.
+
+    A request is a kind byte and two u64: ``E`` (echo the ``size`` bytes that
+    follow), ``S`` (send ``count`` frames of ``size`` bytes). Each answer is a
+    u64 length and the bytes. Prints its port, serves one connection, exits.
+    """
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    connection, _ = listener.accept()
+    listener.close()
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    reader = connection.makefile("rb", buffering=1 << 16)
+    payload = memoryview(bytearray(0))
+    while True:
+        request = reader.read(17)
+        if len(request) < 17:
+            return
+        kind, size, count = REQUEST.unpack(request)
+        if kind == b"E":
+            connection.sendall(LENGTH.pack(size) + reader.read(size))
+        else:
+            if payload.nbytes != size:
+                payload = memoryview(bytearray(os.urandom(16)) * (size // 16) + bytearray(size % 16))
+            for _ in range(count):
+                connection.sendall(LENGTH.pack(size))
+                connection.sendall(payload)
+
+
+REQUEST = struct.Struct("!cQQ")
+LENGTH = struct.Struct("!Q")
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        received = sock.recv_into(view)
+        if not received:
+            raise ConnectionError("the socket peer closed the connection")
+        view = view[received:]
