@@ -90,6 +90,8 @@ def run_worker_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except (PermissionError, OSError, ValueError) as exc:
         print(f"rpcdl worker: {exc}", file=sys.stderr)
         return 2
+    for signum in (signal.SIGTERM, signal.SIGINT):  # stopped gracefully: a repeated signal changes nothing now
+        signal.signal(signum, signal.SIG_IGN)
     return 0
 
 

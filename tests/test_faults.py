@@ -266,7 +266,7 @@ def test_connection_reset_mid_transfer(embedded_worker, caplog):
     caplog.set_level(logging.WARNING, logger="rpcdl")
     workers = [embedded_worker().address for _ in range(2)]
     n, width, batch_size = 192, 16384, 8  # 512 KiB batches
-    with TcpProxy(workers[0], cut_after=(1 << 20) + 12345) as proxy:  # in the third batch
+    with TcpProxy(workers[0], cut_after=(1 << 18) + 12345) as proxy:  # in its first batch, which it always gets
         dataset = rpcdl.RPCDataset([proxy.address, workers[1]], WideDataset, n, width)
         loader = rpcdl.RPCDataloader(dataset, batch_size=batch_size, timeout=10)
         seen = []
