@@ -401,7 +401,16 @@ def test_sigterm_lets_the_running_call_finish(tmp_path):
     time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     assert future.wait() == "finished"
-    assert process.wait(timeout=60) == 0  # by itself, after the one SIGTERM
+    try:
+        code = process.wait(timeout=60)  # by itself, after the one SIGTERM
+    except subprocess.TimeoutExpired:
+        stacks = subprocess.run(
+            [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(process.pid)],
+            capture_output=True, text=True, check=False,
+        ).stdout  # fmt: skip
+        process.kill()
+        raise AssertionError(f"the worker did not exit:\n{stacks}\n{process.stderr.read()}") from None
+    assert code == 0, process.stderr.read()
     stop(process)
 
 
