@@ -8,7 +8,6 @@ import logging
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Sequence
 
 from .cli_args import port, positive_float, positive_int, worker_address
@@ -103,9 +102,9 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
         port = args.port + index if args.port else 0
         command = [sys.executable, "-m", "rpcdl", "worker", *_without_option(child_argv, "--port"), "--port", str(port)]
         children.append(subprocess.Popen(command))
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    from .worker import StopSignals
+
+    stop = StopSignals().install()
     while not stop.wait(0.5):
         if any(child.poll() is not None for child in children):
             break
@@ -113,7 +112,7 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
     codes = [child.wait() for child in children]
-    return 0 if stop.is_set() and all(code == 0 for code in codes) else 1
+    return 0 if stop.received and all(code == 0 for code in codes) else 1
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:

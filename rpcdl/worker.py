@@ -483,6 +483,40 @@ def _name(func: Any) -> str:
     return f"{getattr(func, '__qualname__', type(func).__name__)}()"
 
 
+class StopSignals:
+    """SIGTERM and SIGINT turned into a flag the main thread polls.
+
+    The handlers only set an attribute: a handler that takes a lock (``Event.set()``)
+    deadlocks when the signal lands while the main thread holds that lock itself.
+    Outside the main thread nothing is installed and :meth:`wait` just sleeps.
+    """
+
+    def __init__(self):
+        self.received = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, less if a signal comes; return whether one came."""
+        deadline = time.monotonic() + timeout
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self.received
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
 def _process_exists(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
@@ -562,11 +596,7 @@ def run_worker(
         host, port, timeout=timeout, parallel=parallel, token=token, insecure=insecure,
         ssl_context=ssl_context, advertise=advertise,
     ).start()  # fmt: skip
-    stop = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, lambda *_: stop.set())
+    stop = StopSignals().install()
     try:
         if address_file is not None:
             append_address(address_file, worker.address)
@@ -582,7 +612,6 @@ def run_worker(
         log.info("rpcdl worker %s stopping", worker.address)
     finally:
         finished = worker.stop(grace)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        stop.restore()
     if not finished:
         log.warning("rpcdl worker %s stopped with calls still running after %gs", worker.address, grace)
