@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rpcdl import rpc_async
+from rpcdl.checks import check_positive_int, check_timeout
 from rpcdl.scheduler import Dispatch, Task, WorkerPool, WorkerSlot
 
 
@@ -25,12 +26,8 @@ def check_fn(fn: Any) -> None:
 
 def check_options(prefetch_factor: Any, timeout: Any) -> None:
     """Validate the in-flight bound and the timeout of a remote map or loader."""
-    if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-        raise ValueError(
-            f"prefetch_factor must be a positive integer (calls in flight per worker), got {prefetch_factor!r}"
-        )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    check_positive_int(prefetch_factor, "prefetch_factor", "calls in flight per worker")
+    check_timeout(timeout)
 
 
 class RemoteMap:

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from rpcdl.address import check_workers, parse_address
+from rpcdl.checks import check_positive_int, check_timeout
 from rpcdl.dataloader import RPCDataloader
 from rpcdl.dataset import RPCDataset
 from rpcdl.distributed import shard_workers
@@ -252,16 +253,14 @@ class RPCDataModule(pl.LightningDataModule):
         num_local_workers: int = 2,
     ):
         super().__init__()
-        for name, value in (("batch_size", batch_size), ("prefetch_factor", prefetch_factor),
-                            ("num_local_workers", num_local_workers)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int(batch_size, "batch_size")
+        check_positive_int(prefetch_factor, "prefetch_factor")
+        check_positive_int(num_local_workers, "num_local_workers")
         if eval_batch_size is not None and (
             isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int) or eval_batch_size < 1
         ):
             raise ValueError(f"eval_batch_size must be a positive integer or None, got {eval_batch_size!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_timeout(timeout)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an integer or None, got {seed!r}")
         if isinstance(collate_fn, str):

@@ -38,6 +38,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from .checks import check_positive_int, check_timeout
 from .redis_server import shared_local_server  # imported first: its exit hook then runs after the flush below
 from .serialization import dumps_inline, loads
 
@@ -117,7 +118,7 @@ def _shared_memory_store(capacity: int) -> MemoryStore:
 
 class _MemoryBackend:
     def __init__(self, capacity_per_node: int = DEFAULT_CAPACITY):
-        _check_positive_int("capacity_per_node", capacity_per_node)
+        check_positive_int(capacity_per_node, "capacity_per_node")
         self.capacity = capacity_per_node
         self.store = _shared_memory_store(capacity_per_node)
 
@@ -187,11 +188,10 @@ class _RedisBackend:
             import redis
         except ImportError as exc:
             raise ImportError("the 'redis' cache backend needs redis-py: pip install 'rpcdl[redis]'") from exc
-        _check_positive_int("capacity_per_node", capacity_per_node)
+        check_positive_int(capacity_per_node, "capacity_per_node")
         if not isinstance(cluster_mode, bool):
             raise TypeError(f"cluster_mode must be True or False, got {cluster_mode!r}")
-        if isinstance(socket_timeout, bool) or not isinstance(socket_timeout, (int, float)) or socket_timeout <= 0:
-            raise ValueError(f"socket_timeout must be a positive number of seconds, got {socket_timeout!r}")
+        check_timeout(socket_timeout, "socket_timeout")
         if hosts is None:
             server = shared_local_server(capacity_per_node)
             addresses = [(server.host, server.port)]
@@ -279,11 +279,6 @@ class _RedisBackend:
 _BACKENDS: dict[str, type] = {"memory": _MemoryBackend, "redis": _RedisBackend}
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 # ---------------------------------------------------------------------------- the cache
 
 
@@ -361,7 +356,7 @@ class CacheLoader:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if not isinstance(dataset_name, str):
             raise TypeError(f"dataset_name must be a string, got {dataset_name!r}")
-        _check_positive_int("writer_buffer_size", writer_buffer_size)
+        check_positive_int(writer_buffer_size, "writer_buffer_size")
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be 'compute' (fall back to load_fn) or 'raise', got {on_error!r}")
         if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or retry_interval < 0:

@@ -28,6 +28,7 @@ import torch
 
 from . import buffers
 from .address import format_address, parse_address
+from .checks import check_timeout
 from .errors import AuthenticationError, ConnectionLost, ProtocolError, WorkerTimeout, WorkerUnavailable
 from .rref import RRef, holding_handle, new_uid
 from .security import Token, default_client_tls, resolve_token
@@ -465,12 +466,6 @@ atexit.register(shutdown)
 # ---------------------------------------------------------------------------- calls
 
 
-def _check_timeout(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
-
-
 def _check_address(host: Any) -> str:
     return format_address(*parse_address(host))
 
@@ -541,7 +536,7 @@ def _call(
     ssl_context: ssl.SSLContext | None = None,
 ) -> _Call:
     address = _check_address(host)
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout)
     payload, buffers = _serialize_call(address, func, args, kwargs)
     options: dict[str, Any] = {"sync": sync, "pin_memory": pin_memory, "token": token, "ssl_context": ssl_context}
     if rref:
@@ -653,7 +648,7 @@ def remote(
 
 def ping_async(host: str, timeout: float = 10.0, **options: Any) -> torch.futures.Future[float]:
     """:func:`ping` without waiting: a future of the round-trip time."""
-    return _submit(Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", **options).future
+    return _submit(Kind.PING, _check_address(host), check_timeout(timeout), "a ping", **options).future
 
 
 def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
@@ -666,7 +661,7 @@ def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
         WorkerTimeout: it was reached but did not answer within ``timeout``.
     """
     return _submit(
-        Kind.PING, _check_address(host), _check_timeout(timeout), "a ping", sync=True, **options
+        Kind.PING, _check_address(host), check_timeout(timeout), "a ping", sync=True, **options
     ).future.wait()
 
 
@@ -678,5 +673,5 @@ def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
         >>> rpcdl.stats("127.0.0.1:6543")["calls_served"]  # doctest: +SKIP
         42
     """
-    call = _submit(Kind.STATS, _check_address(host), _check_timeout(timeout), "a stats request", sync=True, **options)
+    call = _submit(Kind.STATS, _check_address(host), check_timeout(timeout), "a stats request", sync=True, **options)
     return call.future.wait()

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from .checks import check_positive_int, check_timeout
 from .client import ping_async, rpc_async
 from .dataset import RPCDataset
 from .errors import is_transient
@@ -115,10 +116,8 @@ class RPCDataloader:
                 f"dataset must be an RPCDataset, got {type(dataset).__name__}; build it on the workers with "
                 "rpcdl.RPCDataset(workers, MyDataset, *args, **kwargs)"
             )
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}")
+        timeout = check_timeout(timeout)
+        check_positive_int(prefetch_factor, "prefetch_factor", "batches in flight or ready per worker")
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
@@ -159,7 +158,7 @@ class RPCDataloader:
         self.batch_sampler = batch_sampler
         self.collate_fn = collate_fn
         self.pin_memory = pin_memory
-        self.timeout = float(timeout)
+        self.timeout = timeout
         self.prefetch_factor = prefetch_factor
         self.in_order = in_order
         self.generator = generator

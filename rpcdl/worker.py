@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .address import format_address, is_loopback
+from .checks import check_positive_int, check_timeout
 from .errors import ConnectionLost, ProtocolError
 from .rref import RRefStore, StoreView
 from .security import Token, default_server_tls, resolve_token
@@ -207,12 +208,8 @@ class Worker:
             raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be an integer in 0..65535 (0 picks a free port), got {port!r}")
-        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-            raise ValueError(f"parallel must be a positive integer (calls run at once), got {parallel!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.timeout = float(timeout)
-        self.parallel = parallel
+        self.parallel = check_positive_int(parallel, "parallel", "calls run at once")
+        self.timeout = check_timeout(timeout)
         self.limits = limits or Limits()
         self._token = resolve_token(token)
         if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
