@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .client import ping_async
+from .client import ping_async, sent_together
 from .errors import RPCDLError, WorkerTimeout, is_transient
 from .rref import RRefNotFound
 
@@ -208,9 +208,11 @@ class Dispatch(Iterator[Task]):
     def __next__(self) -> Task:
         if self.closed:
             raise StopIteration
+        self._handle_events(wait=False)  # answers that came meanwhile free their workers' slots
         while True:
             task = self._pop_finished()
             if task is not None:
+                self._dispatch()  # into the room the task leaves, before the consumer works on it
                 return task
             if self._source_done and not self._outstanding:
                 self.close()
@@ -274,6 +276,12 @@ class Dispatch(Iterator[Task]):
         return chosen
 
     def _dispatch(self) -> None:
+        if self._waiting or not (self._source_done or len(self._outstanding) >= self._window()):
+            with sent_together():  # one system call per worker for what goes out now
+                self._send_waiting()
+        self._hedge()
+
+    def _send_waiting(self) -> None:
         while True:
             if not self._waiting:
                 if self._source_done or len(self._outstanding) >= self._window():
@@ -290,7 +298,6 @@ class Dispatch(Iterator[Task]):
             if slot is None:
                 break
             self._send(self._waiting.popleft(), slot)
-        self._hedge()
 
     def _send(self, task: Task, slot: WorkerSlot) -> None:
         attempt = _Attempt(task, slot, time.monotonic())
@@ -335,11 +342,12 @@ class Dispatch(Iterator[Task]):
             deadline = min(deadline, now + max(_MIN_HEDGE_AGE, self._default_service_time()))
         return max(0.0, deadline - now)
 
-    def _handle_events(self) -> None:
+    def _handle_events(self, wait: bool = True) -> None:
         try:
-            event = self.pool.events.get(timeout=self._wait_time())
+            event = self.pool.events.get(timeout=self._wait_time()) if wait else self.pool.events.get_nowait()
         except queue.Empty:
-            self._check_no_workers()
+            if wait:
+                self._check_no_workers()
             return
         while True:
             kind, subject, future = event

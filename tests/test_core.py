@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import rpcdl
+import rpcdl.client
 from rpcdl.errors import RemoteError
-from rpcdl.wire import MAGIC, VERSION, Frame, Kind, client_handshake, send_frame
+from rpcdl.wire import MAGIC, VERSION, Frame, FrameReader, Kind, client_handshake, send_frame
 
 TESTS = Path(__file__).resolve().parent
 
@@ -277,6 +278,44 @@ def test_thousand_calls_in_flight_from_eight_threads(two_workers):
     for thread in threads:
         thread.join()
     assert results == {i: [i**k for k in range(125)] for i in range(8)}
+
+
+def test_a_waiter_never_reads_for_an_answer_already_read(two_workers, monkeypatch):
+    # A race: the reading thread gives up the reading role, then completes the future. A
+    # waiter woken in between used to take the role and sit in recv until the idle tick
+    # (0.1 s). Rare here; a stall of 0.1 s when it happens.
+    idle_reads = []
+    read_frame = FrameReader.read_frame
+
+    def counting_read_frame(self, *args, **kwargs):
+        frame = read_frame(self, *args, **kwargs)
+        if frame is None:
+            idle_reads.append(threading.current_thread().name)
+        return frame
+
+    monkeypatch.setattr(FrameReader, "read_frame", counting_read_frame)
+    for k in range(600):
+        assert rpcdl.rpc_async(two_workers[k % 2], abs, (-k,)).wait() == k
+    assert len(idle_reads) <= 2, f"{len(idle_reads)} reads waited for an answer already read: {idle_reads[:5]}"
+
+
+def test_calls_sent_together_leave_at_the_end_of_the_block_in_order(two_workers):
+    address = two_workers[0]
+    served_before = rpcdl.stats(address)["calls_served"]
+    seen_inside = []
+    with rpcdl.client.sent_together():
+        futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
+        other_thread = threading.Thread(target=lambda: seen_inside.append(rpcdl.stats(address)["calls_served"]))
+        other_thread.start()
+        other_thread.join()
+        rref = rpcdl.remote(address, torch.ones, (3,))
+        total = rpcdl.rpc_sync(address, torch.sum, (rref,))  # sends what was held first, the RRef's call included
+    assert seen_inside == [served_before]  # held: the worker had seen none of them
+    assert [future.wait() for future in futures] == [2**n for n in range(8)]
+    assert float(total) == 3.0
+    with rpcdl.client.sent_together():
+        future = rpcdl.rpc_async(address, abs, (-5,))
+        assert future.wait() == 5  # waiting in the block sends the call
 
 
 def test_256_mib_tensor_roundtrip(two_workers):
