@@ -490,3 +490,28 @@ def test_embedded_worker_in_a_thread():
         assert rpcdl.rpc_sync(worker.address, sum, ([1, 2, 3],)) == 6
         assert worker.stats()["calls_served"] == 1
     rpcdl.shutdown()
+
+
+_running_now = {"now": 0, "most": 0}
+_running_lock = threading.Lock()
+
+
+def _count_while_sleeping(seconds: float) -> None:
+    with _running_lock:
+        _running_now["now"] += 1
+        _running_now["most"] = max(_running_now["most"], _running_now["now"])
+    time.sleep(seconds)
+    with _running_lock:
+        _running_now["now"] -= 1
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_a_worker_runs_parallel_calls_at_once_and_no_more(parallel):
+    _running_now.update(now=0, most=0)
+    with rpcdl.Worker(parallel=parallel) as worker:
+        futures = [rpcdl.rpc_async(worker.address, _count_while_sleeping, (0.2,)) for _ in range(2 * parallel + 1)]
+        for future in futures:
+            future.wait()
+        assert worker.stats()["calls_served"] == len(futures)
+    rpcdl.shutdown()
+    assert _running_now["most"] == parallel
