@@ -5,12 +5,18 @@ that becomes the tensor handed to the caller. Taken from the allocator, that
 memory stays with the process after the tensor goes (the allocator keeps its
 high-water mark, which grows with every batch received on a thread other
 than the one freeing them), and fresh memory costs a page fault per page.
-Here each buffer is its own private mapping, a whole number of 2 MiB huge
-pages where the kernel allows them (one page fault per 2 MiB, not per 4 KiB).
-When the last array (and tensor) using it goes, it returns to a small free
-list with its pages still mapped, so the next buffer of about that size is
-received without page faults; beyond that list it is unmapped. The process's
-memory thus follows the buffers alive.
+Here each buffer is its own private mapping, in 2 MiB huge pages where the
+kernel allows them (one page fault per 2 MiB, not per 4 KiB). When the last
+array (and tensor) using it goes, it returns to a free list with its pages
+still mapped, so the next buffer of that size is received without page
+faults; beyond that list it is unmapped.
+
+A new mapping is made only when the free list is empty, so the memory mapped
+for a size (in use plus free) never exceeds the most buffers of that size in
+use at once: a loader's prefetch window and the batches its caller holds. The
+free list is long enough to carry a window across an epoch's end, when the
+last batches are dropped before the next epoch's arrive (with two free
+buffers, one batch in five of a 24-batch epoch was received into fresh pages).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import weakref
 import numpy as np
 
 MIN_BYTES = 1 << 20  #: buffers this large come from the pool
-FREE_PER_SIZE = 2  #: free buffers kept for each size
+FREE_PER_SIZE = 8  #: free buffers kept for each size, at most
 
 
 class BufferPool:
@@ -39,15 +45,14 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, size: int) -> np.ndarray:
-        """A writable ``uint8`` array of ``size`` bytes (mapped rounded up to whole huge pages)."""
-        mapped = _mapped_size(size)
+        """A writable ``uint8`` array of ``size`` bytes."""
         with self._lock:
-            free = self._free.get(mapped)
+            free = self._free.get(size)
             memory = free.pop() if free else None
         if memory is None:
-            memory = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             _ask_for_huge_pages(memory)
-        array = np.frombuffer(memory, dtype=np.uint8, count=size)
+        array = np.frombuffer(memory, dtype=np.uint8)
         weakref.finalize(array, self._give_back, memory)
         return array
 
@@ -55,7 +60,7 @@ class BufferPool:
         """How many unused buffers the pool keeps (of ``size`` bytes, or in all)."""
         with self._lock:
             if size is not None:
-                return len(self._free.get(_mapped_size(size), ()))
+                return len(self._free.get(size, ()))
             return sum(len(free) for free in self._free.values())
 
     def _give_back(self, memory: mmap.mmap) -> None:
@@ -64,10 +69,6 @@ class BufferPool:
             if len(free) < self.free_per_size:
                 free.append(memory)
         # otherwise dropped: unmapped once the dying array lets go of it
-
-
-def _mapped_size(size: int) -> int:
-    return -(-size // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
 
 
 def _ask_for_huge_pages(memory: mmap.mmap) -> None:
@@ -81,7 +82,6 @@ def _ask_for_huge_pages(memory: mmap.mmap) -> None:
 
 
 _HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
-_HUGE_PAGE_BYTES = 2 << 20  # mappings are whole huge pages: a partial one at the end would fault per 4 KiB
 _pool = BufferPool()
 
 
