@@ -316,18 +316,23 @@ class Dispatch(Iterator[Task]):
         future.add_done_callback(lambda done: self.pool.events.put(("result", attempt, done)))
 
     def _hedge(self) -> None:
-        """Send a copy of the task the consumer waits for when it is late on its worker."""
+        """Send a copy of the task the consumer waits for when it is late on its worker,
+        or when another worker is expected to finish it much sooner (a slow worker's trial task)."""
         if not self.in_order or not self._outstanding:
             return
         head = self._head()
         live = [attempt for attempt in head.attempts if attempt.live]
         if head.done or len(live) != 1 or len(head.attempts) > 2:
             return
-        age = time.monotonic() - live[0].sent_at
-        if age < max(_HEDGE_FACTOR * self._default_service_time(), _MIN_HEDGE_AGE):
+        attempt = live[0]
+        default = self._default_service_time()
+        age = time.monotonic() - attempt.sent_at
+        late = age >= max(_HEDGE_FACTOR * default, _MIN_HEDGE_AGE)
+        remaining_here = (attempt.slot.service_time or default) - age
+        if not late and remaining_here <= _SLOW_FACTOR * default:
             return
-        slot = self._pick(exclude=live[0].slot)
-        if slot is not None:
+        slot = self._pick(exclude=attempt.slot)
+        if slot is not None and (late or remaining_here > _SLOW_FACTOR * slot.expected_done(default)):
             self._send(head, slot)
 
     # ------------------------------------------------------------------ events
