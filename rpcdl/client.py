@@ -16,13 +16,14 @@ import itertools
 import json
 import logging
 import os
+import select
 import socket
 import ssl
 import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -43,6 +44,7 @@ _call_ids = itertools.count(1)
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _MAX_RETRY_DELAY = 1.0
+_CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
 _cuda_available: bool | None = None
 
 
@@ -73,7 +75,8 @@ class _Future(torch.futures.Future):
 
 class _Call:
     __slots__ = (
-        "__weakref__", "call_id", "deadline", "future", "pin_memory", "started", "sync", "timeout", "transform", "what"
+        "__weakref__", "background", "call_id", "deadline", "future", "pin_memory", "started", "sync", "timeout",
+        "transform", "what",
     )  # fmt: skip
 
     def __init__(
@@ -89,6 +92,9 @@ class _Call:
         self.what = what
         self.transform = transform
         self.sync = sync
+        # whether the connection's own thread reads the answer (else a thread waiting for it,
+        # or one calling read_answers)
+        self.background = not sync and not getattr(_held, "read_here", False)
 
 
 _ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
@@ -104,8 +110,10 @@ class Connection:
     Use the module functions rather than this class. Reading is a role that
     one thread holds at a time: a thread blocked in :func:`rpc_sync` takes it
     and reads its own answer (no thread switch on the way back), and the
-    connection's own thread takes it while asynchronous calls are pending.
-    Whoever reads completes the futures of the answers it reads.
+    connection's own thread takes it while asynchronous calls are pending,
+    except those made under :func:`answers_read_here`, whose caller reads them
+    (unless it leaves them unread for ``_CALLER_PATIENCE``). Whoever reads
+    completes the futures of the answers it reads.
     """
 
     def __init__(self, address: str, token: Token | None, ssl_context: ssl.SSLContext | None, timeout: float):
@@ -119,6 +127,8 @@ class Connection:
         self._send_lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
         self._async_pending = 0
+        self._large_answers = False  # whether the last answer was large
+        self._caller_read_at = 0.0  # when a caller last came to read answers (read_if_ready)
         self._reading = False
         self._role_waiters = 0  # threads waiting in _cond for the reading role
         self._queued: list[Frame] = []
@@ -151,7 +161,11 @@ class Connection:
             if self._closed:
                 raise _Closed(self._error)
             self._pending[call.call_id] = call
-            if not call.sync:
+            if self._large_answers and not call.sync:
+                call.background = True  # large answers arrive faster read in parallel by each connection's thread
+            elif not call.background and not call.sync:
+                self._caller_read_at = time.monotonic()  # its caller is here, and will read
+            if call.background:
                 self._async_pending += 1
                 self._cond.notify_all()
             if not self._ready:
@@ -191,6 +205,39 @@ class Connection:
             else:
                 self._read_once()
 
+    def read_if_ready(self) -> bool | None:
+        """Read and deliver one frame in this thread if one is arriving and no other thread reads.
+
+        Returns:
+            ``True`` if a frame was read, ``False`` if none is arriving yet,
+            ``None`` if another thread is reading (it delivers what comes) or
+            the connection is closed.
+        """
+        with self._cond:
+            self._caller_read_at = time.monotonic()
+            if self._reading or self._closed:
+                return None
+            if not self._ready or not (self._reader.buffered or _readable(self._sock)):
+                return False
+            self._reading = True
+        self._read_once()
+        return True
+
+    def read_in_background(self, call: _Call) -> None:
+        """Let this connection's thread read the answer to ``call``."""
+        with self._cond:
+            if not call.background and not call.sync and call.call_id in self._pending:
+                call.background = True
+                self._async_pending += 1
+                self._cond.notify_all()
+
+    def _adopt_caller_calls(self) -> None:
+        """Read, in this connection's thread, the answers their caller has left unread too long."""
+        for call in self._pending.values():
+            if not call.background and not call.sync:
+                call.background = True
+                self._async_pending += 1
+
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker (safe to call from a finalizer)."""
         if not self._closed and os.getpid() == self._pid:
@@ -223,7 +270,7 @@ class Connection:
             overdue = [call for call in self._pending.values() if call.deadline <= now]
             for call in overdue:
                 del self._pending[call.call_id]
-                self._async_pending -= not call.sync
+                self._async_pending -= call.background
             if overdue:
                 self._cond.notify_all()
         for call in overdue:  # outside the lock: callbacks may make calls
@@ -275,11 +322,12 @@ class Connection:
                     # the role to read an answer that is already here
                     call = self._pending.pop(frame.call_id, None)
                     if call is not None:
-                        self._async_pending -= not call.sync
+                        self._async_pending -= call.background
                 if self._role_waiters:  # waking the idle connection thread for nothing costs a thread switch
                     self._cond.notify_all()
         if frame is None:
             return
+        self._large_answers = len(frame.payload) + sum(memoryview(b).nbytes for b in frame.buffers) >= buffers.MIN_BYTES
         if frame.kind not in _ANSWERS:
             self._fail(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
         elif call is not None:  # otherwise its caller gave up waiting
@@ -352,16 +400,20 @@ class Connection:
         last_flush = time.monotonic()
         while True:
             with self._cond:
+                watches_caller = False
                 if not self._closed and (self._async_pending == 0 or self._reading):
                     waits_for_role = self._async_pending > 0
+                    watches_caller = any(not call.background and not call.sync for call in self._pending.values())
                     self._role_waiters += waits_for_role
                     try:
-                        self._cond.wait(_IDLE_TICK if waits_for_role else _RELEASE_TICK)
+                        self._cond.wait(_IDLE_TICK if waits_for_role or watches_caller else _RELEASE_TICK)
                     finally:
                         self._role_waiters -= waits_for_role
                 if self._closed:
                     return
-            now = time.monotonic()
+                now = time.monotonic()
+                if watches_caller and now - self._caller_read_at > _CALLER_PATIENCE:
+                    self._adopt_caller_calls()
             self._expire(now)  # without the reading role: callbacks may wait for answers
             if self._releases and now - last_flush > _RELEASE_TICK:
                 last_flush = now
@@ -407,6 +459,14 @@ class Connection:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, _MAX_RETRY_DELAY)
+
+
+def _readable(sock: socket.socket) -> bool:
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _close_quietly(sock: socket.socket | None) -> None:
@@ -455,6 +515,84 @@ def _send_held() -> None:
         _held.frames = {}
         for connection, held in frames.items():
             connection._send(held)
+
+
+@contextlib.contextmanager
+def answers_read_here() -> Iterator[None]:
+    """Leave the answers to the calls this thread makes in the block to this thread.
+
+    Their connections' own threads do not read them: the thread reads them when
+    it waits for their futures or calls :func:`read_answers`, which saves two
+    thread switches per answer. Meant for one thread driving many calls, as the
+    data loader does. Answers it leaves unread for 0.1 s are read by their
+    connections' threads after all, so a worker never blocks sending them; so
+    are the answers of a connection whose last answer was large (1 MiB or
+    more), which arrive faster read in parallel, one thread per connection.
+
+    Example::
+
+        >>> with rpcdl.client.answers_read_here():  # doctest: +SKIP
+        ...     futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
+        >>> while not all(future.done() for future in futures):  # doctest: +SKIP
+        ...     rpcdl.client.read_answers(futures, timeout=1.0)
+    """
+    previous = getattr(_held, "read_here", False)
+    _held.read_here = True
+    try:
+        yield
+    finally:
+        _held.read_here = previous
+
+
+def read_in_background(futures: Iterable[torch.futures.Future]) -> None:
+    """Give the answers of ``futures`` made under :func:`answers_read_here` back to their connections' threads.
+
+    For a thread that stops reading before they are all answered.
+    """
+    for future in futures:
+        call = future._call() if isinstance(future, _Future) else None
+        if call is not None and future._connection is not None:
+            future._connection.read_in_background(call)
+
+
+def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> bool | None:
+    """Read, in this thread, the answers arriving for ``futures`` (calls to any workers).
+
+    Waits up to ``timeout`` seconds for the first answer, then reads what is
+    there and returns; the futures complete (and their callbacks run) here.
+
+    Returns:
+        ``True`` if answers were read; ``False`` if none came within
+        ``timeout``; ``None`` if they cannot be read here (another thread is
+        reading one of the connections, and completes the futures it reads).
+    """
+    calls = [future._call() for future in futures if isinstance(future, _Future)]
+    connections = {call.future._connection for call in calls if call is not None and not call.background}
+    if not connections:
+        return None  # no answer for this thread to read: their connections' threads read them
+    deadline = time.monotonic() + timeout
+    while True:
+        read_any = False
+        waiting = []
+        for connection in connections:
+            state = connection.read_if_ready()
+            if state is None:
+                return None
+            read_any |= state
+            waiting.append(connection)
+        if read_any:
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        poller = select.poll()
+        try:
+            for connection in waiting:
+                if connection._ready:
+                    poller.register(connection._sock, select.POLLIN)
+        except (OSError, ValueError):  # closed meanwhile: its futures have failed
+            return None
+        poller.poll(min(remaining, _IDLE_TICK) * 1000)
 
 
 # ---------------------------------------------------------------------------- pool

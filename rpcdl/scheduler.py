@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .client import ping_async, sent_together
+from .client import answers_read_here, ping_async, read_answers, read_in_background, sent_together
 from .errors import RPCDLError, WorkerTimeout, is_transient
 from .rref import RRefNotFound
 
@@ -121,10 +121,11 @@ class Task:
 
 
 class _Attempt:
-    __slots__ = ("live", "sent_at", "slot", "task")
+    __slots__ = ("future", "live", "sent_at", "slot", "task")
 
     def __init__(self, task: Task, slot: WorkerSlot, sent_at: float):
         self.task, self.slot, self.sent_at, self.live = task, slot, sent_at, True
+        self.future: torch.futures.Future | None = None
 
 
 #: Sends a task to a worker: returns the call's future. Raising a transient
@@ -224,10 +225,13 @@ class Dispatch(Iterator[Task]):
     def close(self) -> None:
         """End the pass; answers still in flight are dropped when they arrive."""
         self.closed = True
+        unread = []
         for task in self._outstanding.values():
             for attempt in task.attempts:
                 attempt.live = False
                 attempt.slot.in_flight.discard(attempt)
+                unread.append(attempt.future)
+        read_in_background(unread)  # nobody reads for this pass any more; a worker must not block sending them
         self._outstanding.clear()
         self._waiting.clear()
         self._finished.clear()
@@ -277,7 +281,7 @@ class Dispatch(Iterator[Task]):
 
     def _dispatch(self) -> None:
         if self._waiting or not (self._source_done or len(self._outstanding) >= self._window()):
-            with sent_together():  # one system call per worker for what goes out now
+            with sent_together(), answers_read_here():  # one system call per worker for what goes out now
                 self._send_waiting()
         self._hedge()
 
@@ -310,6 +314,7 @@ class Dispatch(Iterator[Task]):
             else:  # the payload cannot be sent: the error is its result
                 self._finish(task, slot, error=exc)
             return
+        attempt.future = future
         task.attempts.append(attempt)
         slot.in_flight.add(attempt)
         slot.last_sent = attempt.sent_at
@@ -348,8 +353,12 @@ class Dispatch(Iterator[Task]):
         return max(0.0, deadline - now)
 
     def _handle_events(self, wait: bool = True) -> None:
+        in_flight = [attempt.future for slot in self.pool.slots for attempt in slot.in_flight]
+        timeout = self._wait_time() if wait else 0.0
+        if read_answers(in_flight, timeout) is not None:  # read here (their events are queued), or none came in time
+            timeout = 0.0
         try:
-            event = self.pool.events.get(timeout=self._wait_time()) if wait else self.pool.events.get_nowait()
+            event = self.pool.events.get(timeout=timeout) if timeout > 0 else self.pool.events.get_nowait()
         except queue.Empty:
             if wait:
                 self._check_no_workers()

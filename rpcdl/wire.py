@@ -304,6 +304,11 @@ class FrameReader:
         self._progress = 0.0
         self.bytes_read = 0
 
+    @property
+    def buffered(self) -> bool:
+        """Whether received bytes wait in the buffer (the start of a frame, at least)."""
+        return self._end > self._start
+
     def read_frame(self, allocate: Callable[[int, int], Any] = _default_allocate) -> Frame | None:
         """Read one whole frame, or return ``None`` if none started within the receive timeout.
 

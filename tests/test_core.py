@@ -318,6 +318,26 @@ def test_calls_sent_together_leave_at_the_end_of_the_block_in_order(two_workers)
         assert future.wait() == 5  # waiting in the block sends the call
 
 
+def test_answers_read_here_are_read_by_their_caller_or_after_a_while_by_the_connection(two_workers):
+    address = two_workers[1]
+    with rpcdl.client.answers_read_here():
+        futures = [rpcdl.rpc_async(address, pow, (3, n)) for n in range(6)]
+    deadline = time.monotonic() + 10
+    while not all(future.done() for future in futures) and time.monotonic() < deadline:
+        assert rpcdl.client.read_answers(futures, timeout=1.0) in (True, False)
+    assert [future.wait() for future in futures] == [3**n for n in range(6)]
+    assert rpcdl.client.read_answers(futures, timeout=1.0) is None  # nothing left to read
+
+    with rpcdl.client.answers_read_here():
+        unread = [rpcdl.rpc_async(address, pow, (5, n)) for n in range(6)]
+    assert not any(future.done() for future in unread)  # the connection's thread leaves them to the caller...
+    deadline = time.monotonic() + 10
+    while not all(future.done() for future in unread) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(future.done() for future in unread)  # ...not for ever
+    assert [future.wait() for future in unread] == [5**n for n in range(6)]
+
+
 def test_256_mib_tensor_roundtrip(two_workers):
     tensor = torch.randint(0, 2**31 - 1, (64 * 1024 * 1024,), dtype=torch.int32)
     back = rpcdl.rpc_sync(two_workers[1], lambda t: t, (tensor,), timeout=300)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -15,6 +17,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 import rpcdl
+import rpcdl.local
+from rpcdl.bench.workloads import ImageDataset
 
 
 def indices_of(batches) -> list[int]:
@@ -223,6 +227,29 @@ def test_breaking_out_of_epochs_leaks_nothing(two_workers):
     assert threading.active_count() <= threads
     assert _open_descriptors() <= descriptors
     assert indices_of(loader) == list(range(500))  # and the loader still works
+
+
+def test_an_abandoned_epoch_leaves_no_worker_sending(two_workers):
+    # 8 batches of 9.6 MB in flight: more than the sockets hold, so a worker whose
+    # answers nobody reads stays blocked in send (until its timeout)
+    dataset = rpcdl.RPCDataset(two_workers, ImageDataset, 64 * 40)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=64, prefetch_factor=4)
+    iterator = iter(loader)
+    next(iterator)
+    # asked by another process: this one's connections would read the answers on the way
+    in_flight_code = "import sys, rpcdl; print(sum(rpcdl.stats(a)['calls_in_flight'] for a in sys.argv[1:]))"
+    deadline = time.monotonic() + 30
+    while True:
+        result = subprocess.run(
+            [sys.executable, "-c", in_flight_code, *two_workers], capture_output=True, text=True, timeout=60,
+            env=rpcdl.local.child_environment(),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        if int(result.stdout) == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert int(result.stdout) == 0
+    del iterator
 
 
 # ---------------------------------------------------------------------------- resume
