@@ -89,25 +89,23 @@ class _ClientConnection:
         for thread in self._threads:
             thread.start()
 
-    def send(self, frame: Frame) -> None:
-        """Send ``frame``; a connection that cannot take it is closed."""
-        if self.closed:
-            return
+    def send(self, frame: Frame, answers_call: bool = False) -> None:
+        """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
+        that cannot take it is closed."""
+        sent = 0
         try:
-            with self._send_lock:
-                sent = send_frame(self.sock, frame)
+            if not self.closed:
+                with self._send_lock:
+                    sent = send_frame(self.sock, frame)
         except OSError as exc:
             log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
             self.close()
-            return
-        self.worker._counters.add(bytes_out=sent)
+        finally:
+            self.worker._counters.add(bytes_out=sent, outstanding=-int(answers_call))
 
     def answer(self, frame: Frame) -> None:
         """Send the answer to a call and count the call as done."""
-        try:
-            self.send(frame)
-        finally:
-            self.worker._counters.add(outstanding=-1)
+        self.send(frame, answers_call=True)
 
     def close(self) -> None:
         with self._close_lock:  # not the send lock: a send may block for the whole timeout
@@ -136,10 +134,9 @@ class _ClientConnection:
                     return
                 if frame is None:
                     continue
-                worker._counters.add(bytes_in=self.reader.bytes_read - self._counted)
-                self._counted = self.reader.bytes_read
+                bytes_in, self._counted = self.reader.bytes_read - self._counted, self.reader.bytes_read
                 try:
-                    run_here = worker._dispatch(self, frame)
+                    run_here = worker._dispatch(self, frame, bytes_in)
                 except ProtocolError as exc:
                     log.warning("closed connection from %s: %s", self.peer, exc)
                     self.close()
@@ -381,10 +378,10 @@ class Worker:
         self._store.release_holder(connection)
         self._counters.add(clients=-1)
 
-    def _dispatch(self, connection: _ClientConnection, frame: Frame) -> bool:
-        """Handle a frame just read; return whether the reading thread should run it now."""
+    def _dispatch(self, connection: _ClientConnection, frame: Frame, bytes_in: int) -> bool:
+        """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now."""
+        self._counters.add(bytes_in=bytes_in, outstanding=int(frame.kind == Kind.CALL))
         if frame.kind == Kind.CALL:
-            self._counters.add(outstanding=1)
             if self._draining:
                 self._counters.add(calls_rejected=1)
                 connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=b"the worker is shutting down"))
