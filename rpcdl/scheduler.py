@@ -209,11 +209,14 @@ class Dispatch(Iterator[Task]):
     def __next__(self) -> Task:
         if self.closed:
             raise StopIteration
-        self._handle_events(wait=False)  # answers that came meanwhile free their workers' slots
+        # Answers that came meanwhile free their workers' slots, and the task handed out last
+        # left room in the window: top it up now, before waiting. (Not as a task is handed out:
+        # the consumer still holds the one before, so the window would hold one batch more.)
+        self._handle_events(wait=False)
+        self._dispatch()
         while True:
             task = self._pop_finished()
             if task is not None:
-                self._dispatch()  # into the room the task leaves, before the consumer works on it
                 return task
             if self._source_done and not self._outstanding:
                 self.close()
