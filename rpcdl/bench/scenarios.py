@@ -28,6 +28,7 @@ from .workloads import (
     SMALL_FEATURES,
     STRAGGLER_BATCH,
     STRAGGLER_DELAY,
+    WARMUP_EPOCHS,
     ImageDataset,
     SleepDataset,
     SmallDataset,
@@ -217,15 +218,21 @@ class Bench:
     # ------------------------------------------------------------------ helpers for scenarios
 
     def open_loaders(self, spec: LoaderSpec, label: str) -> dict[str, Any]:
-        """A loader for ``spec`` from each system that loads, after one warm-up epoch each."""
+        """A loader for ``spec`` from each system that loads, after warm-up epochs.
+
+        Two each: over the first epochs a process still touches the pages of its
+        heap for batch-sized allocations for the first time (image batches: the
+        workers' page faults stop in the third epoch of 24 batches).
+        """
         loaders = {}
         for system in self.capable("loader"):
             if not self._ensure_started(system):
                 continue
             try:
                 loader = system.loader(spec)
-                for _ in loader:
-                    pass
+                for _ in range(WARMUP_EPOCHS):
+                    for _ in loader:
+                        pass
             except Exception as exc:
                 self.notes.append(f"{system.name} could not run {label}: {type(exc).__name__}: {exc}")
                 continue

@@ -24,6 +24,7 @@ STRAGGLER_DELAY = 0.002
 STRAGGLER_BATCH = 4
 SLOWDOWN = 10.0
 PREFETCH = 2
+WARMUP_EPOCHS = 2  # per loader, before the measured rounds of the throughput scenarios
 PIPELINE_WINDOW = 64
 MEMORY_EPOCHS = 10
 
