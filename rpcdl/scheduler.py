@@ -283,10 +283,13 @@ class Dispatch(Iterator[Task]):
         return chosen
 
     def _dispatch(self) -> None:
-        if self._waiting or not (self._source_done or len(self._outstanding) >= self._window()):
-            with sent_together(), answers_read_here():  # one system call per worker for what goes out now
-                self._send_waiting()
-        self._hedge()
+        copy = self._hedge()
+        if copy is None and not self._waiting and (self._source_done or len(self._outstanding) >= self._window()):
+            return
+        with sent_together(), answers_read_here():  # one system call per worker for what goes out now
+            if copy is not None:  # first: the consumer waits for it; it must not wait for a slot behind new tasks
+                self._send(*copy)
+            self._send_waiting()
 
     def _send_waiting(self) -> None:
         while True:
@@ -323,25 +326,26 @@ class Dispatch(Iterator[Task]):
         slot.last_sent = attempt.sent_at
         future.add_done_callback(lambda done: self.pool.events.put(("result", attempt, done)))
 
-    def _hedge(self) -> None:
-        """Send a copy of the task the consumer waits for when it is late on its worker,
-        or when another worker is expected to finish it much sooner (a slow worker's trial task)."""
+    def _hedge(self) -> tuple[Task, WorkerSlot] | None:
+        """The task the consumer waits for and another worker to send a copy to, when it is late on
+        its worker or another is expected to finish it much sooner (a slow worker's trial task)."""
         if not self.in_order or not self._outstanding:
-            return
+            return None
         head = self._head()
         live = [attempt for attempt in head.attempts if attempt.live]
         if head.done or len(live) != 1 or len(head.attempts) > 2:
-            return
+            return None
         attempt = live[0]
         default = self._default_service_time()
         age = time.monotonic() - attempt.sent_at
         late = age >= max(_HEDGE_FACTOR * default, _MIN_HEDGE_AGE)
         remaining_here = (attempt.slot.service_time or default) - age
         if not late and remaining_here <= _SLOW_FACTOR * default:
-            return
+            return None
         slot = self._pick(exclude=attempt.slot)
         if slot is not None and (late or remaining_here > _SLOW_FACTOR * slot.expected_done(default)):
-            self._send(head, slot)
+            return head, slot
+        return None
 
     # ------------------------------------------------------------------ events
 
