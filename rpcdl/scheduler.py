@@ -18,7 +18,10 @@ schedule. A :class:`Dispatch` is one pass over a source of payloads:
   fails; an exception raised by user code is the task's result, not retried.
 
 The pool runs no thread of its own: everything happens in the consumer's
-``next()``, fed by the futures' callbacks through a queue.
+``next()``, fed by the futures' callbacks through a queue. The consumer reads
+the answers to its calls itself while it waits (see
+:func:`rpcdl.client.answers_read_here`), which saves two thread switches per
+answer; large answers are read by the connections' threads, in parallel.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 Each client connection has two service threads that take turns reading it.
 The one that reads a call runs it at once when a slot is free (``parallel``
 slots in all) and the other thread can go on reading; otherwise the call waits
-in a queue for one of ``parallel`` executor threads. Whoever runs a call frees
-its slot, then sends the answer, so network transfers overlap with computation
-whatever ``parallel`` is. No client can stop the worker: a connection that
-misbehaves is logged in one line and closed.
+in a queue for one of ``parallel`` executor threads. Whoever runs a call sends
+its answer, then runs the next queued call in the same slot if there is one
+(no thread switch per call) or frees the slot. No client can stop the worker:
+a connection that misbehaves is logged in one line and closed.
 """
 
 from __future__ import annotations
