@@ -226,17 +226,19 @@ class Connection:
     def read_in_background(self, call: _Call) -> None:
         """Let this connection's thread read the answer to ``call``."""
         with self._cond:
-            if not call.background and not call.sync and call.call_id in self._pending:
-                call.background = True
-                self._async_pending += 1
+            if call.call_id in self._pending and self._adopt([call]):
                 self._cond.notify_all()
 
-    def _adopt_caller_calls(self) -> None:
-        """Read, in this connection's thread, the answers their caller has left unread too long."""
-        for call in self._pending.values():
+    def _adopt(self, calls: Iterable[_Call]) -> int:
+        """Hand the answers of ``calls`` left to their caller to this connection's thread; the caller
+        holds ``_cond``. Returns how many were handed over."""
+        adopted = 0
+        for call in calls:
             if not call.background and not call.sync:
                 call.background = True
-                self._async_pending += 1
+                adopted += 1
+        self._async_pending += adopted
+        return adopted
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker (safe to call from a finalizer)."""
@@ -413,7 +415,7 @@ class Connection:
                     return
                 now = time.monotonic()
                 if watches_caller and now - self._caller_read_at > _CALLER_PATIENCE:
-                    self._adopt_caller_calls()
+                    self._adopt(self._pending.values())  # left unread too long by their caller
             self._expire(now)  # without the reading role: callbacks may wait for answers
             if self._releases and now - last_flush > _RELEASE_TICK:
                 last_flush = now
