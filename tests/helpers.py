@@ -62,3 +62,19 @@ def worker_pid() -> int:
 def sleep_and_return(seconds: float, value):
     time.sleep(seconds)
     return value
+
+
+def worker_pid_and(value):
+    """``(value, the pid of the process that ran this)``."""
+    return value, os.getpid()
+
+
+class ArrayDataset(RangeDataset):
+    """Sample ``i`` is ``size`` bytes: ``size // 8`` int64 copies of ``i``."""
+
+    def __init__(self, n: int, size: int):
+        super().__init__(n)
+        self.size = size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((self.size // 8,), index, dtype=torch.int64)

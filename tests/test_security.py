@@ -21,6 +21,7 @@ import traceback
 
 import psutil
 import pytest
+from pki import make_ca, make_certificate
 from test_faults import TcpProxy
 
 import rpcdl
@@ -121,44 +122,16 @@ def test_token_mismatch_is_refused_before_anything_is_unpickled(embedded_worker,
 # ---------------------------------------------------------------------------- TLS
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _make_ca(directory, name: str) -> None:
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=directory,
-    )  # fmt: skip
-
-
-def _make_certificate(directory, ca: str, name: str, names: str) -> None:
-    (directory / f"{name}.ext").write_text(
-        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
-        f"subjectAltName={names}\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
-    )
-    _openssl(
-        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory,
-    )  # fmt: skip
-    _openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-        "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=directory,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A self-signed CA, a worker certificate it signed for 127.0.0.1, and decoys."""
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is needed to make test certificates")
     directory = tmp_path_factory.mktemp("pki")
-    _make_ca(directory, "ca")
-    _make_ca(directory, "other-ca")
-    _make_certificate(directory, "ca", "worker", "IP:127.0.0.1,DNS:localhost")
-    _make_certificate(directory, "ca", "elsewhere", "DNS:elsewhere.invalid")
+    make_ca(directory, "ca")
+    make_ca(directory, "other-ca")
+    make_certificate(directory, "ca", "worker", "IP:127.0.0.1,DNS:localhost")
+    make_certificate(directory, "ca", "elsewhere", "DNS:elsewhere.invalid")
     return directory
 
 
