@@ -1,0 +1,58 @@
+"""A process that used rpcdl exits cleanly, whatever its connections' threads are doing at that moment.
+
+The abort this guards against ("terminate called without an active exception",
+exit 134) came from a connection's thread still inside torch's C++ future code
+when the interpreter finalized: the thread was killed as it took the GIL back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+# The connection's thread fails the call (the port refuses), and the call's callback keeps
+# that thread busy while the main thread, woken by the failure, reaches the end of the program.
+# Exit must wait for that thread: a thread killed at finalization inside torch's C++ code aborts.
+FAILED_CALL_THEN_EXIT = """
+import socket, time
+import rpcdl
+
+unused = socket.socket()
+unused.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+address = "127.0.0.1:%d" % unused.getsockname()[1]
+future = rpcdl.rpc_async(address, time.time, timeout=1.0)
+
+
+def slow_callback(_):
+    time.sleep(1.0)
+    print("callback finished", flush=True)
+
+
+future.add_done_callback(slow_callback)
+try:
+    future.wait()
+except Exception as exc:
+    print("failed as expected:", type(exc).__name__, flush=True)
+"""
+
+
+def run_script(source: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=50, env=env
+    )
+
+
+def test_exit_waits_for_a_connection_thread_still_completing_a_call():
+    result = run_script(FAILED_CALL_THEN_EXIT)
+    assert "terminate called" not in result.stderr, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "failed as expected: WorkerUnavailable" in result.stdout
+    # The interpreter did not finalize under the thread: it waited for the thread to finish its work.
+    assert "callback finished" in result.stdout
