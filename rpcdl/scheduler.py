@@ -123,7 +123,13 @@ class WorkerPool:
     def probe_done(self, slot: WorkerSlot, future: torch.futures.Future) -> None:
         """A revival ended (any thread): queue it for the pool and wake every open pass to handle it."""
         self.events.put(("revived", slot, future))
-        for dispatch in list(self._passes):
+        while True:
+            try:  # the consumer may open or close a pass meanwhile: then copy again
+                open_passes = list(self._passes)
+                break
+            except RuntimeError:
+                continue
+        for dispatch in open_passes:
             dispatch.events.put(("wake", None, None))
 
     def release_answered(self) -> None:
