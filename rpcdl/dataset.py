@@ -138,9 +138,10 @@ class RPCDataset(Dataset):
     def _build_timed_out(self, address: str, exc: WorkerTimeout) -> WorkerTimeout:
         name = getattr(self.factory, "__qualname__", "dataset")
         return WorkerTimeout(
-            f"worker {address} did not build {name} within rpcdl_timeout={self._timeout_given:g}s; it is still "
-            "building it, and with --parallel 1 its next calls wait until it is done. Allow more time with "
-            f"rpcdl.RPCDataset(workers, {name}, ..., rpcdl_timeout=SECONDS) (0: no limit) ({exc})"
+            f"worker {address} did not build {name} within rpcdl_timeout={self._timeout_given:g}s. It is still "
+            "building it (a call is not cancelled when the client stops waiting), and with --parallel 1 its "
+            "next calls wait until the build ends. Allow more time with "
+            f"rpcdl.RPCDataset(workers, {name}, ..., rpcdl_timeout=SECONDS) (0: no limit)"
         )
 
     @property
