@@ -96,8 +96,9 @@ class RPCDataloader:
     ``multiprocessing_context`` raise a ``TypeError`` saying what replaces them
     here. Several iterators of one loader run independently, each its own
     epoch, as torch's do; they are advanced by one thread at a time (the
-    loader runs no thread of its own: each ``next()`` does the work). As in torch, ``batch_size``, ``batch_sampler``,
-    ``sampler``, ``drop_last`` and ``dataset`` cannot be set after construction.
+    loader runs no thread of its own: each ``next()`` does the work). As in
+    torch, ``batch_size``, ``batch_sampler``, ``sampler``, ``drop_last`` and
+    ``dataset`` cannot be set after construction.
 
     Example::
 
