@@ -288,12 +288,10 @@ def make_stream():
 
 @pytest.mark.timeout(60)
 def test_an_iterable_dataset_points_to_the_iterable_tools(two_workers):
-    started = time.monotonic()
     with pytest.raises(TypeError, match=r"Stream is an IterableDataset.*RPCMapper.*rpc_map"):
         rpcdl.RPCDataset(two_workers, Stream)
     with pytest.raises(TypeError, match=r"make_stream\(\.\.\.\) is an IterableDataset.*RPCMapper.*rpc_map"):
         rpcdl.RPCDataset(two_workers, make_stream)
-    assert time.monotonic() - started < 30
 
 
 class SlowToBuild(helpers.RangeDataset):
