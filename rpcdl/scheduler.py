@@ -132,11 +132,12 @@ class WorkerPool:
         for dispatch in open_passes:
             dispatch.events.put(("wake", None, None))
 
-    def release_answered(self) -> None:
-        """Free the worker slots of calls answered for any pass, also one that is not being advanced."""
+    def release_answered(self, reader: queue.SimpleQueue) -> None:
+        """Free the worker slots of calls answered for the other passes than ``reader``'s (its events queue):
+        a pass that is not being advanced must not hold workers its answers no longer use."""
         for slot in self.slots:
-            for attempt in [attempt for attempt in slot.in_flight if attempt.future.done()]:
-                slot.in_flight.discard(attempt)
+            answered = [a for a in slot.in_flight if a.events is not reader and a.future.done()]
+            slot.in_flight.difference_update(answered)
 
 
 class Dispatch(Iterator[Task]):
@@ -337,7 +338,7 @@ class Dispatch(Iterator[Task]):
             except queue.Empty:
                 break
             self._on_revived(slot, future)
-        self.pool.release_answered()
+        self.pool.release_answered(self.events)
         self._check_no_workers()
 
     def _on_result(self, attempt: _Attempt, future: torch.futures.Future) -> None:
@@ -354,7 +355,8 @@ class Dispatch(Iterator[Task]):
             if not _worker_failure(exc):
                 self._finish(task, slot, error=exc)
                 return
-            self._mark_down(slot, exc)
+            if slot.state == WorkerState.ACTIVE:  # else another pass took it out already
+                self._mark_down(slot, exc)
             if isinstance(exc, WorkerTimeout):
                 task.timeouts += 1
                 if task.timeouts >= sum(s.state != WorkerState.EXCLUDED for s in self.pool.slots):

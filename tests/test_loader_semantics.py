@@ -7,6 +7,7 @@ fixed after construction, torch-only arguments, iterable datasets, the build tim
 from __future__ import annotations
 
 import gc
+import signal
 import time
 
 import helpers
@@ -85,6 +86,21 @@ def test_a_dropped_iterator_cancels_what_it_has_in_flight(two_workers):
     assert not any(slot.in_flight for slot in loader._pool.slots)
     assert not loader._pool._passes  # every pass closed: the finished one, and the dropped one when collected
     assert sorted(i for batch in loader for i in batch.tolist()) == list(range(400))
+
+
+@pytest.mark.timeout(90)
+def test_two_open_iterators_survive_a_worker_killed_mid_epoch(spawn_workers):
+    workers = spawn_workers(3)
+    dataset = rpcdl.RPCDataset(workers, helpers.RangeDataset, 120, 0.004)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4, timeout=20)
+    first, second = [], []
+    for i, (a, b) in enumerate(zip(loader, loader, strict=True)):
+        first.extend(a.tolist())
+        second.extend(b.tolist())
+        if i == 5:
+            workers.kill(1, signal.SIGKILL)
+    assert first == second == list(range(120))
+    assert loader.worker_states()[workers[1]] != "active"
 
 
 # ---------------------------------------------------------------------------- __getitems__
