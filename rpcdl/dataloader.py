@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -20,10 +21,11 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from .checks import check_positive_int, check_timeout
+from .checks import check_loader_timeout, check_positive_int
 from .client import ping_async, rpc_async
 from .dataset import RPCDataset
 from .errors import is_transient
+from .loader_state import check_state, loader_shape
 from .rref import RRefNotFound
 from .scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot
 from .seeding import derive_seed, set_random_seeds
@@ -36,6 +38,10 @@ log = logging.getLogger("rpcdl.dataloader")
 def _fetch_batch(dataset: Any, indices: Sequence[Any], collate_fn: Callable, seed: int | None) -> Any:
     if seed is not None:
         set_random_seeds(seed, 0)
+    # As torch's _MapDatasetFetcher: a dataset's own batched read when it defines one.
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems:
+        return collate_fn(getitems(indices))
     return collate_fn([dataset[i] for i in indices])
 
 
@@ -67,8 +73,14 @@ class RPCDataloader:
         pin_memory: receive batches into pinned memory when CUDA is available.
         drop_last: drop the last incomplete batch.
         timeout: seconds a worker has to deliver a batch before its batches go
-            to the others; also how long the loader waits for a worker to come
-            back when none is left.
+            to the others (a batch that times out on every worker raises
+            :class:`~rpcdl.errors.WorkerTimeout`, a ``RuntimeError``); also how
+            long the loader waits for a worker to come back when none is left.
+            ``0``, as in torch, means no timeout: a worker that dies is still
+            noticed at once (its connection breaks), one that hangs is waited
+            for, and the loader waits 120 s for a worker to come back. The
+            dataset's build on the workers has its own timeout
+            (``RPCDataset(..., rpcdl_timeout=)``).
         prefetch_factor: batches in flight or ready per worker.
         in_order: yield batches in sampler order (``True``) or as they come.
         generator: random generator of the default ``RandomSampler``.
@@ -79,6 +91,14 @@ class RPCDataloader:
             whichever worker loads a batch.
         workers, args, kwargs: rpcdataloader's older form: build the
             :class:`~rpcdl.RPCDataset` from ``dataset(*args, **kwargs)`` on ``workers``.
+
+    torch's ``num_workers``, ``persistent_workers``, ``worker_init_fn`` and
+    ``multiprocessing_context`` raise a ``TypeError`` saying what replaces them
+    here. Several iterators of one loader run independently, each its own
+    epoch, as torch's do; they are advanced by one thread at a time (the
+    loader runs no thread of its own: each ``next()`` does the work). As in
+    torch, ``batch_size``, ``batch_sampler``, ``sampler``, ``drop_last`` and
+    ``dataset`` cannot be set after construction.
 
     Example::
 
@@ -108,7 +128,9 @@ class RPCDataloader:
         workers: Sequence[str] | None = None,
         args: Sequence = (),
         kwargs: dict[str, Any] | None = None,
+        **torch_only: Any,
     ):
+        _refuse_torch_only(torch_only)
         if workers is not None:
             dataset = RPCDataset(workers, dataset, *args, **(kwargs or {}))
         if not isinstance(dataset, RPCDataset):
@@ -116,7 +138,7 @@ class RPCDataloader:
                 f"dataset must be an RPCDataset, got {type(dataset).__name__}; build it on the workers with "
                 "rpcdl.RPCDataset(workers, MyDataset, *args, **kwargs)"
             )
-        timeout = check_timeout(timeout)
+        call_timeout = check_loader_timeout(timeout)
         check_positive_int(prefetch_factor, "prefetch_factor", "batches in flight or ready per worker")
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
@@ -158,21 +180,34 @@ class RPCDataloader:
         self.batch_sampler = batch_sampler
         self.collate_fn = collate_fn
         self.pin_memory = pin_memory
-        self.timeout = timeout
+        self.timeout = float(timeout)
+        self._call_timeout = call_timeout
         self.prefetch_factor = prefetch_factor
         self.in_order = in_order
         self.generator = generator
         self.seed = seed
         self._pool = WorkerPool(
-            dataset.workers, prefetch_factor=prefetch_factor, timeout=self.timeout,
+            dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(),
             revive=self._revive, forget=dataset.forget,
         )  # fmt: skip
         self._next_epoch = 0
         self._explicit_epoch: int | None = None
         self._told_epoch: int | None = None
         self._started_epoch: int | None = None
-        self._iterator: _EpochIterator | None = None
+        self._iterator: _EpochIterator | None = None  # the one that yielded last: state_dict() tells its position
+        self._open_iterators: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
         self._resume: dict[str, Any] | None = None
+        self._initialized = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FIXED_ATTRIBUTES and getattr(self, "_initialized", False):
+            # torch.utils.data.DataLoader's rule and message.
+            raise ValueError(f"{name} attribute should not be set after {self.__class__.__name__} is initialized")
+        super().__setattr__(name, value)
+
+    def _revival_wait(self) -> float:
+        """How long to wait for a worker to come back when none is left (not for ever without a timeout)."""
+        return min(self._call_timeout, _DEFAULT_REVIVAL_WAIT)
 
     # ------------------------------------------------------------------ public
 
@@ -211,15 +246,19 @@ class RPCDataloader:
         return self._started_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        """Start an epoch. It begins with the first ``next()``: an iterator made and dropped costs nothing."""
-        self.close()
-        self._iterator = _EpochIterator(self)
-        return self._iterator
+        """Start an epoch. It begins with the first ``next()``: an iterator made and dropped costs nothing.
+
+        Iterators already open go on: each yields its whole epoch, as torch's do
+        (``zip(loader, loader)``, or ``next(iter(loader))`` inside the training loop).
+        """
+        iterator = _EpochIterator(self)
+        self._open_iterators.add(iterator)
+        return iterator
 
     def close(self) -> None:
-        """End the epoch in progress, if any; batches still in flight are dropped when they arrive."""
-        if self._iterator is not None:
-            self._iterator.close()
+        """End every epoch in progress; batches still in flight are dropped when they arrive."""
+        for iterator in list(self._open_iterators):
+            iterator.close()
 
     def _begin_epoch(self) -> tuple[int, Any, dict[str, Any] | None]:
         """Choose the epoch, tell the samplers; return ``(epoch, generator state, resumed state)``."""
@@ -249,21 +288,28 @@ class RPCDataloader:
     def state_dict(self) -> dict[str, Any]:
         """The position in the current epoch: load it into a new loader to resume.
 
+        The position is that of the iterator that yielded a batch last (when
+        several are open at once). It records what determines the batches
+        (their number per epoch, ``batch_size``, ``drop_last``, the sampler's
+        kind, ``in_order``): a loader whose batches differ refuses it.
+
         With the semantics of torchdata's ``StatefulDataLoader``: a loader that
         loads this state yields, on its next iteration, the batches of the same
         epoch not yielded yet, in the same order (the sampler's random order is
         restored through its generator). Once every batch of an epoch has been
         yielded, the state is the start of the next epoch.
         """
+        shape = loader_shape(self)
         if self._resume is not None:
-            return dict(self._resume)
+            return {**shape, **self._resume}
         iterator = self._iterator
         if iterator is not None and iterator.started and not iterator.finished:
             state = iterator.state_dict()
             if not self._epoch_complete(state):
-                return state
+                return {**shape, **state}
         generator = self._sampler_generator()
         return {
+            **shape,
             "epoch": self._explicit_epoch if self._explicit_epoch is not None else self._next_epoch,
             "yielded_prefix": 0,
             "yielded_extra": [],
@@ -277,18 +323,23 @@ class RPCDataloader:
             return False
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration continues that epoch."""
-        missing = {"epoch", "yielded_prefix", "yielded_extra"} - set(state)
-        if missing:
-            raise ValueError(f"not an RPCDataloader state: missing {sorted(missing)}")
+        """Resume from :meth:`state_dict`: the next iteration continues that epoch.
+
+        Raises:
+            TypeError: ``state`` is not a dict, or one of its fields has the wrong type.
+            ValueError: a field is missing or out of range, or the state comes from
+                a loader whose batches differ (the message names each differing
+                field with both values).
+        """
+        state = check_state(state, loader_shape(self))
         self.close()
-        self._resume = dict(state)
+        self._resume = state
 
     def _revive(self, slot: WorkerSlot) -> torch.futures.Future:
         """Make a failed worker usable: rebuild the dataset where it was lost, else ping."""
         address = self.dataset.rref(slot.address) and slot.address
         if address:  # a batch will tell whether it still holds the dataset
-            return ping_async(address, timeout=min(self.timeout, 10.0))
+            return ping_async(address, timeout=min(self._call_timeout, 10.0))
         built = self.dataset.build_async(slot.address)
         return built.then(lambda done: self.dataset.accept(slot.address, *done.wait()))
 
@@ -336,6 +387,7 @@ class _EpochIterator(Iterator[Any]):
             raise StopIteration
         if not self.started:
             self._start()
+        self.loader._iterator = self
         try:
             task = next(self._dispatch)
         except StopIteration:
@@ -373,7 +425,7 @@ class _EpochIterator(Iterator[Any]):
         seed = derive_seed(loader.seed, self.epoch, seq) if loader.seed is not None else None
         return rpc_async(
             slot.address, self._fetch, (rref, indices, loader.collate_fn, seed),
-            pin_memory=loader.pin_memory, timeout=loader.timeout,
+            pin_memory=loader.pin_memory, timeout=loader._call_timeout,
         )  # fmt: skip
 
     def _mark_yielded(self, seq: int) -> None:
@@ -396,7 +448,7 @@ class _EpochIterator(Iterator[Any]):
     def _reseed_workers(self) -> None:
         base = derive_seed(self.loader.seed, self.epoch)
         futures = [
-            rpc_async(slot.address, set_random_seeds, (base, slot.index), timeout=self.loader.timeout)
+            rpc_async(slot.address, set_random_seeds, (base, slot.index), timeout=self.loader._revival_wait())
             for slot in self.loader._pool.active()
         ]
         for future in futures:
@@ -405,3 +457,29 @@ class _EpochIterator(Iterator[Any]):
             except Exception as exc:
                 if not is_transient(exc):
                     raise
+
+
+_DEFAULT_REVIVAL_WAIT = 120.0
+#: Attributes torch's DataLoader refuses to change after construction (``persistent_workers`` has no
+#: meaning here: setting it is refused all the same, rather than ignored).
+_FIXED_ATTRIBUTES = frozenset(("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
+#: torch DataLoader arguments that have no place here, and what replaces each.
+_TORCH_ONLY = {
+    "num_workers": (
+        "the loading processes are the rpcdl workers: their number is that of the worker addresses given to "
+        "RPCDataset, and each worker runs up to its --parallel calls at once (rpcdl worker --parallel N)"
+    ),
+    "persistent_workers": "rpcdl workers always persist: they outlive epochs and loaders",
+    "worker_init_fn": (
+        "seed the workers' random generators with RPCDataloader(..., seed=S) (or rpcdl.set_random_seeds), "
+        "and run any other set-up on the workers with rpcdl.rpc_sync(worker, fn) or in the dataset's __init__"
+    ),
+    "multiprocessing_context": "the workers are separate processes started by `rpcdl worker` or rpcdl.local_workers",
+}
+
+
+def _refuse_torch_only(options: dict[str, Any]) -> None:
+    for name in options:
+        if name in _TORCH_ONLY:
+            raise TypeError(f"RPCDataloader does not take torch's {name}=: {_TORCH_ONLY[name]}")
+        raise TypeError(f"RPCDataloader.__init__() got an unexpected keyword argument {name!r}")

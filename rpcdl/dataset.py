@@ -9,11 +9,12 @@ from typing import Any
 
 import cloudpickle
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from .address import check_workers
+from .checks import check_loader_timeout
 from .client import rpc_async
-from .errors import is_transient
+from .errors import WorkerTimeout, is_transient
 from .rref import RRef
 
 log = logging.getLogger("rpcdl.dataset")
@@ -23,9 +24,20 @@ class DatasetMismatch(RuntimeError):
     """A worker's copy of the dataset differs in length from the others'."""
 
 
+def _iterable_dataset_error(name: str) -> TypeError:
+    return TypeError(
+        f"RPCDataset needs a map-style dataset (__getitem__ and __len__), but {name} is an IterableDataset. "
+        "To process the items of an iterable on the workers, use rpcdl.integrations.torchdata.RPCMapper "
+        "(torchdata.nodes) or the DataPipe form .rpc_map(workers, fn); rpcdl.integrations.torchdata."
+        "RPCIterableDataset streams remote batches into a plain torch DataLoader"
+    )
+
+
 def _build(factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef, int | None]:
     """Runs on a worker: build the dataset, keep it there, return a reference and its length."""
     dataset = factory(*args, **kwargs)
+    if isinstance(dataset, IterableDataset):
+        raise _iterable_dataset_error(f"{getattr(factory, '__qualname__', factory)!s}(...)")
     try:
         length = len(dataset)
     except TypeError:
@@ -54,10 +66,19 @@ class RPCDataset(Dataset):
             dataset (lambdas included).
         args: positional arguments for ``dataset``.
         kwargs: keyword arguments for ``dataset``.
+        rpcdl_timeout: seconds each worker has to build the dataset (default
+            120; ``0``: no limit). Keyword-only, and named so that it cannot
+            clash with the dataset's own arguments. It is also the timeout of
+            rebuilds on a restarted worker and of ``dataset[i]`` here. A build
+            that times out goes on running on the worker: with ``--parallel 1``
+            its next calls wait behind it.
 
     Raises:
         DatasetMismatch: workers built datasets of different lengths.
         WorkerUnavailable: no worker could build it.
+        WorkerTimeout: no worker finished building it within ``rpcdl_timeout``
+            (the message names the workers and how to allow more).
+        TypeError: ``dataset`` is (or built) an ``IterableDataset``.
         Exception: whatever ``dataset(...)`` raised on a worker, with its traceback.
 
     .. note::
@@ -74,10 +95,21 @@ class RPCDataset(Dataset):
 
     timeout: float = 120.0
 
-    def __init__(self, workers: Sequence[str], dataset: Callable[..., Dataset], *args: Any, **kwargs: Any):
+    def __init__(
+        self,
+        workers: Sequence[str],
+        dataset: Callable[..., Dataset],
+        *args: Any,
+        rpcdl_timeout: float = 120.0,
+        **kwargs: Any,
+    ):
         workers = check_workers(workers)
         if not callable(dataset):
             raise TypeError(f"dataset must be a dataset class or a callable returning one, got {dataset!r}")
+        if isinstance(dataset, type) and issubclass(dataset, IterableDataset):
+            raise _iterable_dataset_error(dataset.__qualname__)
+        self.timeout = check_loader_timeout(rpcdl_timeout, "rpcdl_timeout")
+        self._timeout_given = float(rpcdl_timeout)
         self.workers: list[str] = workers
         self.factory = dataset
         self.args = args
@@ -95,11 +127,22 @@ class RPCDataset(Dataset):
             except Exception as exc:
                 if not is_transient(exc):
                     raise
+                if isinstance(exc, WorkerTimeout):
+                    exc = self._build_timed_out(address, exc)
                 self._failures[address] = exc
                 log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
         if not any(self._rrefs.values()):
             failures = "; ".join(f"{a}: {e}" for a, e in self._failures.items())
             raise type(next(iter(self._failures.values())))(f"no worker could build the dataset: {failures}")
+
+    def _build_timed_out(self, address: str, exc: WorkerTimeout) -> WorkerTimeout:
+        name = getattr(self.factory, "__qualname__", "dataset")
+        return WorkerTimeout(
+            f"worker {address} did not build {name} within rpcdl_timeout={self._timeout_given:g}s. It is still "
+            "building it (a call is not cancelled when the client stops waiting), and with --parallel 1 its "
+            "next calls wait until the build ends. Allow more time with "
+            f"rpcdl.RPCDataset(workers, {name}, ..., rpcdl_timeout=SECONDS) (0: no limit)"
+        )
 
     @property
     def rrefs(self) -> list[RRef | None]:

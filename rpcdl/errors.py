@@ -34,8 +34,11 @@ class ConnectionLost(RPCDLError, ConnectionError):
     """The connection to a worker broke while a call was in flight."""
 
 
-class WorkerTimeout(RPCDLError, TimeoutError):
-    """No answer came from a worker within the call's timeout."""
+class WorkerTimeout(RPCDLError, TimeoutError, RuntimeError):
+    """No answer came from a worker within the call's timeout.
+
+    Also a :class:`RuntimeError`, as the error of torch's DataLoader when a batch times out.
+    """
 
 
 class RemoteError(RPCDLError, RuntimeError):

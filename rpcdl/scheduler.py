@@ -18,8 +18,14 @@ schedule. A :class:`Dispatch` is one pass over a source of payloads:
   fails; an exception raised by user code is the task's result, not retried.
 
 The pool runs no thread of its own: everything happens in the consumer's
-``next()``, fed by the futures' callbacks through a queue. The consumer reads
-the answers to its calls itself while it waits (see
+``next()``, fed by the futures' callbacks through a queue. Several passes over
+one pool may be open at once (two iterators of one loader): each owns its tasks
+and its own queue of answers, while the workers' health, probes and the
+per-worker limit of calls in flight are the pool's and hold across passes. The
+passes of one pool are advanced by one thread at a time (as a training loop
+does); a pass that is not advanced does not hold the others back: its
+finished calls free their workers' slots whichever pass notices them. The
+consumer reads the answers to its calls itself while it waits (see
 :func:`rpcdl.client.answers_read_here`), which saves two thread switches per
 answer; large answers are read by the connections' threads, in parallel.
 """
@@ -27,11 +33,11 @@ answer; large answers are read by the connections' threads, in parallel.
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import logging
 import queue
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,6 +46,9 @@ import torch
 from .client import answers_read_here, ping_async, read_answers, read_in_background, sent_together
 from .errors import RPCDLError, WorkerTimeout, is_transient
 from .rref import RRefNotFound
+from .scheduler_parts import _FIRST_PROBE_DELAY, Call, Revive, Task, WorkerSlot, WorkerState, _Attempt
+
+__all__ = ["Call", "Dispatch", "NoWorkersLeft", "Revive", "Task", "WorkerPool", "WorkerSlot", "WorkerState"]
 
 log = logging.getLogger("rpcdl.scheduler")
 
@@ -47,95 +56,12 @@ _HEDGE_FACTOR = 3.0  # a head task older than this many service times gets a cop
 _SLOW_FACTOR = 2.0  # a worker expected to finish later than this times the best is passed over
 _MIN_HEDGE_AGE = 0.05
 _PROBE_TIMEOUT = 10.0
-_FIRST_PROBE_DELAY = 0.2
 _MAX_PROBE_DELAY = 5.0
 _IDLE_WAIT = 0.5
 
 
 class NoWorkersLeft(RPCDLError, RuntimeError):
     """Every worker failed and none came back within the timeout."""
-
-
-class WorkerState(enum.Enum):
-    ACTIVE = "active"
-    DOWN = "down"  # failed; revived when its probe is due
-    PROBING = "probing"  # a revival is in flight
-    EXCLUDED = "excluded"  # cannot serve (its dataset differs, say): never used again
-
-
-class WorkerSlot:
-    """What the client knows of one worker."""
-
-    __slots__ = (
-        "address",
-        "failure",
-        "in_flight",
-        "index",
-        "last_done",
-        "last_sent",
-        "probe_at",
-        "probe_delay",
-        "served",
-        "service_time",
-        "state",
-    )  # fmt: skip
-
-    def __init__(self, address: str, index: int):
-        self.address = address
-        self.index = index
-        self.state = WorkerState.ACTIVE
-        self.in_flight: set[_Attempt] = set()
-        self.service_time: float | None = None
-        self.last_done = 0.0
-        self.last_sent = 0.0
-        self.probe_at = 0.0
-        self.probe_delay = _FIRST_PROBE_DELAY
-        self.failure: BaseException | None = None
-        self.served = 0
-
-    def expected_done(self, default: float) -> float:
-        """When a new call sent now would finish, in service times from now."""
-        return (len(self.in_flight) + 1) * (self.service_time or default)
-
-    def observe(self, attempt: _Attempt, now: float) -> None:
-        service = now - max(attempt.sent_at, self.last_done)
-        self.last_done = now
-        self.service_time = service if self.service_time is None else 0.5 * (self.service_time + service)
-
-    def due_for_trial(self, now: float) -> bool:
-        """An idle worker passed over as slow gets a task again after idling one service time."""
-        return not self.in_flight and now - max(self.last_done, self.last_sent) > (self.service_time or 0.0)
-
-
-class Task:
-    """One payload of a pass; once ``done``, its ``value`` or ``error`` and the ``worker`` that gave it."""
-
-    __slots__ = ("attempts", "done", "error", "payload", "seq", "timeouts", "value", "worker")
-
-    def __init__(self, seq: int, payload: Any):
-        self.seq = seq
-        self.payload = payload
-        self.attempts: list[_Attempt] = []
-        self.done = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.worker = ""
-        self.timeouts = 0
-
-
-class _Attempt:
-    __slots__ = ("future", "live", "sent_at", "slot", "task")
-
-    def __init__(self, task: Task, slot: WorkerSlot, sent_at: float):
-        self.task, self.slot, self.sent_at, self.live = task, slot, sent_at, True
-        self.future: torch.futures.Future | None = None
-
-
-#: Sends a task to a worker: returns the call's future. Raising a transient
-#: error or :class:`~rpcdl.rref.RRefNotFound` takes the worker out.
-Call = Callable[[Task, WorkerSlot], torch.futures.Future]
-#: Makes a failed worker usable again: a future that completes when it is.
-Revive = Callable[[WorkerSlot], torch.futures.Future]
 
 
 class WorkerPool:
@@ -166,8 +92,8 @@ class WorkerPool:
         self.timeout = float(timeout)
         self.revive = revive or (lambda slot: ping_async(slot.address, timeout=min(self.timeout, _PROBE_TIMEOUT)))
         self.forget = forget or (lambda address: None)
-        self.events: queue.SimpleQueue = queue.SimpleQueue()  # shared by passes: a probe may end in a later one
-        self._pass: Dispatch | None = None
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # probes: one may end in a later pass
+        self._passes: weakref.WeakSet[Dispatch] = weakref.WeakSet()
 
     @property
     def served(self) -> dict[str, int]:
@@ -182,15 +108,36 @@ class WorkerPool:
         return [slot for slot in self.slots if slot.state == WorkerState.ACTIVE]
 
     def start(self, source: Iterator[Any], call: Call, *, in_order: bool = True) -> Dispatch:
-        """Begin a pass over ``source`` (closing the previous one); iterate the result for finished tasks."""
-        if self._pass is not None:
-            self._pass.close()
+        """Begin a pass over ``source``; iterate the result for finished tasks.
+
+        Passes already open go on independently (close them to stop them).
+        """
         now = time.monotonic()
         for slot in self.slots:
             if slot.state == WorkerState.DOWN:
                 slot.probe_at = now
-        self._pass = Dispatch(self, source, call, in_order)
-        return self._pass
+        dispatch = Dispatch(self, source, call, in_order)
+        self._passes.add(dispatch)
+        return dispatch
+
+    def probe_done(self, slot: WorkerSlot, future: torch.futures.Future) -> None:
+        """A revival ended (any thread): queue it for the pool and wake every open pass to handle it."""
+        self.events.put(("revived", slot, future))
+        while True:
+            try:  # the consumer may open or close a pass meanwhile: then copy again
+                open_passes = list(self._passes)
+                break
+            except RuntimeError:
+                continue
+        for dispatch in open_passes:
+            dispatch.events.put(("wake", None, None))
+
+    def release_answered(self, reader: queue.SimpleQueue) -> None:
+        """Free the worker slots of calls answered for the other passes than ``reader``'s (its events queue):
+        a pass that is not being advanced must not hold workers its answers no longer use."""
+        for slot in self.slots:
+            answered = [a for a in slot.in_flight if a.events is not reader and a.future.done()]
+            slot.in_flight.difference_update(answered)
 
 
 class Dispatch(Iterator[Task]):
@@ -200,6 +147,7 @@ class Dispatch(Iterator[Task]):
         self.pool = pool
         self.in_order = in_order
         self.closed = False
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # this pass's answers (and wake-ups)
         self._source = source
         self._call = call
         self._seq = itertools.count()
@@ -231,6 +179,7 @@ class Dispatch(Iterator[Task]):
     def close(self) -> None:
         """End the pass; answers still in flight are dropped when they arrive."""
         self.closed = True
+        self.pool._passes.discard(self)
         unread = []
         for task in self._outstanding.values():
             for attempt in task.attempts:
@@ -313,7 +262,7 @@ class Dispatch(Iterator[Task]):
             self._send(self._waiting.popleft(), slot)
 
     def _send(self, task: Task, slot: WorkerSlot) -> None:
-        attempt = _Attempt(task, slot, time.monotonic())
+        attempt = _Attempt(task, slot, time.monotonic(), self.events)
         try:
             future = self._call(task, slot)
         except Exception as exc:
@@ -327,7 +276,8 @@ class Dispatch(Iterator[Task]):
         task.attempts.append(attempt)
         slot.in_flight.add(attempt)
         slot.last_sent = attempt.sent_at
-        future.add_done_callback(lambda done: self.pool.events.put(("result", attempt, done)))
+        # Not self: a dropped pass is collected (and closed) while its calls run.
+        future.add_done_callback(lambda done: attempt.events.put(("result", attempt, done)))
 
     def _hedge(self) -> tuple[Task, WorkerSlot] | None:
         """The task the consumer waits for and another worker to send a copy to, when it is late on
@@ -368,21 +318,27 @@ class Dispatch(Iterator[Task]):
         if read_answers(in_flight, timeout) is not None:  # read here (their events are queued), or none came in time
             timeout = 0.0
         try:
-            event = self.pool.events.get(timeout=timeout) if timeout > 0 else self.pool.events.get_nowait()
+            event = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
         except queue.Empty:
-            if wait:
-                self._check_no_workers()
-            return
-        while True:
+            event = None
+        while event is not None:
             kind, subject, future = event
             if kind == "result":
                 self._on_result(subject, future)
-            else:
-                self._on_revived(subject, future)
+            elif kind == "retry":  # another pass took the worker of this task out
+                self._retry(subject)
+                self._waiting = collections.deque(sorted(self._waiting, key=lambda task: task.seq))
             try:
-                event = self.pool.events.get_nowait()
+                event = self.events.get_nowait()
+            except queue.Empty:
+                event = None
+        while True:
+            try:
+                _, slot, future = self.pool.events.get_nowait()
             except queue.Empty:
                 break
+            self._on_revived(slot, future)
+        self.pool.release_answered(self.events)
         self._check_no_workers()
 
     def _on_result(self, attempt: _Attempt, future: torch.futures.Future) -> None:
@@ -399,7 +355,8 @@ class Dispatch(Iterator[Task]):
             if not _worker_failure(exc):
                 self._finish(task, slot, error=exc)
                 return
-            self._mark_down(slot, exc)
+            if slot.state == WorkerState.ACTIVE:  # else another pass took it out already
+                self._mark_down(slot, exc)
             if isinstance(exc, WorkerTimeout):
                 task.timeouts += 1
                 if task.timeouts >= sum(s.state != WorkerState.EXCLUDED for s in self.pool.slots):
@@ -443,7 +400,10 @@ class Dispatch(Iterator[Task]):
         slot.probe_delay = min(slot.probe_delay * 2, _MAX_PROBE_DELAY)
         for attempt in list(slot.in_flight):
             attempt.live = False
-            self._retry(attempt.task)
+            if attempt.events is self.events:
+                self._retry(attempt.task)
+            else:
+                attempt.events.put(("retry", attempt.task, None))
         slot.in_flight.clear()
         self._waiting = collections.deque(sorted(self._waiting, key=lambda task: task.seq))
 
@@ -460,7 +420,7 @@ class Dispatch(Iterator[Task]):
             except Exception as exc:
                 future = torch.futures.Future()
                 future.set_exception(exc)
-            future.add_done_callback(lambda done, slot=slot: self.pool.events.put(("revived", slot, done)))
+            future.add_done_callback(lambda done, slot=slot, pool=self.pool: pool.probe_done(slot, done))
 
     def _on_revived(self, slot: WorkerSlot, future: torch.futures.Future) -> None:
         if slot.state != WorkerState.PROBING:

@@ -1,0 +1,98 @@
+"""What a :class:`~rpcdl.scheduler.WorkerPool` knows of each worker and each task (see :mod:`rpcdl.scheduler`).
+
+Plain records, read and changed only by the thread advancing a pass.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_FIRST_PROBE_DELAY = 0.2
+
+
+class WorkerState(enum.Enum):
+    ACTIVE = "active"
+    DOWN = "down"  # failed; revived when its probe is due
+    PROBING = "probing"  # a revival is in flight
+    EXCLUDED = "excluded"  # cannot serve (its dataset differs, say): never used again
+
+
+class WorkerSlot:
+    """What the client knows of one worker."""
+
+    __slots__ = (
+        "address",
+        "failure",
+        "in_flight",
+        "index",
+        "last_done",
+        "last_sent",
+        "probe_at",
+        "probe_delay",
+        "served",
+        "service_time",
+        "state",
+    )  # fmt: skip
+
+    def __init__(self, address: str, index: int):
+        self.address = address
+        self.index = index
+        self.state = WorkerState.ACTIVE
+        self.in_flight: set[_Attempt] = set()
+        self.service_time: float | None = None
+        self.last_done = 0.0
+        self.last_sent = 0.0
+        self.probe_at = 0.0
+        self.probe_delay = _FIRST_PROBE_DELAY
+        self.failure: BaseException | None = None
+        self.served = 0
+
+    def expected_done(self, default: float) -> float:
+        """When a new call sent now would finish, in service times from now."""
+        return (len(self.in_flight) + 1) * (self.service_time or default)
+
+    def observe(self, attempt: _Attempt, now: float) -> None:
+        service = now - max(attempt.sent_at, self.last_done)
+        self.last_done = now
+        self.service_time = service if self.service_time is None else 0.5 * (self.service_time + service)
+
+    def due_for_trial(self, now: float) -> bool:
+        """An idle worker passed over as slow gets a task again after idling one service time."""
+        return not self.in_flight and now - max(self.last_done, self.last_sent) > (self.service_time or 0.0)
+
+
+class Task:
+    """One payload of a pass; once ``done``, its ``value`` or ``error`` and the ``worker`` that gave it."""
+
+    __slots__ = ("attempts", "done", "error", "payload", "seq", "timeouts", "value", "worker")
+
+    def __init__(self, seq: int, payload: Any):
+        self.seq = seq
+        self.payload = payload
+        self.attempts: list[_Attempt] = []
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.worker = ""
+        self.timeouts = 0
+
+
+class _Attempt:
+    __slots__ = ("events", "future", "live", "sent_at", "slot", "task")
+
+    def __init__(self, task: Task, slot: WorkerSlot, sent_at: float, events: queue.SimpleQueue):
+        self.task, self.slot, self.sent_at, self.live = task, slot, sent_at, True
+        self.events = events  # the queue of the pass that sent it
+        self.future: torch.futures.Future | None = None
+
+
+#: Sends a task to a worker: returns the call's future. Raising a transient
+#: error or :class:`~rpcdl.rref.RRefNotFound` takes the worker out.
+Call = Callable[[Task, WorkerSlot], torch.futures.Future]
+#: Makes a failed worker usable again: a future that completes when it is.
+Revive = Callable[[WorkerSlot], torch.futures.Future]
