@@ -715,9 +715,11 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     try:
         with peer_context(host):
-            return dumps((func, tuple(args), dict(kwargs)))
+            payload, buffers = dumps((func, tuple(args), dict(kwargs)))
     except Exception as exc:
         raise TypeError(f"cannot send {_describe(func)} and its arguments to worker {host}: {exc}") from exc
+    Limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {_describe(func)}")
+    return payload, buffers
 
 
 def _call(

@@ -5,6 +5,8 @@ Two families matter to callers:
 * Infrastructure failures (:class:`WorkerUnavailable`, :class:`ConnectionLost`,
   :class:`WorkerTimeout`, :class:`ProtocolError`): the worker or the network
   failed; the same call may succeed elsewhere. :func:`is_transient` says so.
+* :class:`LimitExceeded`: a message would break a frame limit; the data, not
+  the worker, is at fault, so it is not transient either.
 * Exceptions raised by user code on a worker: re-raised locally with their own
   type, the remote traceback in ``exc.remote_traceback`` and the worker's address
   in ``exc.rpcdl_worker``. :class:`RemoteError` stands in when the type does not
@@ -36,6 +38,16 @@ class ConnectionLost(RPCDLError, ConnectionError):
 
 class WorkerTimeout(RPCDLError, TimeoutError):
     """No answer came from a worker within the call's timeout."""
+
+
+class LimitExceeded(RPCDLError, ValueError):
+    """A message would break a frame limit (:class:`rpcdl.wire.Limits`).
+
+    Raised by the side that would send it: the client for a call's function
+    and arguments, the worker for an answer (then re-raised on the client like
+    any exception of the call). The message names the limit and how to raise
+    it. It is the user's data, not a failure of the worker: never retried.
+    """
 
 
 class RemoteError(RPCDLError, RuntimeError):

@@ -60,7 +60,10 @@ class Worker:
         ssl_context: serve TLS with this context (see
             :func:`rpcdl.security.server_tls_context`); defaults to one from
             ``RPCDL_TLS_CERT`` / ``RPCDL_TLS_KEY`` when set.
-        limits: bounds on what a client may make the worker allocate.
+        limits: bounds on one message, received or sent (default
+            :class:`~rpcdl.wire.Limits` from ``RPCDL_MAX_MESSAGE_BYTES`` and
+            ``RPCDL_MAX_BUFFERS``). A result past them fails its call with
+            :class:`~rpcdl.errors.LimitExceeded`.
         advertise: the host name clients should use, when it differs from
             ``host`` (by default the machine's name when ``host`` is a wildcard).
 
@@ -349,6 +352,7 @@ class Worker:
                     payload, buffers = dumps(value)
                 except Exception as exc:
                     raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
+                self.limits.check_outgoing(len(payload), [b.nbytes for b in buffers], f"the result of {_name(func)}")
             failed = False
             return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
         except BaseException as exc:
