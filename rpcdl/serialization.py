@@ -68,7 +68,11 @@ class _Pickler(cloudpickle.Pickler):
             else:
                 module_name, qualname = obj.__module__, obj.__qualname__
             if is_users_module(module_name) and self._outermost and lookup(module_name, qualname) is obj:
-                return import_or_define, (module_name, qualname, _code_of(obj))
+                try:
+                    code: bytes | str = _code_of(obj)
+                except Exception as exc:  # its module's state cannot be pickled (a lock, say): by name only
+                    code = f"{type(exc).__name__}: {exc}"
+                return import_or_define, (module_name, qualname, code)
         return super().reducer_override(obj)
 
 

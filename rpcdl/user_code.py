@@ -125,19 +125,29 @@ def _import_here(module_name: str) -> types.ModuleType | None:
         return None
 
 
-def import_or_define(module_name: str, qualname: str, code: bytes) -> Any:
+def import_or_define(module_name: str, qualname: str, code: bytes | str) -> Any:
     """Rebuild a class, function or module of the user's: by name if its module imports here, else from ``code``.
 
     Args:
         module_name: the module the object comes from.
         qualname: its qualified name in that module (``""`` for the module itself).
-        code: the object pickled by value.
+        code: the object pickled by value, or why it could not be.
 
     Returns:
         the object.
+
+    Raises:
+        ModuleNotFoundError: the module does not import here and its code could not be sent.
     """
     if _import_here(module_name) is not None:
         found = lookup(module_name, qualname)
         if found is not None:
             return found
+    if isinstance(code, str):
+        raise ModuleNotFoundError(
+            f"No module named {module_name!r} here, and the code of {qualname or module_name} could not travel "
+            f"with the call ({code}): install {module_name} where the workers can import it, or keep what cannot be "
+            "pickled out of that module's globals",
+            name=module_name,
+        )
     return pickle.loads(code)

@@ -19,10 +19,18 @@ from rpcdl.serialization import dumps, loads
 from rpcdl.user_code import travels_by_value
 
 MODULE = """
+    import threading
+
     import torch
     from torch.utils.data import Dataset
 
     SCALE = 3
+    _LOCK = threading.Lock()
+
+
+    def locked_double(x):
+        with _LOCK:
+            return 2 * x
 
 
     def scale(x):
@@ -109,6 +117,9 @@ def test_a_dataset_from_the_users_own_module_works_on_a_worker_that_cannot_impor
     assert rpcdl.rpc_sync(workers[0], mydata.scale, (5,)) == 15
     instance = rpcdl.rpc_sync(workers[0], mydata.SquaresDataset, (4,))
     assert type(instance) is mydata.SquaresDataset  # the worker's copy of the class comes back as this one
+    with pytest.raises(ModuleNotFoundError, match="could not travel with the call.*cannot pickle '_thread.lock'"):
+        rpcdl.rpc_sync(workers[0], mydata.locked_double, (4,))
+    assert rpcdl.rpc_sync(workers[0], mydata.scale, (2,)) == 6
 
 
 @pytest.mark.timeout(60)
@@ -130,6 +141,7 @@ def test_a_worker_that_can_import_the_users_module_uses_its_own(spawn_workers, u
     rpcdl.rpc_sync(worker, mydata.set_scale, (10,))
     assert rpcdl.rpc_sync(worker, mydata.scale, (5,)) == 50  # module state lives on between calls, as before
     assert mydata.SCALE == 3
+    assert rpcdl.rpc_sync(worker, mydata.locked_double, (4,)) == 8  # its code cannot be pickled: it goes by name
 
 
 def test_installed_packages_go_by_reference_and_the_users_code_by_value(users_code):
