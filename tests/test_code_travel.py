@@ -117,7 +117,7 @@ def test_a_dataset_from_the_users_own_module_works_on_a_worker_that_cannot_impor
     assert rpcdl.rpc_sync(workers[0], mydata.scale, (5,)) == 15
     instance = rpcdl.rpc_sync(workers[0], mydata.SquaresDataset, (4,))
     assert type(instance) is mydata.SquaresDataset  # the worker's copy of the class comes back as this one
-    with pytest.raises(ModuleNotFoundError, match="could not travel with the call.*cannot pickle '_thread.lock'"):
+    with pytest.raises(ModuleNotFoundError, match=r"could not travel with the call.*cannot pickle '_thread\.lock'"):
         rpcdl.rpc_sync(workers[0], mydata.locked_double, (4,))
     assert rpcdl.rpc_sync(workers[0], mydata.scale, (2,)) == 6
 
