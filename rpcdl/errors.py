@@ -24,6 +24,21 @@ class ProtocolError(RPCDLError, ConnectionError):
     """The peer sent bytes that break the protocol (bad magic, version, length)."""
 
 
+class FrameTooLarge(ProtocolError):
+    """A frame received announces more than this side's limits; its connection is closed.
+
+    Attributes:
+        call_id: the call the frame belongs to.
+    """
+
+    def __init__(self, message: str, call_id: int):
+        super().__init__(message)
+        self.call_id = call_id
+
+    def __reduce__(self):
+        return type(self), (str(self), self.call_id)
+
+
 class AuthenticationError(RPCDLError, PermissionError):
     """The handshake failed because the tokens of client and worker differ."""
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AuthenticationError, ConnectionLost, LimitExceeded, ProtocolError
+from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, LimitExceeded, ProtocolError
 from .security import Token
 
 MAGIC = b"RPCDL\x00"
@@ -386,7 +386,8 @@ class FrameReader:
 
         Raises:
             ConnectionLost: the peer closed the connection.
-            ProtocolError: the frame breaks the protocol or the limits.
+            FrameTooLarge: the frame announces more than the limits.
+            ProtocolError: the frame breaks the protocol.
             TimeoutError: the peer stalled in the middle of a frame.
         """
         try:
@@ -400,13 +401,14 @@ class FrameReader:
         except ValueError:
             raise ProtocolError(f"unknown frame kind {kind}") from None
         if count > self._limits.max_buffers:
-            raise ProtocolError(
-                f"frame announces {count} buffers, the limit is {self._limits.max_buffers} ({MAX_BUFFERS_ENV})"
+            raise FrameTooLarge(
+                f"frame announces {count} buffers, the limit is {self._limits.max_buffers} ({MAX_BUFFERS_ENV})", call_id
             )
         if payload_size > self._limits.max_message_bytes:
-            raise ProtocolError(
+            raise FrameTooLarge(
                 f"frame announces {payload_size} bytes, the limit is {self._limits.max_message_bytes} "
-                f"({MAX_MESSAGE_BYTES_ENV})"
+                f"({MAX_MESSAGE_BYTES_ENV})",
+                call_id,
             )
         sizes: tuple[int, ...] = ()
         if count:
@@ -414,9 +416,10 @@ class FrameReader:
             self._read_into(memoryview(sizes_raw))
             sizes = struct.unpack(f"!{count}Q", sizes_raw)
         if payload_size + sum(sizes) > self._limits.max_message_bytes:
-            raise ProtocolError(
+            raise FrameTooLarge(
                 f"frame announces {payload_size + sum(sizes)} bytes, the limit is {self._limits.max_message_bytes} "
-                f"({MAX_MESSAGE_BYTES_ENV})"
+                f"({MAX_MESSAGE_BYTES_ENV})",
+                call_id,
             )
         payload = self._read_payload(payload_size)
         buffers = []
