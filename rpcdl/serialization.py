@@ -17,6 +17,7 @@ import pickle
 import threading
 import traceback
 import types
+import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any
@@ -68,11 +69,7 @@ class _Pickler(cloudpickle.Pickler):
             else:
                 module_name, qualname = obj.__module__, obj.__qualname__
             if is_users_module(module_name) and self._outermost and lookup(module_name, qualname) is obj:
-                try:
-                    code: bytes | str = _code_of(obj)
-                except Exception as exc:  # its module's state cannot be pickled (a lock, say): by name only
-                    code = f"{type(exc).__name__}: {exc}"
-                return import_or_define, (module_name, qualname, code)
+                return import_or_define, (module_name, qualname, _code_of(obj))
         return super().reducer_override(obj)
 
 
@@ -80,11 +77,27 @@ class _CodePickler(_Pickler):
     _outermost = False
 
 
-def _code_of(obj: Any) -> bytes:
-    """``obj`` pickled by value (its module is registered as such), with what it refers to."""
-    stream = io.BytesIO()
-    _CodePickler(stream, protocol=PROTOCOL).dump(obj)
-    return stream.getvalue()
+_codes: weakref.WeakKeyDictionary[Any, bytes | str] = weakref.WeakKeyDictionary()
+_codes_lock = threading.Lock()
+
+
+def _code_of(obj: Any) -> bytes | str:
+    """``obj`` pickled by value with what it refers to, as first sent from this process; or why it cannot be.
+
+    Pickling code by value costs a millisecond or so: each object's is pickled once.
+    """
+    with _codes_lock:
+        code = _codes.get(obj)
+    if code is None:
+        stream = io.BytesIO()
+        try:
+            _CodePickler(stream, protocol=PROTOCOL).dump(obj)
+            code = stream.getvalue()
+        except Exception as exc:  # its module's state cannot be pickled (a lock, say): by name only
+            code = f"{type(exc).__name__}: {exc}"
+        with _codes_lock:
+            _codes[obj] = code
+    return code
 
 
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:

@@ -8,8 +8,14 @@ worker can import it (a shared filesystem, :func:`rpcdl.local_workers`), so
 module state and class identity behave as they always did, and from the code
 sent along when it cannot. Everything else is imported by name on the worker.
 
+The sender pickles each object's code once (:mod:`rpcdl.serialization`), so
+the same code arrives again for it; a worker rebuilds it once and keeps it
+(the most recent 256), so a rebuilt function keeps its globals between calls
+the way an imported module would.
+
 Threading: the decisions are cached in dicts that any thread may fill; two
-threads deciding the same module at once reach the same answer.
+threads deciding the same module at once reach the same answer. The rebuilt
+objects are kept under a lock.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import pickle
 import site
 import sys
 import sysconfig
+import threading
 import types
 from typing import Any
 
@@ -30,6 +37,9 @@ import cloudpickle
 _BY_REFERENCE_PACKAGES = frozenset(("rpcdl", "torch", "numpy", "cloudpickle", "tblib"))
 _decided: dict[str, bool] = {}  # module name -> whether it is the user's own
 _not_importable: set[str] = set()  # module names this process failed to import
+_MAX_REBUILT = 256
+_rebuilt: dict[bytes, Any] = {}  # code received -> the object rebuilt from it, oldest first
+_rebuilt_lock = threading.Lock()
 
 
 @functools.cache
@@ -150,4 +160,12 @@ def import_or_define(module_name: str, qualname: str, code: bytes | str) -> Any:
             "pickled out of that module's globals",
             name=module_name,
         )
-    return pickle.loads(code)
+    with _rebuilt_lock:
+        found = _rebuilt.get(code)
+    if found is None:
+        found = pickle.loads(code)
+        with _rebuilt_lock:
+            _rebuilt[code] = found
+            while len(_rebuilt) > _MAX_REBUILT:
+                del _rebuilt[next(iter(_rebuilt))]
+    return found

@@ -120,6 +120,8 @@ def test_a_dataset_from_the_users_own_module_works_on_a_worker_that_cannot_impor
     with pytest.raises(ModuleNotFoundError, match=r"could not travel with the call.*cannot pickle '_thread\.lock'"):
         rpcdl.rpc_sync(workers[0], mydata.locked_double, (4,))
     assert rpcdl.rpc_sync(workers[0], mydata.scale, (2,)) == 6
+    first, second = (rpcdl.rpc_sync(workers[0], id, (mydata.scale,)) for _ in range(2))
+    assert first == second  # rebuilt once on the worker, kept for the calls that follow
 
 
 @pytest.mark.timeout(60)
@@ -154,4 +156,5 @@ def test_installed_packages_go_by_reference_and_the_users_code_by_value(users_co
     assert b"torch.utils.data.dataset" in payload and b"import_or_define" not in payload and len(payload) < 200
     payload, _ = dumps(mydata.SquaresDataset)
     assert b"import_or_define" in payload and b"__getitem__" in payload
+    assert dumps(mydata.SquaresDataset)[0] == payload  # its code is pickled once and sent as it was
     assert loads(payload) is mydata.SquaresDataset  # imported here: taken by name
