@@ -29,11 +29,11 @@ import torch
 
 from .address import format_address, is_loopback
 from .checks import check_positive_int, check_timeout
-from .errors import ConnectionLost, ProtocolError
+from .errors import ConnectionLost, LimitExceeded, ProtocolError
 from .rref import RRefStore
 from .security import Token, default_server_tls, resolve_token
 from .serialization import dump_exception, dumps, loads, peer_context
-from .wire import Frame, Kind, Limits, server_handshake, set_io_timeouts
+from .wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, server_handshake, set_io_timeouts
 from .worker_connection import ClientConnection, Counters, shutdown_socket
 from .worker_process import StopSignals, append_address, process_exists
 
@@ -338,6 +338,19 @@ class Worker:
                 return
             connection, frame = queued
 
+    def _error_report(self, exc: BaseException) -> bytes:
+        """The report of ``exc`` for the client; a shorter one if it would break the message limit."""
+        report = dump_exception(exc)
+        if len(report) <= self.limits.max_message_bytes:
+            return report
+        began = f"{type(exc).__qualname__}: {exc}"[:200]
+        return dump_exception(
+            LimitExceeded(
+                f"the exception a call raised is {len(report)} bytes with its traceback, more than the limit of "
+                f"{self.limits.max_message_bytes} bytes in one message ({MAX_MESSAGE_BYTES_ENV}); it began: {began}"
+            )
+        )
+
     def _execute(self, connection: ClientConnection, frame: Frame) -> Frame:
         started = time.perf_counter()
         failed = True
@@ -359,7 +372,7 @@ class Worker:
             if frame.ref:
                 self._store.complete(frame.ref, error=exc)
             log.debug("call from %s raised %s", connection.peer, type(exc).__name__)
-            return Frame(Kind.ERROR, frame.call_id, payload=dump_exception(exc))
+            return Frame(Kind.ERROR, frame.call_id, payload=self._error_report(exc))
         finally:
             self._counters.add(
                 busy_seconds=time.perf_counter() - started, calls_failed=int(failed), calls_served=int(not failed)

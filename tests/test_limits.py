@@ -116,3 +116,16 @@ def test_an_answer_past_the_clients_own_limits_fails_its_call_for_good(embedded_
         rpcdl.rpc_sync(worker.address, many_tensors, (MANY,))
     assert "RPCDL_MAX_BUFFERS" in str(caught.value) and not is_transient(caught.value)
     assert rpcdl.rpc_sync(worker.address, sum, ([1, 2],)) == 3  # a new connection serves
+
+
+def raise_long(size: int) -> None:
+    raise ValueError("x" * size)
+
+
+@pytest.mark.timeout(30)
+def test_an_exception_past_the_byte_limit_still_fails_its_call_with_a_summary(embedded_worker):
+    worker = embedded_worker(limits=Limits(max_message_bytes=4096))
+    with pytest.raises(LimitExceeded, match=r"RPCDL_MAX_MESSAGE_BYTES.*it began: ValueError: xxx"):
+        rpcdl.rpc_sync(worker.address, raise_long, (10_000,))
+    with pytest.raises(ValueError, match=r"^x{100}\n"):  # a small one keeps its own type
+        rpcdl.rpc_sync(worker.address, raise_long, (100,))
