@@ -31,30 +31,11 @@ import torch
 from . import buffers
 from .address import format_address, parse_address
 from .checks import check_timeout
-from .errors import (
-    AuthenticationError,
-    ConnectionLost,
-    FrameTooLarge,
-    LimitExceeded,
-    ProtocolError,
-    WorkerTimeout,
-    WorkerUnavailable,
-)
+from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, ProtocolError, WorkerTimeout, WorkerUnavailable
 from .rref import RRef, holding_handle, new_uid
 from .security import Token, default_client_tls, resolve_token
 from .serialization import dumps, load_exception, loads, peer_context
-from .wire import (
-    MAX_BUFFERS_ENV,
-    MAX_MESSAGE_BYTES_ENV,
-    Frame,
-    FrameReader,
-    Kind,
-    Limits,
-    client_handshake,
-    encode_frame,
-    send_pieces,
-    set_io_timeouts,
-)
+from .wire import Frame, FrameReader, Kind, Limits, client_handshake, encode_frame, send_pieces, set_io_timeouts
 
 _T = TypeVar("_T")
 log = logging.getLogger("rpcdl.client")
@@ -337,7 +318,7 @@ class Connection:
             with self._cond:
                 call = self._pending.pop(exc.call_id, None)
             if call is not None:
-                call.future.set_exception(_answer_past_limits(self.address, call.what, exc))
+                call.future.set_exception(exc.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
             self._fail(f"lost the connection to worker {self.address}: {exc}")
         except (OSError, ProtocolError) as exc:
             self._fail(f"lost the connection to worker {self.address}: {exc or type(exc).__name__}")
@@ -486,13 +467,6 @@ class Connection:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, _MAX_RETRY_DELAY)
-
-
-def _answer_past_limits(address: str, what: str, exc: FrameTooLarge) -> LimitExceeded:
-    return LimitExceeded(
-        f"worker {address} answered {what} past this process's limits ({exc}): the worker's limits are higher; "
-        f"set the same {MAX_BUFFERS_ENV} and {MAX_MESSAGE_BYTES_ENV} for the workers and the trainers"
-    )
 
 
 def _readable(sock: socket.socket) -> bool:

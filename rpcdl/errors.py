@@ -38,6 +38,13 @@ class FrameTooLarge(ProtocolError):
     def __reduce__(self):
         return type(self), (str(self), self.call_id)
 
+    def as_limit_exceeded(self, what: str) -> LimitExceeded:
+        """The error for the call whose answer this was: the sender's limits are higher than this side's."""
+        return LimitExceeded(
+            f"{what} past this process's limits ({self}): the sender's limits are higher; set the same "
+            "RPCDL_MAX_BUFFERS and RPCDL_MAX_MESSAGE_BYTES for the workers and the trainers"
+        )
+
 
 class AuthenticationError(RPCDLError, PermissionError):
     """The handshake failed because the tokens of client and worker differ."""

@@ -112,7 +112,7 @@ def test_a_batch_past_the_limit_raises_once_in_the_loop_and_is_not_retried(two_w
 @pytest.mark.timeout(30)
 def test_an_answer_past_the_clients_own_limits_fails_its_call_for_good(embedded_worker):
     worker = embedded_worker(limits=Limits(max_buffers=2 * MANY))  # set for the worker only: a mistake
-    with pytest.raises(LimitExceeded, match="the worker's limits are higher") as caught:
+    with pytest.raises(LimitExceeded, match="the sender's limits are higher") as caught:
         rpcdl.rpc_sync(worker.address, many_tensors, (MANY,))
     assert "RPCDL_MAX_BUFFERS" in str(caught.value) and not is_transient(caught.value)
     assert rpcdl.rpc_sync(worker.address, sum, ([1, 2],)) == 3  # a new connection serves
