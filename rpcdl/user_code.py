@@ -99,6 +99,17 @@ def is_users_module(module_name: Any) -> bool:
     """Whether the module named ``module_name`` is imported here and the user's own (cached).
 
     The first time it is, cloudpickle is told to pickle it by value.
+
+    Args:
+        module_name: a module's ``__name__`` (anything else is not a user's module).
+
+    Returns:
+        whether the module's code travels with the calls that use it.
+
+    Example::
+
+        >>> is_users_module("torch.utils.data")
+        False
     """
     decided = _decided.get(module_name) if isinstance(module_name, str) else False
     if decided is not None:
@@ -114,7 +125,21 @@ def is_users_module(module_name: Any) -> bool:
 
 
 def lookup(module_name: str, qualname: str) -> Any:
-    """Return the object named ``qualname`` in the imported module ``module_name``, or ``None``."""
+    """Return the object named ``qualname`` in the imported module ``module_name``, or ``None``.
+
+    Args:
+        module_name: the module, which is not imported by this.
+        qualname: a dotted qualified name in it (``""`` for the module itself).
+
+    Returns:
+        the object, or ``None`` if the module is not imported or has no such name.
+
+    Example::
+
+        >>> import os.path
+        >>> lookup("os.path", "join") is os.path.join
+        True
+    """
     found: Any = sys.modules.get(module_name)
     for part in qualname.split(".") if qualname else ():
         found = getattr(found, part, None)
@@ -148,6 +173,12 @@ def import_or_define(module_name: str, qualname: str, code: bytes | str) -> Any:
 
     Raises:
         ModuleNotFoundError: the module does not import here and its code could not be sent.
+
+    Example::
+
+        >>> import json
+        >>> import_or_define("json", "dumps", b"") is json.dumps  # imports here: taken by name
+        True
     """
     if _import_here(module_name) is not None:
         found = lookup(module_name, qualname)
