@@ -42,6 +42,7 @@ class Counters:
         self.outstanding = 0
 
     def add(self, **deltas: float) -> None:
+        """Add each of ``deltas`` to the counter of that name."""
         with self.lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
@@ -68,6 +69,7 @@ class ClientConnection:
         ]
 
     def start(self) -> None:
+        """Start the service threads."""
         for thread in self._threads:
             thread.start()
 
@@ -90,6 +92,7 @@ class ClientConnection:
         self.send(frame, answers_call=True)
 
     def close(self) -> None:
+        """Close the connection (once) and have the worker forget it and the RRefs it held."""
         with self._close_lock:  # not the send lock: a send may block for the whole timeout
             if self.closed:
                 return
@@ -128,6 +131,7 @@ class ClientConnection:
 
 
 def shutdown_socket(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways (waking a thread blocked on it) and close it."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
@@ -136,4 +140,5 @@ def shutdown_socket(sock: socket.socket) -> None:
 
 
 def allocate_buffer(call_id: int, size: int) -> Any:
+    """Memory for an out-of-band buffer of a call received: a numpy view of a new uint8 tensor."""
     return torch.empty(size, dtype=torch.uint8).numpy()
