@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AuthenticationError": "errors",
     "ConnectionLost": "errors",
+    "LimitExceeded": "errors",
     "ProtocolError": "errors",
     "RPCDLError": "errors",
     "RemoteError": "errors",
@@ -44,6 +45,7 @@ __all__ = [
     "CachedDataset",
     "ConnectionLost",
     "DatasetMismatch",
+    "LimitExceeded",
     "NoWorkersLeft",
     "ProtocolError",
     "RPCDLError",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
     from .errors import (
         AuthenticationError,
         ConnectionLost,
+        LimitExceeded,
         ProtocolError,
         RemoteError,
         RPCDLError,

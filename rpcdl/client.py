@@ -31,7 +31,7 @@ import torch
 from . import buffers
 from .address import format_address, parse_address
 from .checks import check_timeout
-from .errors import AuthenticationError, ConnectionLost, ProtocolError, WorkerTimeout, WorkerUnavailable
+from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, ProtocolError, WorkerTimeout, WorkerUnavailable
 from .rref import RRef, holding_handle, new_uid
 from .security import Token, default_client_tls, resolve_token
 from .serialization import dumps, load_exception, loads, peer_context
@@ -314,6 +314,12 @@ class Connection:
         frame = call = None
         try:
             frame = self._reader.read_frame(self._allocate)
+        except FrameTooLarge as exc:  # the worker's limits are higher: that call fails for good, the others retry
+            with self._cond:
+                call = self._pending.pop(exc.call_id, None)
+            if call is not None:
+                call.future.set_exception(exc.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
+            self._fail(f"lost the connection to worker {self.address}: {exc}")
         except (OSError, ProtocolError) as exc:
             self._fail(f"lost the connection to worker {self.address}: {exc or type(exc).__name__}")
         finally:
@@ -715,9 +721,11 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     try:
         with peer_context(host):
-            return dumps((func, tuple(args), dict(kwargs)))
+            payload, buffers = dumps((func, tuple(args), dict(kwargs)))
     except Exception as exc:
         raise TypeError(f"cannot send {_describe(func)} and its arguments to worker {host}: {exc}") from exc
+    Limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {_describe(func)}")
+    return payload, buffers
 
 
 def _call(

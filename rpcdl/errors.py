@@ -5,6 +5,8 @@ Two families matter to callers:
 * Infrastructure failures (:class:`WorkerUnavailable`, :class:`ConnectionLost`,
   :class:`WorkerTimeout`, :class:`ProtocolError`): the worker or the network
   failed; the same call may succeed elsewhere. :func:`is_transient` says so.
+* :class:`LimitExceeded`: a message would break a frame limit; the data, not
+  the worker, is at fault, so it is not transient either.
 * Exceptions raised by user code on a worker: re-raised locally with their own
   type, the remote traceback in ``exc.remote_traceback`` and the worker's address
   in ``exc.rpcdl_worker``. :class:`RemoteError` stands in when the type does not
@@ -20,6 +22,28 @@ class RPCDLError(Exception):
 
 class ProtocolError(RPCDLError, ConnectionError):
     """The peer sent bytes that break the protocol (bad magic, version, length)."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame received announces more than this side's limits; its connection is closed.
+
+    Attributes:
+        call_id: the call the frame belongs to.
+    """
+
+    def __init__(self, message: str, call_id: int):
+        super().__init__(message)
+        self.call_id = call_id
+
+    def __reduce__(self):
+        return type(self), (str(self), self.call_id)
+
+    def as_limit_exceeded(self, what: str) -> LimitExceeded:
+        """The error for the call whose answer this was: the sender's limits are higher than this side's."""
+        return LimitExceeded(
+            f"{what} past this process's limits ({self}): the sender's limits are higher; set the same "
+            "RPCDL_MAX_BUFFERS and RPCDL_MAX_MESSAGE_BYTES for the workers and the trainers"
+        )
 
 
 class AuthenticationError(RPCDLError, PermissionError):
@@ -38,6 +62,16 @@ class WorkerTimeout(RPCDLError, TimeoutError, RuntimeError):
     """No answer came from a worker within the call's timeout.
 
     Also a :class:`RuntimeError`, as the error of torch's DataLoader when a batch times out.
+    """
+
+
+class LimitExceeded(RPCDLError, ValueError):
+    """A message would break a frame limit (:class:`rpcdl.wire.Limits`).
+
+    Raised by the side that would send it: the client for a call's function
+    and arguments, the worker for an answer (then re-raised on the client like
+    any exception of the call). The message names the limit and how to raise
+    it. It is the user's data, not a failure of the worker: never retried.
     """
 
 

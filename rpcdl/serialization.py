@@ -1,9 +1,11 @@
 """Objects to ``(payload, buffers)`` and back.
 
 Pickle protocol 5 through cloudpickle, so lambdas, closures and functions of
-``__main__`` travel by value. Tensors and numpy arrays leave their bytes out of
-the payload as out-of-band buffers: the wire layer sends them from their own
-memory and receives them into preallocated memory, which becomes the tensor.
+``__main__`` travel by value, and the code of the user's own modules travels
+with them (:mod:`rpcdl.user_code`): a worker needs only the installed packages.
+Tensors and numpy arrays leave their bytes out of the payload as out-of-band
+buffers: the wire layer sends them from their own memory and receives them
+into preallocated memory, which becomes the tensor.
 Exceptions travel as reports that rebuild them on the other side with their
 type, their traceback and the worker they came from.
 """
@@ -14,6 +16,8 @@ import io
 import pickle
 import threading
 import traceback
+import types
+import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +28,7 @@ import tblib
 import torch
 
 from .errors import RemoteError
+from .user_code import import_or_define, is_users_module, lookup
 
 PROTOCOL = 5
 
@@ -50,12 +55,49 @@ def _reduce_tensor(tensor: torch.Tensor):
 
 
 class _Pickler(cloudpickle.Pickler):
+    _outermost = True  # False in the pickler of a user's object's code, which pickles all of it by value
+
     def reducer_override(self, obj):
-        if type(obj) is torch.Tensor:
+        kind = type(obj)
+        if kind is torch.Tensor:
             reduced = _reduce_tensor(obj)
             if reduced is not None:
                 return reduced
+        elif kind is types.FunctionType or kind is types.ModuleType or isinstance(obj, type):
+            if kind is types.ModuleType:
+                module_name, qualname = obj.__name__, ""
+            else:
+                module_name, qualname = obj.__module__, obj.__qualname__
+            if is_users_module(module_name) and self._outermost and lookup(module_name, qualname) is obj:
+                return import_or_define, (module_name, qualname, _code_of(obj))
         return super().reducer_override(obj)
+
+
+class _CodePickler(_Pickler):
+    _outermost = False
+
+
+_codes: weakref.WeakKeyDictionary[Any, bytes | str] = weakref.WeakKeyDictionary()
+_codes_lock = threading.Lock()
+
+
+def _code_of(obj: Any) -> bytes | str:
+    """``obj`` pickled by value with what it refers to, as first sent from this process; or why it cannot be.
+
+    Pickling code by value costs a millisecond or so: each object's is pickled once.
+    """
+    with _codes_lock:
+        code = _codes.get(obj)
+    if code is None:
+        stream = io.BytesIO()
+        try:
+            _CodePickler(stream, protocol=PROTOCOL).dump(obj)
+            code = stream.getvalue()
+        except Exception as exc:  # its module's state cannot be pickled (a lock, say): by name only
+            code = f"{type(exc).__name__}: {exc}"
+        with _codes_lock:
+            _codes[obj] = code
+    return code
 
 
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:

@@ -18,7 +18,8 @@ Then both sides exchange frames::
     payload  pickled by the serialization layer (or raw bytes, for control frames)
     buffers  out-of-band buffers, each received straight into its final memory
 
-Every length is checked against :class:`Limits` before anything is allocated.
+Every length received is checked against :class:`Limits` before anything is
+allocated; the sender checks its own frames first (:meth:`Limits.check_outgoing`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AuthenticationError, ConnectionLost, ProtocolError
+from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, LimitExceeded, ProtocolError
 from .security import Token
 
 MAGIC = b"RPCDL\x00"
@@ -67,27 +68,94 @@ class Kind(enum.IntEnum):
     STATS_REPLY = 9  #: worker -> client: the counters as JSON
 
 
+MAX_MESSAGE_BYTES_ENV = "RPCDL_MAX_MESSAGE_BYTES"
+MAX_BUFFERS_ENV = "RPCDL_MAX_BUFFERS"
+_MAX_COUNT = 2**32 - 1  # the buffer count is a u32 in the header
+
+
+def _from_environment(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {text!r}") from None
+
+
+def _default_max_message_bytes() -> int:
+    return _from_environment(MAX_MESSAGE_BYTES_ENV, 16 << 30)
+
+
+def _default_max_buffers() -> int:
+    return _from_environment(MAX_BUFFERS_ENV, 1 << 16)
+
+
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on what a peer may make us allocate or wait for.
+    """Bounds on one frame: what a peer may make us allocate, and what we may send.
+
+    The receiving side closes a connection whose frame announces more (a
+    broken or hostile peer). The sending side checks first, so that a result
+    or arguments past a limit raise :class:`~rpcdl.errors.LimitExceeded`
+    instead of breaking the connection. Workers and clients read the defaults
+    from the environment, so set the same values on both sides.
 
     Args:
-        max_message_bytes: largest frame (payload plus buffers) accepted.
-        max_buffers: most out-of-band buffers in one frame.
+        max_message_bytes: largest frame (payload plus buffers); default
+            ``RPCDL_MAX_MESSAGE_BYTES`` from the environment, else 16 GiB.
+        max_buffers: most out-of-band buffers (tensors, arrays) in one frame;
+            default ``RPCDL_MAX_BUFFERS`` from the environment, else 65,536.
         handshake_timeout: seconds a new connection has to finish the handshake.
+
+    Example::
+
+        >>> Limits(max_buffers=1 << 20).max_buffers
+        1048576
     """
 
-    max_message_bytes: int = 16 << 30
-    max_buffers: int = 1 << 16
+    max_message_bytes: int = field(default_factory=_default_max_message_bytes)
+    max_buffers: int = field(default_factory=_default_max_buffers)
     handshake_timeout: float = 10.0
 
     def __post_init__(self):
         if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}")
-        if self.max_buffers < 1:
-            raise ValueError(f"max_buffers must be positive, got {self.max_buffers}")
+            raise ValueError(
+                f"max_message_bytes ({MAX_MESSAGE_BYTES_ENV}) must be at least 1024, got {self.max_message_bytes}"
+            )
+        if not 1 <= self.max_buffers <= _MAX_COUNT:
+            raise ValueError(f"max_buffers ({MAX_BUFFERS_ENV}) must be in 1..{_MAX_COUNT}, got {self.max_buffers}")
         if self.handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be positive, got {self.handshake_timeout}")
+
+    def check_outgoing(self, payload_bytes: int, buffer_sizes: Sequence[int], what: str) -> None:
+        """Raise :class:`~rpcdl.errors.LimitExceeded` if a frame to send would break a limit.
+
+        Args:
+            payload_bytes: size of the pickled payload.
+            buffer_sizes: size of each out-of-band buffer.
+            what: the message, for the error (``"the result of load()"``).
+
+        Example::
+
+            >>> Limits(max_buffers=2).check_outgoing(10, [4, 4, 4], "the result of f()")  # doctest: +SKIP
+            LimitExceeded: the result of f() holds 3 tensors or arrays (out-of-band buffers), more than ...
+        """
+        if len(buffer_sizes) > self.max_buffers:
+            raise LimitExceeded(
+                f"{what} holds {len(buffer_sizes)} tensors or arrays (out-of-band buffers), more than the limit of "
+                f"{self.max_buffers} in one message: send fewer, larger ones (stack them, in a collate_fn say), or "
+                f"raise the limit with {MAX_BUFFERS_ENV}=N in the environment of the workers and the trainers "
+                "(or Worker(limits=rpcdl.wire.Limits(max_buffers=N)) for an embedded worker)"
+            )
+        total = payload_bytes + sum(buffer_sizes)
+        if total > self.max_message_bytes:
+            raise LimitExceeded(
+                f"{what} is {total} bytes, more than the limit of {self.max_message_bytes} bytes in one message: "
+                f"send it in parts, or raise the limit with {MAX_MESSAGE_BYTES_ENV}=N in the environment of the "
+                "workers and the trainers (or Worker(limits=rpcdl.wire.Limits(max_message_bytes=N)) for an "
+                "embedded worker)"
+            )
 
 
 @dataclass
@@ -318,7 +386,8 @@ class FrameReader:
 
         Raises:
             ConnectionLost: the peer closed the connection.
-            ProtocolError: the frame breaks the protocol or the limits.
+            FrameTooLarge: the frame announces more than the limits.
+            ProtocolError: the frame breaks the protocol.
             TimeoutError: the peer stalled in the middle of a frame.
         """
         try:
@@ -332,17 +401,25 @@ class FrameReader:
         except ValueError:
             raise ProtocolError(f"unknown frame kind {kind}") from None
         if count > self._limits.max_buffers:
-            raise ProtocolError(f"frame announces {count} buffers, the limit is {self._limits.max_buffers}")
+            raise FrameTooLarge(
+                f"frame announces {count} buffers, the limit is {self._limits.max_buffers} ({MAX_BUFFERS_ENV})", call_id
+            )
         if payload_size > self._limits.max_message_bytes:
-            raise ProtocolError(f"frame announces {payload_size} bytes, the limit is {self._limits.max_message_bytes}")
+            raise FrameTooLarge(
+                f"frame announces {payload_size} bytes, the limit is {self._limits.max_message_bytes} "
+                f"({MAX_MESSAGE_BYTES_ENV})",
+                call_id,
+            )
         sizes: tuple[int, ...] = ()
         if count:
             sizes_raw = bytearray(8 * count)
             self._read_into(memoryview(sizes_raw))
             sizes = struct.unpack(f"!{count}Q", sizes_raw)
         if payload_size + sum(sizes) > self._limits.max_message_bytes:
-            raise ProtocolError(
-                f"frame announces {payload_size + sum(sizes)} bytes, the limit is {self._limits.max_message_bytes}"
+            raise FrameTooLarge(
+                f"frame announces {payload_size + sum(sizes)} bytes, the limit is {self._limits.max_message_bytes} "
+                f"({MAX_MESSAGE_BYTES_ENV})",
+                call_id,
             )
         payload = self._read_payload(payload_size)
         buffers = []

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import atexit
 import collections
-import fcntl
 import json
 import logging
 import os
-import signal
 import socket
 import ssl
 import struct
@@ -31,130 +29,19 @@ import torch
 
 from .address import format_address, is_loopback
 from .checks import check_positive_int, check_timeout
-from .errors import ConnectionLost, ProtocolError
-from .rref import RRefStore, StoreView
+from .errors import ConnectionLost, LimitExceeded, ProtocolError
+from .rref import RRefStore
 from .security import Token, default_server_tls, resolve_token
 from .serialization import dump_exception, dumps, loads, peer_context
-from .wire import Frame, FrameReader, Kind, Limits, send_frame, server_handshake, set_io_timeouts
+from .wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, server_handshake, set_io_timeouts
+from .worker_connection import ClientConnection, Counters, shutdown_socket
+from .worker_process import StopSignals, append_address, process_exists
 
 log = logging.getLogger("rpcdl.worker")
 
 _WILDCARDS = {"", "0.0.0.0", "::"}
 _IDLE_TICK = 1.0
-_SERVICE_THREADS = 2
 _MAX_HANDSHAKES = 256  # connections in their handshake at once, each with a thread for up to handshake_timeout
-
-
-class _Counters:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.calls_served = 0
-        self.calls_failed = 0
-        self.calls_rejected = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.busy_seconds = 0.0
-        self.clients = 0
-        self.connections_total = 0
-        self.connections_refused = 0
-        self.outstanding = 0
-
-    def add(self, **deltas: float) -> None:
-        with self.lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-
-class _ClientConnection:
-    """The worker's side of one client connection."""
-
-    def __init__(self, worker: Worker, sock: socket.socket, peer: str):
-        self.worker = worker
-        self.sock = sock
-        self.peer = peer
-        self.store_view = StoreView(worker._store, self, worker.timeout)
-        self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
-        self.idle_threads = _SERVICE_THREADS  # guarded by the worker's scheduler lock
-        self.closed = False
-        self._read_turn = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._close_lock = threading.Lock()
-        self._counted = 0
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"rpcdl-service-{peer}", daemon=True)
-            for _ in range(_SERVICE_THREADS)
-        ]
-
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-
-    def send(self, frame: Frame, answers_call: bool = False) -> None:
-        """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
-        that cannot take it is closed."""
-        sent = 0
-        try:
-            if not self.closed:
-                with self._send_lock:
-                    sent = send_frame(self.sock, frame)
-        except OSError as exc:
-            log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
-            self.close()
-        finally:
-            self.worker._counters.add(bytes_out=sent, outstanding=-int(answers_call))
-
-    def answer(self, frame: Frame) -> None:
-        """Send the answer to a call and count the call as done."""
-        self.send(frame, answers_call=True)
-
-    def close(self) -> None:
-        with self._close_lock:  # not the send lock: a send may block for the whole timeout
-            if self.closed:
-                return
-            self.closed = True
-        _shutdown_socket(self.sock)
-        self.worker._forget(self)
-
-    def _serve(self) -> None:
-        worker = self.worker
-        while not self.closed:
-            with self._read_turn:
-                if self.closed:
-                    return
-                try:
-                    frame = self.reader.read_frame(_allocate)
-                except ConnectionLost:
-                    log.debug("client %s disconnected", self.peer)
-                    self.close()
-                    return
-                except (OSError, ProtocolError) as exc:
-                    if not self.closed:
-                        log.warning("closed connection from %s: %s", self.peer, exc or type(exc).__name__)
-                    self.close()
-                    return
-                if frame is None:
-                    continue
-                bytes_in, self._counted = self.reader.bytes_read - self._counted, self.reader.bytes_read
-                try:
-                    run_here = worker._dispatch(self, frame, bytes_in)
-                except ProtocolError as exc:
-                    log.warning("closed connection from %s: %s", self.peer, exc)
-                    self.close()
-                    return
-            if run_here:
-                worker._run(self, frame, from_service_thread=True)
-
-
-def _shutdown_socket(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-
-
-def _allocate(call_id: int, size: int) -> Any:
-    return torch.empty(size, dtype=torch.uint8).numpy()
 
 
 class Worker:
@@ -173,7 +60,10 @@ class Worker:
         ssl_context: serve TLS with this context (see
             :func:`rpcdl.security.server_tls_context`); defaults to one from
             ``RPCDL_TLS_CERT`` / ``RPCDL_TLS_KEY`` when set.
-        limits: bounds on what a client may make the worker allocate.
+        limits: bounds on one message, received or sent (default
+            :class:`~rpcdl.wire.Limits` from ``RPCDL_MAX_MESSAGE_BYTES`` and
+            ``RPCDL_MAX_BUFFERS``). A result past them fails its call with
+            :class:`~rpcdl.errors.LimitExceeded`.
         advertise: the host name clients should use, when it differs from
             ``host`` (by default the machine's name when ``host`` is a wildcard).
 
@@ -224,11 +114,11 @@ class Worker:
             advertise = socket.gethostname() if host in _WILDCARDS else host
         self.address = format_address(advertise, bound_port)
         self._store = RRefStore()
-        self._counters = _Counters()
+        self._counters = Counters()
         self._scheduler = threading.Condition(threading.Lock())
-        self._queue: collections.deque[tuple[_ClientConnection, Frame]] = collections.deque()
+        self._queue: collections.deque[tuple[ClientConnection, Frame]] = collections.deque()
         self._running = 0
-        self._connections: set[_ClientConnection] = set()
+        self._connections: set[ClientConnection] = set()
         self._connections_lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._threads: list[threading.Thread] = []
@@ -264,7 +154,7 @@ class Worker:
         if self._stopped.is_set():
             return True
         self._draining = True
-        _shutdown_socket(self._listener)
+        shutdown_socket(self._listener)
         deadline = time.monotonic() + grace
         while self._counters.outstanding > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -342,7 +232,7 @@ class Worker:
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
         self._counters.add(connections_refused=1)
         log.warning("refused connection from %s: %s", peer, reason)
-        _shutdown_socket(sock)
+        shutdown_socket(sock)
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
@@ -361,16 +251,16 @@ class Worker:
         except Exception as exc:
             self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return
-        connection = _ClientConnection(self, sock, peer)
+        connection = ClientConnection(self, sock, peer)
         with self._connections_lock:
             if self._draining:
-                _shutdown_socket(sock)
+                shutdown_socket(sock)
                 return
             self._connections.add(connection)
         self._counters.add(clients=1, connections_total=1)
         connection.start()
 
-    def _forget(self, connection: _ClientConnection) -> None:
+    def _forget(self, connection: ClientConnection) -> None:
         with self._connections_lock:
             if connection not in self._connections:
                 return
@@ -378,7 +268,7 @@ class Worker:
         self._store.release_holder(connection)
         self._counters.add(clients=-1)
 
-    def _dispatch(self, connection: _ClientConnection, frame: Frame, bytes_in: int) -> bool:
+    def _dispatch(self, connection: ClientConnection, frame: Frame, bytes_in: int) -> bool:
         """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now."""
         self._counters.add(bytes_in=bytes_in, outstanding=int(frame.kind == Kind.CALL))
         if frame.kind == Kind.CALL:
@@ -420,7 +310,7 @@ class Worker:
                 self._running += 1
             self._run(connection, frame, from_service_thread=False)
 
-    def _run(self, connection: _ClientConnection, frame: Frame, from_service_thread: bool) -> None:
+    def _run(self, connection: ClientConnection, frame: Frame, from_service_thread: bool) -> None:
         """Run a call in a slot already taken, then the queued calls while there are any; answer each.
 
         Going on with the queue in the same thread, slot kept, saves waking an
@@ -448,7 +338,20 @@ class Worker:
                 return
             connection, frame = queued
 
-    def _execute(self, connection: _ClientConnection, frame: Frame) -> Frame:
+    def _error_report(self, exc: BaseException) -> bytes:
+        """The report of ``exc`` for the client; a shorter one if it would break the message limit."""
+        report = dump_exception(exc)
+        if len(report) <= self.limits.max_message_bytes:
+            return report
+        began = f"{type(exc).__qualname__}: {exc}"[:200]
+        return dump_exception(
+            LimitExceeded(
+                f"the exception a call raised is {len(report)} bytes with its traceback, more than the limit of "
+                f"{self.limits.max_message_bytes} bytes in one message ({MAX_MESSAGE_BYTES_ENV}); it began: {began}"
+            )
+        )
+
+    def _execute(self, connection: ClientConnection, frame: Frame) -> Frame:
         started = time.perf_counter()
         failed = True
         try:
@@ -462,13 +365,14 @@ class Worker:
                     payload, buffers = dumps(value)
                 except Exception as exc:
                     raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
+                self.limits.check_outgoing(len(payload), [b.nbytes for b in buffers], f"the result of {_name(func)}")
             failed = False
             return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
         except BaseException as exc:
             if frame.ref:
                 self._store.complete(frame.ref, error=exc)
             log.debug("call from %s raised %s", connection.peer, type(exc).__name__)
-            return Frame(Kind.ERROR, frame.call_id, payload=dump_exception(exc))
+            return Frame(Kind.ERROR, frame.call_id, payload=self._error_report(exc))
         finally:
             self._counters.add(
                 busy_seconds=time.perf_counter() - started, calls_failed=int(failed), calls_served=int(not failed)
@@ -487,71 +391,6 @@ def _stop_running_workers() -> None:
 
 def _name(func: Any) -> str:
     return f"{getattr(func, '__qualname__', type(func).__name__)}()"
-
-
-class StopSignals:
-    """SIGTERM and SIGINT turned into a flag the main thread polls.
-
-    The handlers only set an attribute: a handler that takes a lock (``Event.set()``)
-    deadlocks when the signal lands while the main thread holds that lock itself.
-    Outside the main thread nothing is installed and :meth:`wait` just sleeps.
-    """
-
-    def __init__(self):
-        self.received = False
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to ``timeout`` seconds, less if a signal comes; return whether one came."""
-        deadline = time.monotonic() + timeout
-        while not self.received and time.monotonic() < deadline:
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        return self.received
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
-
-def _process_exists(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def append_address(path: str | os.PathLike, address: str) -> None:
-    """Append ``address`` as one line to the file ``path``, under an exclusive lock.
-
-    Many workers may share one file (a Slurm job step, say): the lock keeps
-    their lines whole.
-    """
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            handle.write(address + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run_worker(
@@ -612,7 +451,7 @@ def run_worker(
             print(worker.address, flush=True)
         log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), parallel)
         while not stop.wait(0.5):
-            if watch_pid is not None and not _process_exists(watch_pid):
+            if watch_pid is not None and not process_exists(watch_pid):
                 log.info("process %d is gone", watch_pid)
                 break
         log.info("rpcdl worker %s stopping", worker.address)
