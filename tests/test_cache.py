@@ -21,7 +21,8 @@ from torch.utils.data import Dataset
 
 import rpcdl
 import rpcdl.redis_server
-from rpcdl.cache import CachedDataset, CacheLoader, CacheUnavailable, MemoryStore
+from rpcdl.cache import CachedDataset, CacheLoader, CacheUnavailable
+from rpcdl.cache_backends import MemoryStore
 from rpcdl.redis_server import RedisServer, find_redis_server
 
 redis = pytest.importorskip("redis")
