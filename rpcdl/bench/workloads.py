@@ -100,14 +100,14 @@ def slow_torch_worker(slow_index: int | None, worker_id: int) -> None:
 # ---------------------------------------------------------------------------- raw socket peer
 
 
-def socket_server() -> None:
-    """A raw loopback peer for the socket baseline: echoes frames, or streams them on request.
+def socket_server(host: str = "127.0.0.1") -> None:
+    """A raw peer for the socket baseline, on ``host``: echoes frames, or streams them on request.
 
     A request is a kind byte and two u64: ``E`` (echo the ``size`` bytes that
     follow), ``S`` (send ``count`` frames of ``size`` bytes). Each answer is a
     u64 length and the bytes. Prints its port, serves one connection, exits.
     """
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = socket.create_server((host, 0))
     print(listener.getsockname()[1], flush=True)
     connection, _ = listener.accept()
     listener.close()

@@ -1,0 +1,186 @@
+"""Image batches across real links: rpcdl beside rpcdataloader and a raw socket, on the same shaped links.
+
+Two worker hosts, each a network namespace behind its own veth link shaped by
+``tbf`` (see :mod:`rpcdl.bench.cluster`); the trainer is this process. For
+each link rate, every system moves the same batches of 64 x uint8[3, 224, 224]
+(random bytes drawn once and reused: incompressible) from both hosts, round
+after round, interleaved; the table gives medians in MB/s and rpcdl's ratio to
+each other system of the same run. Needs root and iproute2.
+
+Example::
+
+    sudo python benchmarks/links.py --rates 10gbit 1gbit --rounds 5 --json links.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import rpcdl
+from rpcdl.bench.cluster import Cluster, Host, unavailable
+from rpcdl.bench.workloads import IMAGE_BATCH, IMAGE_BATCH_BYTES, LENGTH, REQUEST, ImageDataset, recv_exact_into
+from rpcdl.local import child_environment, stop_process
+
+TOKEN = "links-benchmark-token"
+
+_RPCDATALOADER_WORKER = """
+import sys
+import rpcdataloader.rpc as rpc
+_bind = rpc._create_server
+def _create_server(address, *, family):
+    server = _bind((address[0], 0), family=family)
+    print("%s:%d" % (address[0], server.getsockname()[1]), flush=True)
+    return server
+rpc._create_server = _create_server
+rpc.run_worker(sys.argv[1], 0)
+"""
+
+_SOCKET_PEER = "import sys; from rpcdl.bench.workloads import socket_server; socket_server(sys.argv[1])"
+
+
+def _start(host: Host, command: list[str]) -> str:
+    """Start ``command`` on ``host``; return the first line it prints (an address or a port)."""
+    import subprocess
+
+    process = host.popen(command, stdout=subprocess.PIPE, text=True, env=child_environment())
+    line = process.stdout.readline().strip()
+    if not line:
+        stop_process(process, grace=1.0)
+        raise RuntimeError(f"{command[:3]} on {host.namespace} exited before it was ready")
+    return line
+
+
+class Systems:
+    """The three systems over one cluster: each ``measure_*`` moves ``batches`` per host and returns MB/s."""
+
+    def __init__(self, cluster: Cluster, token_file: Path, batches: int):
+        self.cluster = cluster
+        self.batches = batches
+        self.rpcdl_workers = [
+            cluster.start_worker(host.index, "--token-file", str(token_file), "--log-level", "WARNING")
+            for host in cluster.hosts
+        ]
+        self.rpcdataloader_workers = [
+            _start(host, [sys.executable, "-c", _RPCDATALOADER_WORKER, host.address]) for host in cluster.hosts
+        ]
+        length = batches * IMAGE_BATCH * len(cluster.hosts)
+        self.rpcdl_loader = rpcdl.RPCDataloader(
+            rpcdl.RPCDataset(self.rpcdl_workers, ImageDataset, length), batch_size=IMAGE_BATCH
+        )
+        from rpcdataloader import RPCDataloader, RPCDataset
+
+        self.rpcdataloader_loader = RPCDataloader(
+            RPCDataset(self.rpcdataloader_workers, ImageDataset, length), batch_size=IMAGE_BATCH
+        )
+
+    def close(self) -> None:
+        """Free the remote datasets while their workers still listen (rpcdataloader frees them on collection)."""
+        self.rpcdl_loader.dataset.release()
+        del self.rpcdataloader_loader
+        gc.collect()
+        rpcdl.shutdown()
+
+    def _epoch(self, loader) -> float:
+        started = time.perf_counter()
+        count = sum(1 for _ in loader)
+        return count * IMAGE_BATCH_BYTES / (time.perf_counter() - started) / 1e6
+
+    def measure_rpcdl(self) -> float:
+        return self._epoch(self.rpcdl_loader)
+
+    def measure_rpcdataloader(self) -> float:
+        return self._epoch(self.rpcdataloader_loader)
+
+    def measure_socket(self) -> float:
+        """One raw TCP stream from each host at once, the same bytes per host as the loaders move."""
+        import socket
+
+        connections = []
+        for host in self.cluster.hosts:
+            port = int(_start(host, [sys.executable, "-c", _SOCKET_PEER, host.address]))
+            connections.append(socket.create_connection((host.address, port), timeout=60))
+
+        def drain(connection: socket.socket) -> None:
+            header = memoryview(bytearray(LENGTH.size))
+            target = memoryview(bytearray(IMAGE_BATCH_BYTES))
+            connection.sendall(REQUEST.pack(b"S", IMAGE_BATCH_BYTES, self.batches))
+            for _ in range(self.batches):
+                recv_exact_into(connection, header)
+                recv_exact_into(connection, target)
+
+        threads = [
+            threading.Thread(target=drain, args=(c,), name=f"links-drain-{i}") for i, c in enumerate(connections)
+        ]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - started
+        for connection in connections:
+            connection.close()
+        return len(connections) * self.batches * IMAGE_BATCH_BYTES / elapsed / 1e6
+
+
+def run_rate(rate: str, rounds: int, batches: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {"rpcdl": [], "rpcdataloader": [], "socket": []}
+    with tempfile.TemporaryDirectory() as directory, Cluster(2, rate=rate) as cluster:
+        token_file = Path(directory) / "token"
+        token_file.write_text(TOKEN)
+        systems = Systems(cluster, token_file, batches)
+        measures: dict[str, Callable[[], float]] = {
+            "rpcdl": systems.measure_rpcdl,
+            "rpcdataloader": systems.measure_rpcdataloader,
+            "socket": systems.measure_socket,
+        }
+        for measure in measures.values():  # warm-up: connections, datasets, heaps
+            measure()
+        for round_ in range(rounds):
+            for name, measure in measures.items():
+                samples[name].append(measure())
+            print(f"  {rate} round {round_ + 1}: " + ", ".join(f"{n} {s[-1]:,.0f}" for n, s in samples.items()))
+        systems.close()
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"], help="link rates (tbf), e.g. 10gbit 1gbit")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per rate (default: %(default)s)")
+    parser.add_argument("--batches", type=int, default=12, help="batches per host per round (default: %(default)s)")
+    parser.add_argument("--json", metavar="FILE", help="save the samples and medians")
+    args = parser.parse_args(argv)
+    reason = unavailable()
+    if reason is not None:
+        print(f"links: cannot make a cluster in a box: {reason}", file=sys.stderr)
+        return 2
+    os.environ["RPCDL_TOKEN"] = TOKEN  # the trainer's side of the token the workers were given
+    results = {}
+    for rate in args.rates:
+        samples = run_rate(rate, args.rounds, args.batches)
+        medians = {name: statistics.median(values) for name, values in samples.items()}
+        results[rate] = {"samples_mb_s": samples, "median_mb_s": medians}
+    print(f"\n{'link':>8}  {'rpcdl MB/s':>10}  {'rpcdataloader':>13}  {'socket':>8}  {'/ socket':>8}  {'/ rpcdl.':>8}")
+    for rate, result in results.items():
+        m = result["median_mb_s"]
+        print(
+            f"{rate:>8}  {m['rpcdl']:>10,.0f}  {m['rpcdataloader']:>13,.0f}  {m['socket']:>8,.0f}  "
+            f"{m['rpcdl'] / m['socket']:>8.2f}  {m['rpcdl'] / m['rpcdataloader']:>8.2f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
