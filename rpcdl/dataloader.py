@@ -143,9 +143,7 @@ class RPCDataloader:
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
-            raise ValueError(
-                f"batch_size should be a positive integer value or None, but got batch_size={batch_size!r}"
-            )
+            raise ValueError(f"batch_size should be a positive integer value, but got batch_size={batch_size}")
         if seed is not None and not isinstance(seed, int):
             raise TypeError(f"seed must be an integer or None, got {seed!r}")
         # torch.utils.data.DataLoader's rules, with its messages.
