@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AuthenticationError": "errors",
+    "CacheUnavailable": "errors",
+    "DatasetMismatch": "errors",
+    "RRefNotFound": "errors",
     "ConnectionLost": "errors",
     "LimitExceeded": "errors",
     "ProtocolError": "errors",
@@ -30,7 +33,6 @@ _EXPORTS = {
     "Worker": "worker",
     "run_worker": "worker",
     "RPCDataset": "dataset",
-    "DatasetMismatch": "dataset",
     "RPCDataloader": "dataloader",
     "NoWorkersLeft": "scheduler",
     "local_workers": "local",
@@ -42,6 +44,7 @@ _EXPORTS = {
 __all__ = [
     "AuthenticationError",
     "CacheLoader",
+    "CacheUnavailable",
     "CachedDataset",
     "ConnectionLost",
     "DatasetMismatch",
@@ -52,6 +55,7 @@ __all__ = [
     "RPCDataloader",
     "RPCDataset",
     "RRef",
+    "RRefNotFound",
     "RemoteError",
     "Worker",
     "WorkerTimeout",
@@ -85,14 +89,17 @@ if TYPE_CHECKING:
     from .cache import CachedDataset, CacheLoader
     from .client import ping, remote, rpc_async, rpc_sync, shutdown, stats
     from .dataloader import RPCDataloader
-    from .dataset import DatasetMismatch, RPCDataset
+    from .dataset import RPCDataset
     from .errors import (
         AuthenticationError,
+        CacheUnavailable,
         ConnectionLost,
+        DatasetMismatch,
         LimitExceeded,
         ProtocolError,
         RemoteError,
         RPCDLError,
+        RRefNotFound,
         WorkerTimeout,
         WorkerUnavailable,
     )

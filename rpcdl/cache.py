@@ -16,7 +16,7 @@ is chosen by ``on_error``:
   not cached, a warning is logged once per outage, and Redis is left alone for
   ``retry_interval`` seconds before being tried again. Values still buffered
   for writing when a write fails are dropped (they are recomputed when needed).
-* ``"raise"``: :class:`CacheUnavailable` is raised, naming the server and how
+* ``"raise"``: :class:`~rpcdl.CacheUnavailable` is raised, naming the server and how
   to fix it.
 
 Either way a cache never returns a value it did not store for that key. A
@@ -38,15 +38,12 @@ from torch.utils.data import Dataset
 
 from .cache_backends import BACKENDS, StoreError  # first: the Redis server's exit hook runs after the flush below
 from .checks import check_positive_int
+from .errors import CacheUnavailable
 from .serialization import dumps_inline, loads
 
 log = logging.getLogger("rpcdl.cache")
 
 _ON_ERROR = ("compute", "raise")
-
-
-class CacheUnavailable(RuntimeError):
-    """The cache's store (a Redis server) failed and the cache was told to raise (``on_error="raise"``)."""
 
 
 # ---------------------------------------------------------------------------- the cache

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .checks import check_positive_int, check_timeout
+from .errors import RPCDLError
 from .redis_server import shared_local_server
 
 log = logging.getLogger("rpcdl.cache")
@@ -22,7 +23,7 @@ log = logging.getLogger("rpcdl.cache")
 DEFAULT_CAPACITY = 2**30
 
 
-class StoreError(Exception):
+class StoreError(RPCDLError):
     """A backend failure, with a message naming the server."""
 
 

@@ -14,14 +14,10 @@ from torch.utils.data import Dataset, IterableDataset
 from .address import check_workers
 from .checks import check_loader_timeout
 from .client import rpc_async
-from .errors import WorkerTimeout, is_transient
+from .errors import DatasetMismatch, WorkerTimeout, is_transient
 from .rref import RRef
 
 log = logging.getLogger("rpcdl.dataset")
-
-
-class DatasetMismatch(RuntimeError):
-    """A worker's copy of the dataset differs in length from the others'."""
 
 
 def _iterable_dataset_error(name: str) -> TypeError:

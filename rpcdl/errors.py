@@ -1,4 +1,4 @@
-"""Exceptions raised by rpcdl.
+"""Exceptions raised by rpcdl: every one derives from :class:`RPCDLError`.
 
 Two families matter to callers:
 
@@ -73,6 +73,18 @@ class LimitExceeded(RPCDLError, ValueError):
     any exception of the call). The message names the limit and how to raise
     it. It is the user's data, not a failure of the worker: never retried.
     """
+
+
+class DatasetMismatch(RPCDLError, RuntimeError):
+    """A worker's copy of an :class:`~rpcdl.RPCDataset` differs in length from the others'."""
+
+
+class RRefNotFound(RPCDLError, LookupError):
+    """The worker holds no object under this reference (freed, or the worker restarted)."""
+
+
+class CacheUnavailable(RPCDLError, RuntimeError):
+    """The cache's store (a Redis server) failed and the cache was told to raise (``on_error="raise"``)."""
 
 
 class RemoteError(RPCDLError, RuntimeError):

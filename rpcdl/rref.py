@@ -16,6 +16,7 @@ import threading
 import weakref
 from typing import Any, Generic, TypeVar
 
+from .errors import RRefNotFound
 from .serialization import current_connection, current_peer
 
 T = TypeVar("T")
@@ -25,10 +26,6 @@ _MISSING = object()
 def new_uid() -> int:
     """A fresh reference id, unique with overwhelming probability."""
     return secrets.randbits(63) | 1
-
-
-class RRefNotFound(LookupError):
-    """The worker holds no object under this reference (freed, or the worker restarted)."""
 
 
 class _Entry:

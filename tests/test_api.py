@@ -45,3 +45,35 @@ def test_command_line_starts_without_torch():
     code = "import sys, rpcdl.cli; rpcdl.cli.build_parser(); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def _rpcdl_modules() -> list[str]:
+    import pkgutil
+
+    names = ["rpcdl"]
+    for info in pkgutil.walk_packages(rpcdl.__path__, "rpcdl."):
+        if not info.name.startswith(("rpcdl.bench", "rpcdl.examples", "rpcdl.configs", "rpcdl.__main__")):
+            names.append(info.name)
+    return names
+
+
+def test_every_exception_rpcdl_defines_derives_from_rpcdl_error_and_is_documented():
+    from pathlib import Path
+
+    documented = (Path(__file__).resolve().parent.parent / "docs" / "api" / "errors.rst").read_text()
+    found = {}
+    for module_name in _rpcdl_modules():
+        module = importlib.import_module(module_name)
+        for name, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module_name:
+                if not name.startswith("_"):
+                    found[f"{module_name}.{name}"] = value
+    assert "rpcdl.errors.LimitExceeded" in found  # the walk sees the package
+    outside = [name for name, value in found.items() if not issubclass(value, rpcdl.RPCDLError)]
+    assert not outside, f"not under RPCDLError: {outside}"
+    exported = {name for name in rpcdl.__all__ if isinstance(getattr(rpcdl, name), type)}
+    user_facing = [value for name, value in found.items() if not name.startswith("rpcdl.cache_backends.")]
+    undocumented = [v.__name__ for v in user_facing if v.__name__ not in documented]
+    assert not undocumented, f"exceptions missing from docs/api/errors.rst: {undocumented}"
+    unexported = [v.__name__ for v in user_facing if v.__name__ not in exported and v.__module__ != "rpcdl.errors"]
+    assert not unexported, f"exceptions defined outside rpcdl.errors and not exported from rpcdl: {unexported}"
