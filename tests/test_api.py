@@ -65,9 +65,9 @@ def test_every_exception_rpcdl_defines_derives_from_rpcdl_error_and_is_documente
     for module_name in _rpcdl_modules():
         module = importlib.import_module(module_name)
         for name, value in vars(module).items():
-            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module_name:
-                if not name.startswith("_"):
-                    found[f"{module_name}.{name}"] = value
+            defined_here = isinstance(value, type) and value.__module__ == module_name
+            if defined_here and issubclass(value, BaseException) and not name.startswith("_"):
+                found[f"{module_name}.{name}"] = value
     assert "rpcdl.errors.LimitExceeded" in found  # the walk sees the package
     outside = [name for name, value in found.items() if not issubclass(value, rpcdl.RPCDLError)]
     assert not outside, f"not under RPCDLError: {outside}"
