@@ -22,11 +22,12 @@ buffers, one batch in five of a 24-batch epoch was received into fresh pages).
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import weakref
 
 import numpy as np
+
+from ._lifecycle import in_forked_child
 
 MIN_BYTES = 1 << 20  #: buffers this large come from the pool
 FREE_PER_SIZE = 8  #: free buffers kept for each size, at most
@@ -95,4 +96,4 @@ def _after_fork_in_child() -> None:
     _pool = BufferPool()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+in_forked_child(_after_fork_in_child)

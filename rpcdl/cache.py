@@ -26,7 +26,6 @@ entry that cannot be deserialized is computed again (both with a warning).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -36,7 +35,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from .cache_backends import BACKENDS, StoreError  # first: the Redis server's exit hook runs after the flush below
+from ._lifecycle import ExitPhase, at_exit
+from .cache_backends import BACKENDS, StoreError
 from .checks import check_positive_int
 from .errors import CacheUnavailable
 from .serialization import dumps_inline, loads
@@ -52,13 +52,15 @@ _ON_ERROR = ("compute", "raise")
 _live_loaders: weakref.WeakSet[CacheLoader] = weakref.WeakSet()
 
 
-@atexit.register
 def _flush_all() -> None:
     for loader in list(_live_loaders):
         try:
             loader.flush()
         except Exception:
             pass
+
+
+at_exit(ExitPhase.FLUSH, _flush_all)
 
 
 class CacheLoader:

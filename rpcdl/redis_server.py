@@ -8,7 +8,6 @@ Linux also when the owner is killed outright.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
 import importlib.util
@@ -24,6 +23,8 @@ import threading
 import time
 import weakref
 from pathlib import Path
+
+from ._lifecycle import ExitPhase, at_exit
 
 _PR_SET_PDEATHSIG = 1
 
@@ -254,10 +255,12 @@ def shared_local_server(maxmemory: int | None) -> RedisServer:
         return server
 
 
-@atexit.register
 def _stop_all() -> None:
     for server in list(_live_servers):
         try:
             server.stop(grace=2.0)
         except Exception:
             pass
+
+
+at_exit(ExitPhase.SERVERS, _stop_all)

@@ -11,7 +11,6 @@ a connection that misbehaves is logged in one line and closed.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import json
 import logging
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ._lifecycle import ExitPhase, at_exit
 from .address import format_address, is_loopback
 from .checks import check_positive_int, check_timeout
 from .errors import ConnectionLost, LimitExceeded, ProtocolError
@@ -382,11 +382,13 @@ class Worker:
 _running_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 
 
-@atexit.register
 def _stop_running_workers() -> None:
     """Embedded workers stop before the interpreter finalizes under their threads."""
     for worker in list(_running_workers):
         worker.stop(grace=1.0)
+
+
+at_exit(ExitPhase.WORKERS, _stop_running_workers)
 
 
 def _name(func: Any) -> str:
