@@ -317,15 +317,14 @@ _OWNER_SCRIPT = textwrap.dedent(
     """
 )
 
-# The server module stands alone: loaded without the package (and torch), this owner starts in a blink.
+# The server module imports neither torch nor the rest of the package: this owner starts in a blink.
 _KILLED_OWNER_SCRIPT = textwrap.dedent(
     """
-    import importlib.util, sys, time
-    spec = importlib.util.spec_from_file_location("redis_server", sys.argv[1])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    server = module.shared_local_server(None)
+    import sys, time
+    from rpcdl.redis_server import shared_local_server
+    server = shared_local_server(None)
     print(server.port, server.process.pid, "-", flush=True)
+    assert "torch" not in sys.modules
     time.sleep(120)
     """
 )
@@ -359,7 +358,7 @@ def test_hosts_none_starts_a_local_server_with_capacity_stopped_with_its_owner(e
     if ending == "exit":
         command = [sys.executable, "-c", _OWNER_SCRIPT]
     else:
-        command = [sys.executable, "-c", _KILLED_OWNER_SCRIPT, rpcdl.redis_server.__file__]
+        command = [sys.executable, "-c", _KILLED_OWNER_SCRIPT]
     owner = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         port, pid, maxmemory = owner.stdout.readline().split()
