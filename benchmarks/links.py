@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -23,11 +24,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import rpcdl
 from rpcdl.bench.cluster import Cluster, Host, unavailable
+from rpcdl.bench.pki import make_ca, make_certificate
 from rpcdl.bench.workloads import IMAGE_BATCH, IMAGE_BATCH_BYTES, LENGTH, REQUEST, ImageDataset, recv_exact_into
 from rpcdl.local import child_environment, stop_process
 
@@ -61,15 +63,31 @@ def _start(host: Host, command: list[str]) -> str:
 
 
 class Systems:
-    """The three systems over one cluster: each ``measure_*`` moves ``batches`` per host and returns MB/s."""
+    """The systems over one cluster: each ``measure_*`` moves ``batches`` per host and returns MB/s.
 
-    def __init__(self, cluster: Cluster, token_file: Path, batches: int):
+    rpcdl runs twice: over plain TCP, and over TLS (its own workers, with
+    certificates for the hosts' addresses from a CA made for the run).
+    """
+
+    def __init__(self, cluster: Cluster, directory: Path, batches: int):
         self.cluster = cluster
         self.batches = batches
-        self.rpcdl_workers = [
-            cluster.start_worker(host.index, "--token-file", str(token_file), "--log-level", "WARNING")
-            for host in cluster.hosts
-        ]
+        token_file = directory / "token"
+        token_file.write_text(TOKEN)
+        worker_options = ["--token-file", str(token_file), "--log-level", "WARNING"]
+        self.rpcdl_workers = [cluster.start_worker(host.index, *worker_options) for host in cluster.hosts]
+        make_ca(directory, "ca")
+        self.ca = str(directory / "ca.pem")
+        tls_workers = []
+        for host in cluster.hosts:
+            make_certificate(directory, "ca", f"host{host.index}", f"IP:{host.address}")
+            tls = [
+                "--tls-cert",
+                str(directory / f"host{host.index}.pem"),
+                "--tls-key",
+                str(directory / f"host{host.index}.key"),
+            ]
+            tls_workers.append(cluster.start_worker(host.index, *worker_options, *tls))
         self.rpcdataloader_workers = [
             _start(host, [sys.executable, "-c", _RPCDATALOADER_WORKER, host.address]) for host in cluster.hosts
         ]
@@ -77,6 +95,10 @@ class Systems:
         self.rpcdl_loader = rpcdl.RPCDataloader(
             rpcdl.RPCDataset(self.rpcdl_workers, ImageDataset, length), batch_size=IMAGE_BATCH
         )
+        with self._tls():
+            self.tls_loader = rpcdl.RPCDataloader(
+                rpcdl.RPCDataset(tls_workers, ImageDataset, length), batch_size=IMAGE_BATCH
+            )
         from rpcdataloader import RPCDataloader, RPCDataset
 
         self.rpcdataloader_loader = RPCDataloader(
@@ -86,6 +108,8 @@ class Systems:
     def close(self) -> None:
         """Free the remote datasets while their workers still listen (rpcdataloader frees them on collection)."""
         self.rpcdl_loader.dataset.release()
+        with self._tls():
+            self.tls_loader.dataset.release()
         del self.rpcdataloader_loader
         gc.collect()
         rpcdl.shutdown()
@@ -97,6 +121,19 @@ class Systems:
 
     def measure_rpcdl(self) -> float:
         return self._epoch(self.rpcdl_loader)
+
+    @contextlib.contextmanager
+    def _tls(self) -> Iterator[None]:
+        """Connections made meanwhile verify the workers with the run's CA (RPCDL_TLS_CA)."""
+        os.environ["RPCDL_TLS_CA"] = self.ca
+        try:
+            yield
+        finally:
+            del os.environ["RPCDL_TLS_CA"]
+
+    def measure_rpcdl_tls(self) -> float:
+        with self._tls():
+            return self._epoch(self.tls_loader)
 
     def measure_rpcdataloader(self) -> float:
         return self._epoch(self.rpcdataloader_loader)
@@ -133,13 +170,12 @@ class Systems:
 
 
 def run_rate(rate: str, rounds: int, batches: int) -> dict[str, list[float]]:
-    samples: dict[str, list[float]] = {"rpcdl": [], "rpcdataloader": [], "socket": []}
+    samples: dict[str, list[float]] = {"rpcdl": [], "rpcdl TLS": [], "rpcdataloader": [], "socket": []}
     with tempfile.TemporaryDirectory() as directory, Cluster(2, rate=rate) as cluster:
-        token_file = Path(directory) / "token"
-        token_file.write_text(TOKEN)
-        systems = Systems(cluster, token_file, batches)
+        systems = Systems(cluster, Path(directory), batches)
         measures: dict[str, Callable[[], float]] = {
             "rpcdl": systems.measure_rpcdl,
+            "rpcdl TLS": systems.measure_rpcdl_tls,
             "rpcdataloader": systems.measure_rpcdataloader,
             "socket": systems.measure_socket,
         }
@@ -170,12 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         samples = run_rate(rate, args.rounds, args.batches)
         medians = {name: statistics.median(values) for name, values in samples.items()}
         results[rate] = {"samples_mb_s": samples, "median_mb_s": medians}
-    print(f"\n{'link':>8}  {'rpcdl MB/s':>10}  {'rpcdataloader':>13}  {'socket':>8}  {'/ socket':>8}  {'/ rpcdl.':>8}")
+    print("\nMB/s, medians; ratios are rpcdl's (or rpcdl TLS's) to the other system in the same run")
+    print(f"{'link':>8}  {'rpcdl':>7}  {'TLS':>7}  {'rpcdataloader':>13}  {'socket':>7}  ", end="")
+    print(f"{'/socket':>7}  {'/rpcdataloader':>14}  {'TLS/plain':>9}")
     for rate, result in results.items():
         m = result["median_mb_s"]
         print(
-            f"{rate:>8}  {m['rpcdl']:>10,.0f}  {m['rpcdataloader']:>13,.0f}  {m['socket']:>8,.0f}  "
-            f"{m['rpcdl'] / m['socket']:>8.2f}  {m['rpcdl'] / m['rpcdataloader']:>8.2f}"
+            f"{rate:>8}  {m['rpcdl']:>7,.0f}  {m['rpcdl TLS']:>7,.0f}  {m['rpcdataloader']:>13,.0f}  "
+            f"{m['socket']:>7,.0f}  {m['rpcdl'] / m['socket']:>7.2f}  {m['rpcdl'] / m['rpcdataloader']:>14.2f}  "
+            f"{m['rpcdl TLS'] / m['rpcdl']:>9.2f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

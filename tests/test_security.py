@@ -21,10 +21,10 @@ import traceback
 
 import psutil
 import pytest
-from pki import make_ca, make_certificate
 from test_faults import TcpProxy
 
 import rpcdl
+from rpcdl.bench.pki import make_ca, make_certificate
 from rpcdl.cli import main as rpcdl_main
 from rpcdl.security import Token, client_tls_context, server_tls_context
 from rpcdl.wire import MAGIC, VERSION, Frame, Kind, client_handshake, encode_frame

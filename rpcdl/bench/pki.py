@@ -1,4 +1,4 @@
-"""Certificates for the TLS tests, made by the openssl command: a CA, and certificates it signs."""
+"""Certificates for TLS tests and benchmarks, made by the openssl command: a CA, and certificates it signs."""
 
 from __future__ import annotations
 
