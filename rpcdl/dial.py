@@ -16,10 +16,11 @@ What happens to each kind of failure:
   raise it and the last error.
 * **Not an rpcdl worker**: a peer that answers the hello with other bytes (an
   HTTP server, a TLS server), that says nothing for :data:`HELLO_ANSWER_TIMEOUT`
-  seconds, or that closes the connection after the hello
-  :data:`_MAX_UNANSWERED` times in a row (an rpcdataloader worker) raises
-  :class:`~rpcdl.errors.ProtocolError` at once: it is never retried. So does
-  another protocol version; a token mismatch raises
+  seconds, or that closes the connection after the hello three times in a
+  row (an rpcdataloader worker) raises :class:`~rpcdl.errors.ProtocolError`:
+  it is never retried. So does a TLS handshake that fails (or is cut three
+  times in a row: a worker without TLS) and another protocol version; a token
+  mismatch or a certificate that fails verification raises
   :class:`~rpcdl.errors.AuthenticationError`.
 * Anything else (a reset, a connect timeout) is retried until the calls
   waiting for the connection time out. Once connected, calls keep their full
@@ -126,11 +127,14 @@ def dial(
     unanswered = 0
     while True:
         sock = None
+        in_tls_handshake = False
         try:
             sock = socket.create_connection((host, port), timeout=handshake_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if ssl_context is not None:
+                in_tls_handshake = True
                 sock = ssl_context.wrap_socket(sock, server_hostname=host)
+                in_tls_handshake = False
             client_handshake(sock, token, address, answer_timeout=min(HELLO_ANSWER_TIMEOUT, handshake_timeout))
             return sock
         except ssl.SSLCertVerificationError as exc:
@@ -144,11 +148,26 @@ def dial(
         except OSError as exc:
             _close_quietly(sock)
             error = exc
-        unanswered = unanswered + 1 if isinstance(error, HelloUnanswered) else 0
+        closed_early = isinstance(error, HelloUnanswered) or (
+            in_tls_handshake and isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError))
+        )
+        if in_tls_handshake and isinstance(error, ssl.SSLError) and not closed_early:
+            raise ProtocolError(
+                f"{address} did not complete a TLS handshake ({error.reason or error}): it is not an rpcdl "
+                "worker with TLS; if it runs without TLS, unset RPCDL_TLS_CA (or pass no ssl_context)"
+            )
+        unanswered = unanswered + 1 if closed_early else 0
         if unanswered >= _MAX_UNANSWERED:
+            if in_tls_handshake:
+                raise ProtocolError(
+                    f"{address} is not an rpcdl worker with TLS (it closed the connection during the TLS "
+                    f"handshake, {unanswered} times in a row; an rpcdl worker without TLS does that): if it runs "
+                    "without TLS, unset RPCDL_TLS_CA (or pass no ssl_context)"
+                )
             raise ProtocolError(
                 f"{address} is not an rpcdl worker (it closed the connection after rpcdl's hello without "
-                f"answering, {unanswered} times in a row; an rpcdataloader worker does that)"
+                f"answering, {unanswered} times in a row: an rpcdataloader worker does that, and an rpcdl worker "
+                "with TLS when the client has none (then set RPCDL_TLS_CA))"
             )
         deadline = failed(error)
         now = time.monotonic()

@@ -10,6 +10,7 @@ import contextlib
 import http.server
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import rpcdl
 import rpcdl.dial
 from rpcdl.errors import ProtocolError, WorkerUnavailable
 from rpcdl.integrations.torchdata import RPCMapper
+from rpcdl.security import client_tls_context, server_tls_context
 
 
 def affine(x: int) -> int:
@@ -271,3 +273,24 @@ def test_a_worker_slower_than_the_hello_limit_keeps_the_calls_full_timeout(embed
     monkeypatch.setattr(rpcdl.dial, "HELLO_ANSWER_TIMEOUT", 0.5)
     worker = embedded_worker()  # a fresh connection, opened under the short hello limit
     assert rpcdl.rpc_sync(worker.address, helpers.sleep_and_return, (1.5, "late"), timeout=30) == "late"
+
+
+@pytest.mark.timeout(60)
+def test_tls_on_one_side_only_is_named_at_once(embedded_worker, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "w.key", "-out", "w.pem",
+         "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        cwd=tmp_path, check=True, capture_output=True, timeout=50,
+    )  # fmt: skip
+    tls_worker = embedded_worker(ssl_context=server_tls_context(tmp_path / "w.pem", tmp_path / "w.key"))
+    plain_worker = embedded_worker()
+    trusted = client_tls_context(tmp_path / "w.pem")
+    assert rpcdl.rpc_sync(tls_worker.address, abs, (-2,), ssl_context=trusted) == 2
+    started = time.monotonic()
+    with pytest.raises(ProtocolError, match=f"{tls_worker.address} is not an rpcdl worker.*RPCDL_TLS_CA"):
+        rpcdl.rpc_sync(tls_worker.address, abs, (-1,), timeout=120)
+    with pytest.raises(ProtocolError, match=f"{plain_worker.address} is not an rpcdl worker with TLS"):
+        rpcdl.rpc_sync(plain_worker.address, abs, (-1,), timeout=120, ssl_context=trusted)
+    assert time.monotonic() - started < 10
