@@ -2,7 +2,9 @@
 
 Threading model: :func:`dial` runs in the thread of the connection it opens
 (``rpcdl-connection-HOST:PORT``) and blocks it; the caller's threads wait for
-their calls meanwhile, each up to its own timeout.
+their calls meanwhile, each up to its own timeout. The one state shared by
+those threads is the set of workers already warned about (single set
+operations, atomic under the GIL).
 
 What happens to each kind of failure:
 
@@ -11,7 +13,8 @@ What happens to each kind of failure:
   retried for a grace period, ``RPCDL_CONNECT_GRACE`` seconds (default
   :data:`DEFAULT_CONNECT_GRACE`). After :data:`WARN_AFTER` seconds a warning on
   the ``rpcdl.client`` logger says which worker is awaited and why (it reaches
-  stderr even when the program configured no logging); when the grace is over,
+  stderr even when the program configured no logging; once per worker until it
+  accepts a connection, so revival probes repeat nothing); when the grace is over,
   :class:`~rpcdl.errors.WorkerUnavailable` names the address, the grace, how to
   raise it and the last error.
 * **Not an rpcdl worker**: a peer that answers the hello with other bytes (an
@@ -52,6 +55,7 @@ WARN_AFTER = 3.0
 HELLO_ANSWER_TIMEOUT = 5.0
 _MAX_UNANSWERED = 3
 _MAX_RETRY_DELAY = 1.0
+_warned: set[str] = set()  # addresses awaited with a warning since they last accepted (revival probes repeat)
 _REFUSALS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 
 
@@ -123,7 +127,6 @@ def dial(
     """
     started = time.monotonic()
     delay = 0.02
-    warned = False
     unanswered = 0
     while True:
         sock = None
@@ -136,6 +139,7 @@ def dial(
                 sock = ssl_context.wrap_socket(sock, server_hostname=host)
                 in_tls_handshake = False
             client_handshake(sock, token, address, answer_timeout=min(HELLO_ANSWER_TIMEOUT, handshake_timeout))
+            _warned.discard(address)
             return sock
         except ssl.SSLCertVerificationError as exc:
             _close_quietly(sock)
@@ -178,8 +182,8 @@ def dial(
                 f"start after their trainer; set {CONNECT_GRACE_ENV} to a number of seconds to wait longer "
                 f"(last error: {error})"
             )
-        if why is not None and not warned and now - started >= WARN_AFTER:
-            warned = True
+        if why is not None and now - started >= WARN_AFTER and address not in _warned:
+            _warned.add(address)
             log.warning(
                 "waiting for rpcdl worker %s: %s (for %.0fs; giving up after %gs, set %s to wait longer)",
                 address, why, now - started, grace, CONNECT_GRACE_ENV,
