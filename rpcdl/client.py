@@ -9,6 +9,11 @@ little before their workers; a peer that is not an rpcdl worker is named at
 once (see :mod:`rpcdl.dial`). A process forked from a client never reuses its
 parent's connections.
 
+Threading model: any thread may call; the pool of connections is shared
+under ``_pool_lock``; each connection has its own thread
+(``rpcdl-connection-HOST:PORT``, see :mod:`rpcdl.connection`); what a thread
+holds back is its own (:mod:`rpcdl.held`).
+
 Calls may be held back and sent together, and their answers read by the
 thread that made them (:func:`sent_together`, :func:`answers_read_here`):
 :mod:`rpcdl.held` states the rule that keeps stages composable.
@@ -279,7 +284,9 @@ def rpc_async(
             ready for fast ``.cuda(non_blocking=True)`` copies.
         rref: keep the result on the worker and complete the future with an
             :class:`~rpcdl.RRef` to it.
-        timeout: seconds to wait for the answer, connecting included.
+        timeout: seconds to wait for the answer, connecting included; a
+            worker that refuses connections fails the call sooner, after
+            ``RPCDL_CONNECT_GRACE`` seconds (20 by default).
         token: the shared secret; defaults to ``RPCDL_TOKEN`` / ``RPCDL_TOKEN_FILE``.
         ssl_context: TLS context to verify the worker with; defaults to one from
             ``RPCDL_TLS_CA`` when set.

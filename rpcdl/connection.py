@@ -105,13 +105,22 @@ class _Closed(Exception):
 class Connection:
     """One persistent, multiplexed connection to a worker.
 
-    Use the module functions rather than this class. Reading is a role that
-    one thread holds at a time: a thread blocked in :func:`rpc_sync` takes it
-    and reads its own answer (no thread switch on the way back), and the
-    connection's own thread takes it while asynchronous calls are pending,
-    except those made under :func:`answers_read_here`, whose caller reads them
-    (unless it leaves them unread for ``_CALLER_PATIENCE``). Whoever reads
-    completes the futures of the answers it reads.
+    Use the functions of :mod:`rpcdl.client` rather than this class. Reading is
+    a role that one thread holds at a time: a thread blocked in
+    :func:`rpcdl.rpc_sync` takes it and reads its own answer (no thread switch
+    on the way back), and the connection's own thread takes it while
+    asynchronous calls are pending, except those made under
+    :func:`rpcdl.client.answers_read_here`, whose caller reads them (unless it
+    leaves them unread for ``_CALLER_PATIENCE``). Whoever reads completes the
+    futures of the answers it reads.
+
+    Args:
+        address: the worker, ``"host:port"``.
+        token: the shared secret, or ``None``.
+        ssl_context: TLS context, or ``None`` for plain TCP.
+        timeout: seconds the connection tries to open, and a peer may stall mid-message.
+        grace: seconds to keep retrying while the worker refuses connections (see :mod:`rpcdl.dial`).
+        on_close: called with this connection once it is closed (the pool forgets it).
     """
 
     def __init__(
