@@ -45,6 +45,7 @@ import torch
 
 from .client import answers_read_here, ping_async, read_answers, read_in_background, sent_together
 from .errors import RPCDLError, WorkerTimeout, is_transient
+from .held import outside_held_blocks
 from .rref import RRefNotFound
 from .scheduler_parts import _FIRST_PROBE_DELAY, Call, Revive, Task, WorkerSlot, WorkerState, _Attempt
 
@@ -249,7 +250,8 @@ class Dispatch(Iterator[Task]):
                 if self._source_done or len(self._outstanding) >= self._window():
                     break
                 try:
-                    payload = next(self._source)
+                    with outside_held_blocks():  # the source may be another stage that waits for its answers
+                        payload = next(self._source)
                 except StopIteration:
                     self._source_done = True
                     break

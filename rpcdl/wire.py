@@ -189,21 +189,72 @@ def _proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> by
     return hmac.new(token.secret, label + first + second, hashlib.sha256).digest()
 
 
-def client_handshake(sock: socket.socket, token: Token | None, peer: str) -> None:
+class HelloUnanswered(ConnectionLost):
+    """The peer closed the connection after the client's hello without sending a byte.
+
+    An rpcdl worker does that only when it cannot take the connection now; a
+    server of another protocol (an rpcdataloader worker, say) every time.
+    """
+
+
+def _describe_answer(first: bytes) -> str:
+    if first.startswith(b"HTTP/"):
+        status_line = first.split(b"\r\n", 1)[0].decode("ascii", "replace")
+        return f"it answered {status_line!r}: an HTTP server"
+    if len(first) >= 2 and first[0] in (0x15, 0x16) and first[1] == 0x03:
+        return (
+            "it answered with a TLS record: it expects TLS; set RPCDL_TLS_CA (or pass ssl_context=) to connect with TLS"
+        )
+    return f"it answered {first[:16]!r}, not rpcdl's magic bytes {MAGIC!r}"
+
+
+def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) -> bytes:
+    """The first bytes the peer sends after the hello, checked to start like rpcdl's welcome."""
+    previous = sock.gettimeout()
+    if answer_timeout is not None:
+        sock.settimeout(answer_timeout)
+    try:
+        first = sock.recv(_WELCOME.size)
+    except TimeoutError:
+        raise ProtocolError(
+            f"{peer} is not an rpcdl worker (it accepted the connection but did not answer rpcdl's hello "
+            f"within {answer_timeout:g}s; rpcdl workers answer at once)"
+        ) from None
+    except ConnectionResetError:
+        first = b""
+    finally:
+        sock.settimeout(previous)
+    if not first:
+        raise HelloUnanswered(f"{peer} closed the connection after rpcdl's hello without answering")
+    if not MAGIC.startswith(first[: len(MAGIC)]):
+        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(first)})")
+    return first
+
+
+def client_handshake(sock: socket.socket, token: Token | None, peer: str, answer_timeout: float | None = None) -> None:
     """Run the client side of the handshake on a connected socket.
 
+    Args:
+        sock: the connected socket (its timeout bounds each read of the handshake).
+        token: the shared secret, or ``None``.
+        peer: ``"host:port"`` of the worker, for messages.
+        answer_timeout: seconds the peer may take to start answering the hello
+            (rpcdl workers answer at once); ``None``: the socket's timeout.
+
     Raises:
-        ProtocolError: ``peer`` is not an rpcdl worker, or speaks another version.
+        ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
+            or nothing within ``answer_timeout``), or speaks another version.
+        HelloUnanswered: ``peer`` closed the connection after the hello without a byte.
         AuthenticationError: the tokens differ, or only one side has one.
     """
     client_nonce = os.urandom(_NONCE_BYTES)
     flags = _HAS_TOKEN if token is not None else 0
     sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
-    magic, version, worker_flags, worker_nonce, worker_proof = _WELCOME.unpack(
-        _recv_exact(sock, _WELCOME.size, "welcome")
-    )
+    first = _first_answer(sock, peer, answer_timeout)
+    welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
+    magic, version, worker_flags, worker_nonce, worker_proof = _WELCOME.unpack(welcome)
     if magic != MAGIC:
-        raise ProtocolError(f"{peer} is not an rpcdl worker (it answered with unexpected bytes)")
+        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(welcome)})")
     if version != VERSION:
         raise ProtocolError(
             f"{peer} speaks rpcdl protocol version {version}, this client speaks {VERSION}: "
