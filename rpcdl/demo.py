@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .cli_args import positive_int, silent_worker, worker_address
+from .cli_args import existing_file, new_file, positive_int, silent_worker, worker_address
 
 HELP = "train a small CNN on scikit-learn's digits through local (or given) workers"
 DESCRIPTION = (
@@ -58,11 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, metavar="N", help="training batch size (default: 32)")
     parser.add_argument("--seed", type=int, help="seed of the model, the shuffle and the augmentation (default: 0)")
     parser.add_argument(
-        "--config", metavar="YAML",
+        "--config", metavar="YAML", type=existing_file,
         help="LightningCLI config to train (default: the packaged configs/digits.yaml)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
-    parser.add_argument("--summary-json", metavar="FILE", help="also write the summary to FILE as JSON")
+    parser.add_argument("--summary-json", metavar="FILE", type=new_file, help="also write the summary to FILE as JSON")
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..cli_args import positive_int, silent_worker, worker_address
+from ..cli_args import new_file, positive_int, silent_worker, worker_address
 from .report import evaluate_targets, format_table, format_targets, machine_info, plot
 from .scenarios import Bench, Sizes
 from .systems import RpcdlSystem, SocketSystem, System, TorchLoaderSystem
@@ -71,8 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker counts of the io scenario (default: 1 2 4 8; 1 2 with --quick)",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, in seconds")
-    parser.add_argument("--json", metavar="FILE", help="write the figures, the machine and the targets to FILE")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw the figures into FILE.png (needs matplotlib)")
+    parser.add_argument(
+        "--json", metavar="FILE", type=new_file, help="write the figures, the machine and the targets to FILE"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", type=new_file, help="draw the figures into FILE.png (needs matplotlib)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
