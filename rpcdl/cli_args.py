@@ -8,6 +8,7 @@ import socket
 import threading
 
 from .address import parse_address
+from .local import LOG_LEVELS
 
 _RESOLVE_TIMEOUT = 10.0
 
@@ -60,9 +61,6 @@ def silent_worker(addresses: list[str], timeout: float) -> str | None:
         except Exception as exc:
             return f"worker {address} does not answer: {exc}"
     return None
-
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def log_level(text: str) -> str:

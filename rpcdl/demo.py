@@ -237,8 +237,7 @@ def run(args: argparse.Namespace) -> int:
             workers = list(args.workers)
         else:
             print(f"rpcdl demo: starting {args.local_workers} local workers...", flush=True)
-            quiet = ["--log-level", "WARNING"]
-            workers = list(stack.enter_context(local_workers(args.local_workers, extra_args=quiet)))
+            workers = list(stack.enter_context(local_workers(args.local_workers)))
             print(f"rpcdl demo: workers ready at {', '.join(workers)}", flush=True)
         warming = [rpc_async(address, _warm_up, timeout=120.0) for address in workers]
         summary = _train(args, workers, config, warming)

@@ -143,7 +143,7 @@ class Bench:
         if self._local_workers is None:
             from ..local import local_workers
 
-            self._local_context = local_workers(count, extra_args=("--log-level", "WARNING"))
+            self._local_context = local_workers(count)
             self._local_workers = self._local_context.__enter__()
         elif len(self._local_workers) < count:
             self._local_workers.start(count - len(self._local_workers))
