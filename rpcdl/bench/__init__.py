@@ -70,7 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--io-workers", type=positive_int, nargs="+", metavar="K",
         help="worker counts of the io scenario (default: 1 2 4 8; 1 2 with --quick)",
     )  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, in seconds")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="tiny sizes: checks that everything runs, in seconds (no target judged, no memory ratio shown)",
+    )  # fmt: skip
     parser.add_argument(
         "--json", metavar="FILE", type=new_file, help="write the figures, the machine and the targets to FILE"
     )
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     finally:
         bench.close()
     machine["load_average_after"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    targets = evaluate_targets(figures)
+    targets = evaluate_targets(figures, judged=not args.quick)
     workers = f"{len(args.workers)} given" if args.workers else f"{local} local"
     print(f"rpcdl bench: {workers} workers, {sizes.rounds} rounds, medians; ratios are rpcdl's median / the other's")
     print(
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
         f"load average {machine.get('load_average')} before, {machine.get('load_average_after')} after"
     )
     print()
-    print(format_table(figures, names))
+    print(format_table(figures, names, judged=not args.quick))
     print()
     print("targets:")
     print(format_targets(targets))
