@@ -165,8 +165,10 @@ def run_worker_command(
             ssl_context=ssl_context, num_threads=args.threads, address_file=args.address_file,
             grace=args.grace, advertise=args.advertise, watch_pid=args.watch_pid,
         )  # fmt: skip
-    except (PermissionError, OSError, ValueError) as exc:
-        fail(str(exc))
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
+            fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
+        fail(str(exc))  # a refusal that explains itself (no token for a non-loopback address, say)
     for signum in (signal.SIGTERM, signal.SIGINT):  # stopped gracefully: a repeated signal changes nothing now
         signal.signal(signum, signal.SIG_IGN)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,14 @@ def _mistakes(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], tuple[str
 def test_a_worker_option_mistake_is_one_error_line_and_exit_2(tmp_path, command, mistake):
     args, env, phrases = _mistakes(tmp_path)[mistake]
     assert_clean_mistake(run([*WORKER_COMMANDS[command], "--port", "0", *args], env), *phrases)
+
+
+@pytest.mark.parametrize("command", list(WORKER_COMMANDS))
+def test_a_port_in_use_is_named_with_the_reason(command):
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        result = run([*WORKER_COMMANDS[command], "--port", str(port)])
+    assert_clean_mistake(result, f"cannot listen on 127.0.0.1:{port}", "Address already in use")
 
 
 @pytest.mark.parametrize(
