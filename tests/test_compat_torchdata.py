@@ -137,7 +137,8 @@ def test_after_a_source_error_rpc_mapper_goes_on_as_mapper_does(two_workers):
     """ParallelMapper blocks on the next call after a source error; Mapper and RPCMapper go on."""
     local = Mapper(ShuffledRange(12, breaks_at=SOURCE_BREAKS_AT), affine)
     remote = RPCMapper(ShuffledRange(12, breaks_at=SOURCE_BREAKS_AT), two_workers, affine, prefetch_factor=3)
-    local.reset(), remote.reset()
+    local.reset()
+    remote.reset()
     outcomes = drain(remote)
     assert outcomes == drain(local)
     assert len(outcomes) == 12 and outcomes[4] == ("ValueError", MESSAGES[ValueError])
