@@ -3,6 +3,10 @@
 The engine of :class:`~rpcdl.integrations.torchdata.RPCMapper` and of the
 ``rpc_map`` DataPipe: a :class:`rpcdl.scheduler.WorkerPool` whose tasks are
 ``fn(item)`` calls, so scheduling, failover and revival are the loader's.
+
+An exception raised by the source is held back until every item pulled before
+it has been handed out, then raised in its place in the stream, as torchdata's
+``Mapper`` and ``ParallelMapper`` do.
 """
 
 from __future__ import annotations
@@ -49,9 +53,10 @@ class RemoteMap:
         self.pid = os.getpid()
         self.pool = WorkerPool(workers, prefetch_factor=prefetch_factor, timeout=timeout)
 
-    def start(self, items: Iterator[tuple[Any, Any]]) -> Dispatch:
+    def start(self, items: Iterator[tuple[Any, Any]]) -> RemotePass:
         """Begin a pass over ``(item, tag)`` pairs; iterate it for finished tasks, in order."""
-        return self.pool.start(items, self._call)
+        reader = _SourceReader(items)
+        return RemotePass(self.pool.start(reader, self._call), reader)
 
     def _call(self, task: Task, slot: WorkerSlot) -> torch.futures.Future:
         item, _ = task.payload
@@ -64,3 +69,51 @@ class RemoteMap:
             task.error.add_note(f"while mapping item {task.seq} with {name} on worker {task.worker}")
             raise task.error
         return task.value
+
+
+class _SourceReader(Iterator[tuple[Any, Any]]):
+    """The items of a pass; an exception the source raises ends them and is kept in ``error``."""
+
+    def __init__(self, items: Iterator[tuple[Any, Any]]):
+        self._items = items
+        self.error: Exception | None = None
+
+    def __next__(self) -> tuple[Any, Any]:
+        if self.error is not None:
+            raise StopIteration
+        try:
+            return next(self._items)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            raise StopIteration from None
+
+
+class RemotePass(Iterator[Task]):
+    """One pass over a source: finished tasks in order, then the source's exception if it raised one.
+
+    Attributes:
+        source_failed: the last ``next()`` raised the source's exception (a
+            new pass may go on with the source's following items).
+    """
+
+    def __init__(self, dispatch: Dispatch, reader: _SourceReader):
+        self._dispatch = dispatch
+        self._reader = reader
+        self.source_failed = False
+
+    def __next__(self) -> Task:
+        try:
+            return next(self._dispatch)
+        except StopIteration:
+            pass
+        error, self._reader.error = self._reader.error, None
+        if error is None:
+            raise StopIteration
+        self.source_failed = True
+        raise error
+
+    def close(self) -> None:
+        """End the pass; answers still in flight are dropped when they arrive."""
+        self._dispatch.close()

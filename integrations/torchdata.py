@@ -34,7 +34,7 @@ from rpcdl.dataset import RPCDataset
 from rpcdl.distributed import rank_and_world_size
 from rpcdl.scheduler import Task
 
-from ._remote_map import RemoteMap, check_fn, check_options
+from ._remote_map import RemoteMap, RemotePass, check_fn, check_options
 
 __all__ = ["RPCIterableDataset", "RPCMapper", "RPCMapperIterDataPipe"]
 
@@ -88,12 +88,18 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
     within ``timeout``: its items go to the other workers, it is probed in the
     background and used again when it answers. An exception raised by ``fn``
     is not retried: it is raised in the item's place (the remote traceback
-    attached) and the next call goes on with the following item.
+    attached) and the next call goes on with the following item. An
+    exception raised by ``source`` comes out in its place too, after every
+    item pulled before it, as with ``Mapper`` and ``ParallelMapper``; the next
+    call goes on with what ``source`` gives next (as ``Mapper`` does;
+    ``ParallelMapper`` blocks there).
 
     The state (``state_dict()`` of a :class:`torchdata.nodes.Loader`) holds the
     state of ``source`` after the last item handed out, so items pulled ahead
     are pulled again on resume: a pipeline loaded with it yields exactly the
-    items not yielded yet.
+    items not yielded yet. As with ``ParallelMapper``, an error handed out
+    does not move the state: a state taken right after it resumes with the
+    failed item, which is mapped (or pulled from ``source``) again.
 
     Args:
         source: the node whose items are mapped.
@@ -107,9 +113,10 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
             when none is left (then :class:`rpcdl.NoWorkersLeft` is raised).
         pin_memory: receive tensors into pinned memory when CUDA is available.
         snapshot_frequency: record the state of ``source`` every this many
-            items (1: every item). Larger values make ``state_dict`` cheaper
+            items (1: every item; 0: only at the start of the epoch, as
+            ``ParallelMapper``). Larger values make ``state_dict`` cheaper
             for sources with large states; resuming then skips up to that many
-            items of ``source`` again.
+            items of ``source`` again (with 0, every item handed out so far).
 
     Example::
 
@@ -145,8 +152,11 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         self.workers = check_workers(workers)
         check_fn(fn)
         check_options(prefetch_factor, timeout)
-        if isinstance(snapshot_frequency, bool) or not isinstance(snapshot_frequency, int) or snapshot_frequency < 1:
-            raise ValueError(f"snapshot_frequency must be a positive integer, got {snapshot_frequency!r}")
+        if isinstance(snapshot_frequency, bool) or not isinstance(snapshot_frequency, int) or snapshot_frequency < 0:
+            raise ValueError(
+                f"snapshot_frequency must be a non-negative integer (0: record the source's state only at the "
+                f"start of an epoch), got {snapshot_frequency!r}"
+            )
         self.source = source
         self.fn = fn
         self.prefetch_factor = prefetch_factor
@@ -154,10 +164,11 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         self.pin_memory = pin_memory
         self.snapshot_frequency = snapshot_frequency
         self._remote_map = None
-        self._pass: Any = None
+        self._pass: RemotePass | None = None
         self._snapshot: dict[str, Any] | None = None
         self._steps = 0
         self._pulled = 0
+        self._behind: Any = _UP_TO_DATE  # what the error handed out last did not apply to the state yet
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -185,26 +196,51 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
             self.source.reset(None)
             self._snapshot, self._steps = self.source.state_dict(), 0
         self._pulled = 0
+        self._behind = _UP_TO_DATE
 
     def _pull(self) -> Iterator[tuple[Any, Any]]:
         """The items of ``source``, each with the source's state after it (every ``snapshot_frequency``)."""
+        frequency = self.snapshot_frequency
         for item in self.source:
             self._pulled += 1
-            yield item, (self.source.state_dict() if self._pulled % self.snapshot_frequency == 0 else None)
+            yield item, (self.source.state_dict() if frequency and self._pulled % frequency == 0 else None)
 
-    def next(self) -> T:
-        if self._pass is None:
-            self._pass = self._get_remote_map().start(self._pull())
-        task: Task = next(self._pass)
-        snapshot = task.payload[1]
-        if snapshot is not None:
+    def _advance(self, snapshot: Any) -> None:
+        """Move the state past one thing handed out, which came with ``snapshot`` (or ``None``)."""
+        if snapshot is _SOURCE_NOW:
+            self._snapshot, self._steps = self.source.state_dict(), 0
+        elif snapshot is not None:
             self._snapshot, self._steps = snapshot, 0
         else:
             self._steps += 1
+
+    def next(self) -> T:
+        if self._behind is not _UP_TO_DATE:  # the caller went on after an error: the state moves past it
+            self._advance(self._behind)
+            self._behind = _UP_TO_DATE
+        if self._pass is None:
+            self._pass = self._get_remote_map().start(self._pull())
+        try:
+            task: Task = next(self._pass)
+        except StopIteration:
+            raise
+        except Exception:
+            if self._pass.source_failed:  # the source raised: a new pass goes on with what it gives next
+                self._pass, self._behind = None, _SOURCE_NOW
+            raise
+        snapshot = task.payload[1]
+        if task.error is not None:
+            self._behind = snapshot
+        else:
+            self._advance(snapshot)
         return self._remote_map.result(task)
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self._snapshot, self.STEPS_KEY: self._steps}
+
+
+_UP_TO_DATE = object()  # RPCMapper._behind: nothing to apply
+_SOURCE_NOW = object()  # RPCMapper._behind: the source raised; its state now is the one after the failure
 
 
 # ---------------------------------------------------------------------------- DataPipe

@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
+import os
 import signal
+import ssl
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
-from .cli_args import port, positive_float, positive_int, worker_address
-from .security import TOKEN_ENV, TOKEN_FILE_ENV, read_token_file, server_tls_context
+from .cli_args import host_problem, log_level, new_file, port, positive_float, positive_int, worker_address
+from .security import (
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    Token,
+    default_server_tls,
+    read_token_file,
+    resolve_token,
+    server_tls_context,
+)
 
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
@@ -40,7 +54,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         help="worker processes to start, each on its own port (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--address-file", metavar="FILE",
+        "--address-file", metavar="FILE", type=new_file,
         help="append each worker's HOST:PORT to FILE under a file lock once it is ready",
     )  # fmt: skip
     parser.add_argument(
@@ -65,30 +79,96 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "--grace", type=positive_float, default=30.0,
         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default: %(default)s)",
     )  # fmt: skip
-    parser.add_argument("--log-level", default="INFO", help="logging level on standard error (default: %(default)s)")
+    parser.add_argument(
+        "--log-level", type=log_level, default="INFO",
+        help="logging level on standard error: DEBUG, INFO, WARNING, ERROR or CRITICAL (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--watch-pid", type=positive_int, help=argparse.SUPPRESS)
 
 
-def run_worker_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the worker described by parsed ``rpcdl worker`` arguments; return the exit code."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def package_version() -> str:
+    """rpcdl's version: the installed distribution's, else the source tree's ``rpcdl.__version__``."""
+    try:
+        return importlib.metadata.version("rpcdl")
+    except importlib.metadata.PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+def add_version_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--version``: print rpcdl's version and exit."""
+    parser.add_argument("--version", action="version", version=f"rpcdl {package_version()}")
+
+
+class _Mistake(Exception):
+    """A worker option (or its environment variable) that cannot work: the message says why."""
+
+
+def _credentials(args: argparse.Namespace) -> tuple[Token | None, ssl.SSLContext | None]:
+    """The token and TLS context the options (or the environment) name; raises :class:`_Mistake`."""
+    try:
+        token = read_token_file(args.token_file) if args.token_file else resolve_token()
+    except ValueError as exc:
+        where = "--token-file" if args.token_file else f"${TOKEN_FILE_ENV}"
+        raise _Mistake(f"{where}: {exc}") from None
+    if args.tls_key and not args.tls_cert:
+        raise _Mistake("--tls-key needs --tls-cert (the certificate chain the key belongs to)")
+    try:
+        ssl_context = server_tls_context(args.tls_cert, args.tls_key) if args.tls_cert else default_server_tls()
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        if args.tls_cert:
+            where, cert, key = "--tls-cert", args.tls_cert, args.tls_key
+        else:
+            where, cert, key = f"${TLS_CERT_ENV}", os.environ[TLS_CERT_ENV], os.environ.get(TLS_KEY_ENV)
+        files = f"{cert!r} (key {key!r})" if key else repr(cert)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise _Mistake(f"{where}: cannot load the certificate chain {files}: {reason}") from None
+    return token, ssl_context
+
+
+def _print_mistake(message: str) -> NoReturn:
+    print(f"rpcdl worker: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run_worker_command(
+    args: argparse.Namespace, argv: Sequence[str], fail: Callable[[str], NoReturn] | None = None
+) -> int:
+    """Run the worker described by parsed ``rpcdl worker`` arguments; return the exit code.
+
+    Args:
+        args: the parsed options (see :func:`add_worker_arguments`).
+        argv: the command line they came from (``--procs`` passes it on to each process).
+        fail: reports a mistake in the options and exits with code 2, as
+            :meth:`argparse.ArgumentParser.error` does (the default prints one line).
+
+    Returns:
+        0 once stopped by SIGTERM or SIGINT; 1 when a process of ``--procs`` failed.
+    """
+    fail = fail or getattr(args, "fail", None) or _print_mistake
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    problem = host_problem(args.host) if args.host else None
+    if problem:
+        fail(f"--host {problem}")
+    try:
+        token, ssl_context = _credentials(args)
+    except _Mistake as exc:
+        fail(str(exc))
     if args.procs > 1:
         return _run_worker_processes(args, argv)
     from .worker import run_worker
 
-    token = read_token_file(args.token_file) if args.token_file else None
-    if args.tls_key and not args.tls_cert:
-        raise SystemExit("rpcdl worker: --tls-key needs --tls-cert")
-    ssl_context = server_tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
     try:
         run_worker(
             args.host, args.port, args.timeout, args.parallel, token=token, insecure=args.insecure,
             ssl_context=ssl_context, num_threads=args.threads, address_file=args.address_file,
             grace=args.grace, advertise=args.advertise, watch_pid=args.watch_pid,
         )  # fmt: skip
-    except (PermissionError, OSError, ValueError) as exc:
-        print(f"rpcdl worker: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
+            fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
+        fail(str(exc))  # a refusal that explains itself (no token for a non-loopback address, say)
     for signum in (signal.SIGTERM, signal.SIGINT):  # stopped gracefully: a repeated signal changes nothing now
         signal.signal(signum, signal.SIG_IGN)
     return 0
@@ -169,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rpcdl",
         description="Run PyTorch datasets on remote CPU workers and stream ready batches to training.",
     )
+    add_version_argument(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     worker = commands.add_parser(
@@ -178,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGTERM or SIGINT stop it after the calls in flight finish.",
     )
     add_worker_arguments(worker)
+    worker.set_defaults(fail=worker.error)
 
     status = commands.add_parser(
         "status", help="show the counters of running workers", description="Print a table of the workers' counters."

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import threading
 
 from .address import parse_address
+from .local import LOG_LEVELS
+
+_RESOLVE_TIMEOUT = 10.0
 
 
 def positive_int(text: str) -> int:
@@ -55,3 +61,53 @@ def silent_worker(addresses: list[str], timeout: float) -> str | None:
         except Exception as exc:
             return f"worker {address} does not answer: {exc}"
     return None
+
+
+def log_level(text: str) -> str:
+    """A logging level name, any case; returned upper-case."""
+    name = text.strip().upper()
+    if name not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected a logging level ({', '.join(LOG_LEVELS)}), got {text!r}")
+    return name
+
+
+def new_file(text: str) -> str:
+    """A file to write: its folder must exist."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {folder} does not exist")
+    return text
+
+
+def existing_file(text: str) -> str:
+    """A file to read: it must exist."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def host_problem(host: str, timeout: float = _RESOLVE_TIMEOUT) -> str | None:
+    """Look ``host`` up; return a sentence saying why it does not resolve, or ``None`` when it does.
+
+    The look-up runs in a daemon thread (``rpcdl-resolve``) so that a name server that does not
+    answer costs ``timeout`` seconds, not the resolver's own retries.
+    """
+    outcome: list[BaseException | None] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            outcome.append(None)
+        except (OSError, UnicodeError) as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=look_up, name="rpcdl-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"{host!r} does not resolve: no answer from the name service within {timeout:g}s"
+    error = outcome[0]
+    if error is None:
+        return None
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return f"{host!r} does not resolve: {reason}"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .cli_args import positive_int, silent_worker, worker_address
+from .cli_args import existing_file, new_file, positive_int, silent_worker, worker_address
 
 HELP = "train a small CNN on scikit-learn's digits through local (or given) workers"
 DESCRIPTION = (
@@ -58,11 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, metavar="N", help="training batch size (default: 32)")
     parser.add_argument("--seed", type=int, help="seed of the model, the shuffle and the augmentation (default: 0)")
     parser.add_argument(
-        "--config", metavar="YAML",
+        "--config", metavar="YAML", type=existing_file,
         help="LightningCLI config to train (default: the packaged configs/digits.yaml)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
-    parser.add_argument("--summary-json", metavar="FILE", help="also write the summary to FILE as JSON")
+    parser.add_argument("--summary-json", metavar="FILE", type=new_file, help="also write the summary to FILE as JSON")
 
 
 @contextlib.contextmanager
@@ -148,6 +148,7 @@ def _train(args: argparse.Namespace, workers: list[str], config: Path, warming: 
         cli_args += ["--seed_everything", str(args.seed), "--data.init_args.seed", str(args.seed)]
     if args.no_progress:
         cli_args += ["--trainer.enable_progress_bar", "false"]
+    _progress("building the model and the trainer...")
     # LightningCLI warns when it is given args while sys.argv holds others (the demo's own options).
     argv, sys.argv = sys.argv, sys.argv[:1]
     try:
@@ -156,9 +157,11 @@ def _train(args: argparse.Namespace, workers: list[str], config: Path, warming: 
         sys.argv = argv
     throughput = _summary_callback()
     cli.trainer.callbacks.append(throughput)
+    _progress("loading the digits on the workers...")
     for future in warming:
         with contextlib.suppress(Exception):  # a worker that cannot load the data fails the fit, with its reason
             future.wait()
+    _progress(f"training for {_epochs(cli.trainer.max_epochs)}...")
     before = _worker_counters(workers)
     started = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -192,7 +195,7 @@ def _print_summary(summary: dict[str, Any], total_s: float) -> None:
     accuracy = summary["val_acc"]
     shown = f"{accuracy:.3f}" if accuracy is not None else "n/a (no validation ran)"
     print()
-    print(f"rpcdl demo: {summary['epochs']} epochs in {total_s:.1f} s (training {summary['training_s']:.1f} s)")
+    print(f"rpcdl demo: {_epochs(summary['epochs'])} in {total_s:.1f} s (training {summary['training_s']:.1f} s)")
     print(f"  validation accuracy  {shown}")
     print(
         f"  samples delivered    {summary['samples']} (train and val) at {summary['samples_per_s'] or 0:.0f} samples/s"
@@ -208,14 +211,44 @@ def _print_summary(summary: dict[str, Any], total_s: float) -> None:
         print("  " + "  ".join([row[0].ljust(widths[0]), row[1].rjust(widths[1]), row[2].rjust(widths[2]), row[3]]))
 
 
+def _epochs(count: int) -> str:
+    return f"{count} epoch" if count == 1 else f"{count} epochs"
+
+
+def _progress(step: str) -> None:
+    print(f"rpcdl demo: {step}", flush=True)
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's info lines (hardware found, seeds, tips and adverts) hidden; its warnings still shown."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; return the exit code."""
+    _progress("loading Lightning and scikit-learn...")  # the imports take seconds, more on a busy machine
     try:
         import lightning.pytorch  # noqa: F401
         import sklearn  # noqa: F401
     except ImportError as exc:
         print(f"rpcdl demo needs the demo extra ({exc.name} is missing): pip install 'rpcdl[demo]'", file=sys.stderr)
         return 2
+    with _quiet_lightning():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from .client import rpc_async
     from .local import local_workers
 
@@ -236,10 +269,9 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             workers = list(args.workers)
         else:
-            print(f"rpcdl demo: starting {args.local_workers} local workers...", flush=True)
-            quiet = ["--log-level", "WARNING"]
-            workers = list(stack.enter_context(local_workers(args.local_workers, extra_args=quiet)))
-            print(f"rpcdl demo: workers ready at {', '.join(workers)}", flush=True)
+            _progress(f"starting {args.local_workers} local workers...")
+            workers = list(stack.enter_context(local_workers(args.local_workers)))
+            _progress(f"workers ready at {', '.join(workers)}")
         warming = [rpc_async(address, _warm_up, timeout=120.0) for address in workers]
         summary = _train(args, workers, config, warming)
     total = time.perf_counter() - started

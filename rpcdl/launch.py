@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .cli import add_worker_arguments, run_worker_command
+from .cli import add_version_argument, add_worker_arguments, run_worker_command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,8 +24,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m rpcdl.launch",
         description="Run an rpcdl worker (rpcdataloader-compatible launcher). Prints HOST:PORT when ready.",
     )
+    add_version_argument(parser)
     add_worker_arguments(parser, seed_defaults=True)
-    return run_worker_command(parser.parse_args(argv), argv)
+    return run_worker_command(parser.parse_args(argv), argv, fail=parser.error)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,17 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+#: The logging levels a worker accepts (``rpcdl worker --log-level``).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 class LocalWorkers(list):
     """The addresses of worker processes started by :func:`~rpcdl.local_workers`.
 
     It is a plain list of ``"host:port"`` strings, with the processes and a few
-    methods to stop and restart them (handy to rehearse failures).
+    methods to stop and restart them (handy to rehearse failures). It pickles
+    as the plain list of addresses (the processes stay with this object), so it
+    can be handed to anything that sends its arguments elsewhere.
 
     Attributes:
         processes: the :class:`subprocess.Popen` of each worker, in the order of
@@ -29,6 +34,9 @@ class LocalWorkers(list):
         self._env = env
         self._startup_timeout = startup_timeout
         self.processes: list[subprocess.Popen] = []
+
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        return list, (list(self),)
 
     def _spawn(self, port: int = 0) -> subprocess.Popen:
         return subprocess.Popen([*self._command, "--port", str(port)], stdout=subprocess.PIPE, env=self._env, text=True)
@@ -136,6 +144,7 @@ def local_workers(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     startup_timeout: float = 60.0,
+    log_level: str = "WARNING",
 ) -> Iterator[LocalWorkers]:
     """Start ``n`` worker processes on loopback; yield their addresses; stop them on exit.
 
@@ -152,6 +161,10 @@ def local_workers(
         extra_args: more ``rpcdl worker`` arguments.
         env: environment of the workers (default: this process's).
         startup_timeout: seconds each worker has to become ready.
+        log_level: the workers' logging level on this process's standard
+            error: ``"WARNING"`` (the default) shows warnings and errors only;
+            ``"INFO"`` adds a line per worker started and stopped, ``"DEBUG"``
+            more. ``--log-level`` in ``extra_args`` overrides it.
 
     Yields:
         a :class:`~rpcdl.local.LocalWorkers`: the list of ``"127.0.0.1:port"`` addresses.
@@ -165,12 +178,16 @@ def local_workers(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive number of workers, got {n!r}")
+    level = log_level.upper() if isinstance(log_level, str) else None
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     environment = child_environment(env)
     if token is not None:
         environment["RPCDL_TOKEN"] = token
     command = [
         sys.executable, "-m", "rpcdl", "worker", "--host", "127.0.0.1",
-        "--parallel", str(parallel), "--timeout", str(timeout), "--watch-pid", str(os.getpid()), *extra_args,
+        "--parallel", str(parallel), "--timeout", str(timeout), "--watch-pid", str(os.getpid()),
+        "--log-level", level, *extra_args,
     ]  # fmt: skip
     workers = LocalWorkers(command, environment, startup_timeout)
     try:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from rpcdl.bench.report import TARGETS, Figure, evaluate_targets, format_table
+from rpcdl.bench.report import NOT_JUDGED, TARGETS, Figure, evaluate_targets, format_table, format_targets
 from rpcdl.bench.workloads import RPCDL, SCENARIOS, SOCKET, TORCH
 
 
@@ -35,6 +36,13 @@ def test_a_quick_run_prints_the_table_and_writes_json_and_plot(two_workers, tmp_
     for scenario in SCENARIOS:
         assert any(line.startswith(scenario) for line in lines), scenario
     assert "targets:" in result.stdout and "load average" in result.stdout
+    # --quick: figures, but no verdicts against the targets and no memory ratios from its 2-batch epochs
+    verdicts = [line for line in lines if line.strip().startswith(("met ", "MISSED ", "not measured "))]
+    assert verdicts == [] and f"{NOT_JUDGED}: its runs are too small" in result.stdout
+    for line in lines:
+        if line.startswith("memory"):
+            assert not re.search(r"\d\.\d\dx", line) and NOT_JUDGED in line, line
+    assert not any(line.startswith("memory") and "peak / bound" in line and "1." in line for line in lines)
 
     document = json.loads(report.read_text())
     assert document["systems"][:3] == [RPCDL, TORCH, SOCKET]
@@ -51,7 +59,7 @@ def test_a_quick_run_prints_the_table_and_writes_json_and_plot(two_workers, tmp_
         metric for scenario, metric in figures if scenario == "memory" and metric.startswith("epoch")
     ]
     assert len(document["targets"]) == len(TARGETS)
-    assert {target["met"] for target in document["targets"]} <= {True, False, None}
+    assert {(target["met"], target["status"]) for target in document["targets"]} == {(None, NOT_JUDGED)}
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -76,6 +84,32 @@ def test_ratios_and_targets_from_figures():
     table = format_table([latency, kept], [RPCDL, "rpcdataloader", SOCKET])
     row = next(line for line in table.splitlines() if line.startswith("latency"))
     assert "200" in row and "0.20x" in row and "4.00x" in row
+
+
+def test_a_quick_run_judges_no_target_and_shows_no_memory_ratio():
+    kept = Figure("straggler", "kept", "x", "higher")
+    kept.add(RPCDL, 0.5)
+    bound = Figure("memory", "peak / bound", "x", "lower")
+    bound.add(RPCDL, 3.0)
+    bound.add(TORCH, 1.5)
+    peak = Figure("memory", "epoch 1 peak", "MB", "lower")
+    peak.add(RPCDL, 12.0)
+    peak.add(TORCH, 6.0)
+
+    judged = {r["target"]: r for r in evaluate_targets([kept, bound])}
+    assert judged["straggler: throughput kept vs fast workers only"]["met"] is False
+    assert "MISSED" in format_targets(list(judged.values()))
+    quick = evaluate_targets([kept, bound], judged=False)
+    assert {(r["met"], r["status"]) for r in quick} == {(None, NOT_JUDGED)}
+    assert "MISSED" not in format_targets(quick) and NOT_JUDGED in format_targets(quick)
+
+    table = format_table([kept, bound, peak], [RPCDL, TORCH], judged=False).splitlines()
+    bound_row = next(line for line in table if "peak / bound" in line)
+    peak_row = next(line for line in table if "epoch 1 peak" in line)
+    assert "3.00" not in bound_row and "2.00x" not in bound_row and NOT_JUDGED in bound_row
+    assert "12.0" in peak_row and "2.00x" not in peak_row  # the figure, without the ratio
+    full = format_table([kept, bound, peak], [RPCDL, TORCH]).splitlines()
+    assert "2.00x" in next(line for line in full if "peak / bound" in line)
 
 
 @pytest.mark.parametrize(

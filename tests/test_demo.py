@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +83,28 @@ def test_demo_rejects_bad_options(capsys):
             main(["demo", *argv])
         assert exited.value.code == 2
     assert "expected" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+def test_demo_shows_progress_before_its_slow_steps_and_no_third_party_tips(tmp_path):
+    """The real command: its first line comes before Lightning is even imported, then a line before each
+    slow step; Lightning's tips, adverts and hardware lines are not shown."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "rpcdl", "demo", "--max-epochs", "1", "--limit", "2", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=140, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = result.stdout.splitlines()
+    steps = [
+        "rpcdl demo: loading Lightning and scikit-learn...",
+        "rpcdl demo: starting 2 local workers...",
+        "rpcdl demo: building the model and the trainer...",
+        "rpcdl demo: loading the digits on the workers...",
+        "rpcdl demo: training for 1 epoch...",
+    ]
+    assert lines[0] == steps[0], lines[:3]
+    assert [line for line in lines if line in steps] == steps
+    for noise in ("Tip", "litlogger", "LitLogger", "litmodels", "GPU available", "TPU available", "Seed set"):
+        assert noise not in result.stdout, noise
+    assert "validation accuracy" in result.stdout

@@ -144,7 +144,7 @@ def test_rpc_mapper_rejects_bad_arguments(two_workers):
     with pytest.raises(ValueError, match="timeout"):
         RPCMapper(source, two_workers, affine, timeout=-1)
     with pytest.raises(ValueError, match="snapshot_frequency"):
-        RPCMapper(source, two_workers, affine, snapshot_frequency=0)
+        RPCMapper(source, two_workers, affine, snapshot_frequency=-1)
     with pytest.raises(ValueError, match="not an RPCMapper state"):
         RPCMapper(source, two_workers, affine).reset({"source": {}})
 

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..cli_args import positive_int, silent_worker, worker_address
+from ..cli_args import new_file, positive_int, silent_worker, worker_address
 from .report import evaluate_targets, format_table, format_targets, machine_info, plot
 from .scenarios import Bench, Sizes
 from .systems import RpcdlSystem, SocketSystem, System, TorchLoaderSystem
@@ -70,9 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--io-workers", type=positive_int, nargs="+", metavar="K",
         help="worker counts of the io scenario (default: 1 2 4 8; 1 2 with --quick)",
     )  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, in seconds")
-    parser.add_argument("--json", metavar="FILE", help="write the figures, the machine and the targets to FILE")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw the figures into FILE.png (needs matplotlib)")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="tiny sizes: checks that everything runs, in seconds (no target judged, no memory ratio shown)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json", metavar="FILE", type=new_file, help="write the figures, the machine and the targets to FILE"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", type=new_file, help="draw the figures into FILE.png (needs matplotlib)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     finally:
         bench.close()
     machine["load_average_after"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    targets = evaluate_targets(figures)
+    targets = evaluate_targets(figures, judged=not args.quick)
     workers = f"{len(args.workers)} given" if args.workers else f"{local} local"
     print(f"rpcdl bench: {workers} workers, {sizes.rounds} rounds, medians; ratios are rpcdl's median / the other's")
     print(
@@ -112,7 +119,7 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
         f"load average {machine.get('load_average')} before, {machine.get('load_average_after')} after"
     )
     print()
-    print(format_table(figures, names))
+    print(format_table(figures, names, judged=not args.quick))
     print()
     print("targets:")
     print(format_targets(targets))

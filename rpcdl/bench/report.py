@@ -131,17 +131,39 @@ def _format_value(value: float | None) -> str:
     return f"{value:.2f}"
 
 
-def format_table(figures: Sequence[Figure], systems: Sequence[str]) -> str:
-    """A text table: one row per figure, each system's median, and rpcdl's ratio to each other system."""
+NOT_JUDGED = "not judged: --quick"
+#: Figures that are ratios of memory to batch sizes: meaningless over the few batches of ``--quick``.
+MEMORY_RATIOS = frozenset({("memory", "peak / bound"), ("memory", "growth (batches)"), ("memory", "peak (batches)")})
+
+
+def format_table(figures: Sequence[Figure], systems: Sequence[str], *, judged: bool = True) -> str:
+    """A text table: one row per figure, each system's median, and rpcdl's ratio to each other system.
+
+    Args:
+        figures: the figures, one row each (those without samples are left out).
+        systems: the systems, one column each, rpcdl's first.
+        judged: ``False`` for runs too small to mean anything (``--quick``):
+            the memory ratios are then marked :data:`NOT_JUDGED` instead of shown.
+
+    Returns:
+        the table, one line per row.
+    """
     others = [name for name in systems if name != RPCDL]
     headers = ["scenario", "metric", "unit", *systems, *(f"{RPCDL}/{name}" for name in others)]
     rows = []
     for figure in figures:
         if not figure.samples:
             continue
+        hidden = not judged and (figure.scenario, figure.metric) in MEMORY_RATIOS
         cells = [figure.scenario, figure.metric, f"{figure.unit} ({figure.better})"]
-        cells += [_format_value(figure.median(name)) for name in systems]
-        cells += [_format_ratio(figure.ratio(name)) for name in others]
+        if hidden:
+            cells += [NOT_JUDGED if name in figure.samples else "-" for name in systems]
+        else:
+            cells += [_format_value(figure.median(name)) for name in systems]
+        if hidden or (not judged and figure.scenario == "memory"):
+            cells += [NOT_JUDGED if name in figure.samples else "-" for name in others]
+        else:
+            cells += [_format_ratio(figure.ratio(name)) for name in others]
         rows.append(cells)
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
@@ -154,26 +176,41 @@ def _format_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def evaluate_targets(figures: Sequence[Figure]) -> list[dict[str, Any]]:
-    """Where each of :data:`TARGETS` stands in ``figures``."""
+def evaluate_targets(figures: Sequence[Figure], *, judged: bool = True) -> list[dict[str, Any]]:
+    """Where each of :data:`TARGETS` stands in ``figures``.
+
+    Args:
+        figures: the measured figures.
+        judged: ``False`` for runs too small to mean anything (``--quick``):
+            no target is then met or missed (``"met": None``, ``"status": NOT_JUDGED``).
+
+    Returns:
+        one dict per target: ``target``, ``goal``, ``value``, ``met`` and ``status``.
+    """
     results = []
     for target in TARGETS:
         value = target.value(figures)
+        met = target.met(value) if judged else None
+        status = {True: "met", False: "MISSED", None: "not measured"}[met] if judged else NOT_JUDGED
         results.append(
             {
                 "target": target.label,
                 "goal": f"{target.op} {target.threshold:g}",
                 "value": value,
-                "met": target.met(value),
+                "met": met,
+                "status": status,
             }
         )
     return results
 
 
 def format_targets(results: Sequence[dict[str, Any]]) -> str:
+    """The targets, one line each: status, label, value and goal."""
+    if results and all(result["status"] == NOT_JUDGED for result in results):
+        return f"  {NOT_JUDGED}: its runs are too small to mean anything; run without --quick to judge them"
     lines = []
     for result in results:
-        status = {True: "met", False: "MISSED", None: "not measured"}[result["met"]]
+        status = result["status"]
         value = "-" if result["value"] is None else f"{result['value']:.2f}"
         lines.append(f"  {status:<12} {result['target']}: {value} (goal {result['goal']})")
     return "\n".join(lines)

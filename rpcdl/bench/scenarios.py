@@ -7,13 +7,13 @@ import gc
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .report import Figure
+from .rss import RssSampler, touch_pages
 from .systems import LoaderSpec, System
 from .workloads import (
     IMAGE_BATCH,
@@ -143,7 +143,7 @@ class Bench:
         if self._local_workers is None:
             from ..local import local_workers
 
-            self._local_context = local_workers(count, extra_args=("--log-level", "WARNING"))
+            self._local_context = local_workers(count)
             self._local_workers = self._local_context.__enter__()
         elif len(self._local_workers) < count:
             self._local_workers.start(count - len(self._local_workers))
@@ -404,44 +404,6 @@ def scenario_io(bench: Bench) -> None:
                 speedup.add(name, statistics.median(values) / one)
 
 
-class _RssSampler:
-    """Samples this process's resident memory from a thread; keeps the peak since the last reset."""
-
-    def __init__(self, period: float = 0.002):
-        self.period = period
-        self.peak = 0
-        self._stop = threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._thread = threading.Thread(target=self._run, name="rpcdl-bench-rss", daemon=True)
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * self._page
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.peak = max(self.peak, self.rss())
-
-    def reset(self) -> int:
-        self.peak = current = self.rss()
-        return current
-
-    def __enter__(self) -> _RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _touch(batch: Any) -> None:
-    """Read one byte per page of a batch, as a training step would read it all (maps shared memory in)."""
-    tensor = batch[0] if isinstance(batch, (list, tuple)) else batch
-    flat = tensor.reshape(-1)
-    flat[:: 4096 // flat.element_size()].sum()
-
-
 def scenario_memory(bench: Bench) -> None:
     """The client's peak RSS in each of 10 epochs of image batches, above its RSS before the first.
 
@@ -473,13 +435,13 @@ def scenario_memory(bench: Bench) -> None:
         try:
             loader = system.loader(spec)
             gc.collect()
-            with _RssSampler() as sampler:
+            with RssSampler() as sampler:
                 start = sampler.rss()
                 peaks = []
                 for _ in range(MEMORY_EPOCHS):
                     sampler.reset()
                     for batch in loader:
-                        _touch(batch)
+                        touch_pages(batch)
                         del batch
                     peaks.append(max(sampler.peak, sampler.rss()) - start)
         except Exception as exc:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..local import child_environment, stop_process
 from .workloads import (
@@ -25,9 +25,6 @@ from .workloads import (
     slow_torch_worker,
 )
 
-if TYPE_CHECKING:
-    from .scenarios import Bench
-
 # ---------------------------------------------------------------------------- systems
 
 
@@ -40,6 +37,14 @@ class LoaderSpec:
     batch_size: int
     workers: int
     slow_worker: int | None = None  # index of the worker made SLOWDOWN times slower
+
+
+class Bench(Protocol):
+    """What a system needs of the bench that runs it (:class:`rpcdl.bench.scenarios.Bench`)."""
+
+    def worker_addresses(self, count: int) -> list[str]:
+        """The addresses of ``count`` rpcdl workers."""
+        ...
 
 
 class System:
