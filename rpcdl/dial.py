@@ -40,9 +40,9 @@ import ssl
 import time
 from collections.abc import Callable
 
-from .errors import AuthenticationError, ProtocolError, WorkerUnavailable
+from .errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerUnavailable
 from .security import Token
-from .wire import HelloUnanswered, client_handshake
+from .wire import client_handshake
 
 log = logging.getLogger("rpcdl.client")
 

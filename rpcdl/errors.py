@@ -58,6 +58,14 @@ class ConnectionLost(RPCDLError, ConnectionError):
     """The connection to a worker broke while a call was in flight."""
 
 
+class HelloUnanswered(ConnectionLost):
+    """The peer closed the connection after the client's hello without sending a byte.
+
+    An rpcdl worker does that only when it cannot take the connection now; a
+    server of another protocol (an rpcdataloader worker, say) every time.
+    """
+
+
 class WorkerTimeout(RPCDLError, TimeoutError, RuntimeError):
     """No answer came from a worker within the call's timeout.
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, LimitExceeded, ProtocolError
+from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, HelloUnanswered, LimitExceeded, ProtocolError
 from .security import Token
 
 MAGIC = b"RPCDL\x00"
@@ -187,14 +187,6 @@ def _proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> by
     if token is None:
         return bytes(32)
     return hmac.new(token.secret, label + first + second, hashlib.sha256).digest()
-
-
-class HelloUnanswered(ConnectionLost):
-    """The peer closed the connection after the client's hello without sending a byte.
-
-    An rpcdl worker does that only when it cannot take the connection now; a
-    server of another protocol (an rpcdataloader worker, say) every time.
-    """
 
 
 def _describe_answer(first: bytes) -> str:
