@@ -44,7 +44,8 @@ from .errors import (
 )
 from .security import Token
 from .serialization import load_exception, loads, peer_context
-from .wire import Frame, FrameReader, Kind, Limits, encode_frame, send_pieces, set_io_timeouts
+from .tls_stream import TLSStream
+from .wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream, send_pieces
 
 _call_ids = itertools.count(1)
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
@@ -461,8 +462,7 @@ class Connection:
             self.address, self.host, self.port, self._token, self._ssl,
             handshake_timeout=self._limits.handshake_timeout, grace=self._grace, failed=self._connect_failed,
         )  # fmt: skip
-        set_io_timeouts(sock, receive=_IDLE_TICK, send=self._io_timeout)
-        return sock
+        return io_stream(sock, receive=_IDLE_TICK, send=self._io_timeout)
 
     def _connect_failed(self, exc: OSError) -> float:
         """Note a failed attempt to connect; return until when calls still want a connection."""
@@ -475,7 +475,7 @@ class Connection:
 
 
 def _readable(sock: socket.socket) -> bool:
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+    if isinstance(sock, TLSStream) and sock.pending():
         return True
     poller = select.poll()
     poller.register(sock, select.POLLIN)

@@ -38,6 +38,7 @@ from typing import Any
 
 from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, HelloUnanswered, LimitExceeded, ProtocolError
 from .security import Token
+from .tls_stream import TLSStream
 
 MAGIC = b"RPCDL\x00"
 VERSION = 1
@@ -331,7 +332,7 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
 def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> int:
     """Send ``pieces`` in order with scatter-gather I/O; return the bytes sent."""
     total = 0
-    if not hasattr(sock, "sendmsg") or _is_tls(sock):
+    if not hasattr(sock, "sendmsg") or isinstance(sock, ssl.SSLSocket):
         for piece in pieces:
             sock.sendall(piece)
             total += len(memoryview(piece).cast("B"))
@@ -353,10 +354,6 @@ def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> in
     return total
 
 
-def _is_tls(sock: socket.socket) -> bool:
-    return type(sock).__name__ == "SSLSocket"
-
-
 def send_frame(sock: socket.socket, frame: Frame) -> int:
     """Encode and send one frame; return the bytes sent."""
     return send_pieces(sock, encode_frame(frame))
@@ -366,18 +363,23 @@ def _default_allocate(call_id: int, size: int) -> bytearray:
     return bytearray(size)
 
 
-def set_io_timeouts(sock: socket.socket, receive: float | None, send: float | None) -> None:
-    """Put ``sock`` in blocking mode with kernel receive and send timeouts.
+def io_stream(sock: socket.socket, receive: float | None, send: float | None) -> socket.socket | TLSStream:
+    """Make ``sock``, handshake done, ready for frames: reads time out after ``receive`` seconds without
+    data and sends after ``send`` seconds without room, raising :class:`BlockingIOError`.
 
-    Kernel timeouts (``SO_RCVTIMEO`` / ``SO_SNDTIMEO``) cost nothing per call,
-    unlike Python's socket timeouts, which poll before every operation. A timed
-    out operation raises :class:`BlockingIOError`.
+    A plain socket is put in blocking mode with kernel timeouts (``SO_RCVTIMEO`` /
+    ``SO_SNDTIMEO``), which cost nothing per call, unlike Python's socket
+    timeouts. A TLS socket comes back as a :class:`~rpcdl.tls_stream.TLSStream`,
+    which one thread may read while another sends.
     """
+    if isinstance(sock, ssl.SSLSocket):
+        return TLSStream(sock, receive, send)
     sock.settimeout(None)
     for option, seconds in ((socket.SO_RCVTIMEO, receive), (socket.SO_SNDTIMEO, send)):
         whole = int(seconds or 0)
         micros = int(((seconds or 0) - whole) * 1e6)
         sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micros))
+    return sock
 
 
 _TIMED_OUT = (BlockingIOError, TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
@@ -396,7 +398,7 @@ class FrameReader:
 
     Args:
         sock: a connected socket after the handshake, set up by
-            :func:`set_io_timeouts`: its receive timeout is how long
+            :func:`io_stream`: its receive timeout is how long
             :meth:`read_frame` waits for a frame to start.
         limits: the bounds checked before allocating.
         stall_timeout: seconds the peer may go without sending a byte in the

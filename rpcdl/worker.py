@@ -33,7 +33,7 @@ from .errors import ConnectionLost, LimitExceeded, ProtocolError
 from .rref import RRefStore
 from .security import Token, default_server_tls, resolve_token
 from .serialization import dump_exception, dumps, loads, peer_context
-from .wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, server_handshake, set_io_timeouts
+from .wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream, server_handshake
 from .worker_connection import ClientConnection, Counters, shutdown_socket
 from .worker_process import StopSignals, append_address, process_exists
 
@@ -247,7 +247,7 @@ class Worker:
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
             server_handshake(sock, self._token, peer)
-            set_io_timeouts(sock, receive=_IDLE_TICK, send=self.timeout)
+            sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
             self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return

@@ -50,8 +50,8 @@ from rpcdl.wire import (
     Limits,
     client_handshake,
     encode_frame,
+    io_stream,
     server_handshake,
-    set_io_timeouts,
 )
 
 EXAMPLES = int(os.environ.get("RPCDL_FUZZ_EXAMPLES", "30"))
@@ -267,7 +267,7 @@ def _connect(address: str) -> socket.socket:
 
 def _read_until_closed(sock: socket.socket) -> list[Frame]:
     """Every frame the worker sends until it closes the connection; fail if it neither answers nor closes."""
-    set_io_timeouts(sock, receive=ANSWER_TIMEOUT, send=ANSWER_TIMEOUT)
+    sock = io_stream(sock, receive=ANSWER_TIMEOUT, send=ANSWER_TIMEOUT)
     reader = FrameReader(sock, Limits(), stall_timeout=ANSWER_TIMEOUT, chunk_size=4096)
     frames = []
     while True:
@@ -306,7 +306,7 @@ def _read_stream(data: bytes) -> tuple[list[Frame], BaseException | None, list[i
             pass
 
     with writer, reading:
-        set_io_timeouts(reading, receive=5.0, send=5.0)
+        reading = io_stream(reading, receive=5.0, send=5.0)
         sender = threading.Thread(target=send)
         sender.start()
         reader = FrameReader(reading, LIMITS, stall_timeout=5.0, chunk_size=4096)
@@ -542,7 +542,7 @@ def test_pickle_used_by_the_fuzzer_creates_its_file(token_worker, marker, tmp_pa
     with _connect(token_worker.address) as sock:
         client_handshake(sock, Token(FUZZ_TOKEN.encode()), token_worker.address)
         sock.sendall(_join(Frame(Kind.CALL, 1, payload=pickle.dumps(CreatesFile(str(target)), protocol=5))))
-        set_io_timeouts(sock, receive=ANSWER_TIMEOUT, send=ANSWER_TIMEOUT)
+        sock = io_stream(sock, receive=ANSWER_TIMEOUT, send=ANSWER_TIMEOUT)
         answer = FrameReader(sock, Limits(), stall_timeout=ANSWER_TIMEOUT).read_frame()
     assert answer is not None and answer.kind == Kind.ERROR  # what it unpickled is no (func, args, kwargs)
     assert target.exists()

@@ -17,10 +17,12 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import traceback
 
 import psutil
 import pytest
+import torch
 from test_faults import TcpProxy
 
 import rpcdl
@@ -285,3 +287,18 @@ def test_token_never_appears_in_logs_errors_or_status(pki, tmp_path, caplog, cap
             assert secret not in text, f"a token appears in the {where}"
     with pytest.raises(TypeError, match="never pickled"):
         pickle.dumps(Token(token.encode()))
+
+
+@pytest.mark.timeout(60)
+def test_a_tls_connection_survives_idling_between_calls(embedded_worker, pki):
+    """A worker reads its TLS connection in one thread while it answers from another: with one SSL
+    object used by both at once, a read that only timed out looked like the end of the stream, and
+    the connection dropped after a second or so without a call."""
+    token = "tls-idle-token"
+    worker = embedded_worker(token=token, ssl_context=server_tls_context(pki / "worker.pem", pki / "worker.key"))
+    trusted = client_tls_context(pki / "ca.pem")
+    for size in (10, 3_000_000, 10):
+        answer = rpcdl.rpc_sync(worker.address, torch.zeros, (size,), token=token, ssl_context=trusted)
+        assert answer.shape == (size,)
+        time.sleep(1.5)
+    assert rpcdl.stats(worker.address, token=token, ssl_context=trusted)["connections_total"] == 1
