@@ -21,8 +21,7 @@ thread that made them (:func:`sent_together`, :func:`answers_read_here`):
 
 from __future__ import annotations
 
-import atexit
-import os
+import logging
 import select
 import ssl
 import threading
@@ -32,9 +31,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._lifecycle import ExitPhase, at_exit, in_forked_child
 from .address import format_address, parse_address
 from .checks import check_timeout
-from .connection import _IDLE_TICK, Connection, _Call, _Closed, _Future
+from .connection import _IDLE_TICK, Connection, _Call, _Closed, _Future, join_connection_threads
 from .dial import connect_grace
 from .errors import WorkerUnavailable
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
@@ -49,6 +49,8 @@ __all__ = [
 ]  # fmt: skip
 
 _T = TypeVar("_T")
+log = logging.getLogger("rpcdl.client")
+_EXIT_GRACE = 10.0  # seconds exit waits for connection threads still completing calls
 
 
 def read_in_background(futures: Iterable[torch.futures.Future]) -> None:
@@ -144,7 +146,7 @@ def _after_fork_in_child() -> None:
     _pool, _pool_lock = {}, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+in_forked_child(_after_fork_in_child)
 
 
 def shutdown() -> None:
@@ -157,14 +159,26 @@ def shutdown() -> None:
         _pool.clear()
     for connection in connections:
         connection.close()
-    for connection in connections:
-        if connection._thread is not threading.current_thread():
-            connection._thread.join(timeout=1.0)
+    join_connection_threads(timeout=1.0)
 
 
-# Threads still completing futures while the interpreter finalizes abort the
-# process (torch's C++ futures), so connections close before that.
-atexit.register(shutdown)
+def _shutdown_at_exit() -> None:
+    """Close the connections and wait for their threads, closed ones included: one may be completing a
+    call, and a thread still inside torch's C++ futures when the interpreter finalizes aborts the process
+    ("terminate called without an active exception")."""
+    shutdown()
+    still_running = join_connection_threads(timeout=_EXIT_GRACE)
+    if still_running:
+        log.warning(
+            "rpcdl: %d connection thread(s) still running %gs after exit began (a callback of a call that "
+            "does not return?): %s; the process may abort",
+            len(still_running),
+            _EXIT_GRACE,
+            ", ".join(still_running),
+        )
+
+
+at_exit(ExitPhase.CONNECTIONS, _shutdown_at_exit)
 
 
 # ---------------------------------------------------------------------------- calls

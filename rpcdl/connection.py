@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from . import buffers, held
+from ._lifecycle import in_forked_child
 from .address import parse_address
 from .dial import dial
 from .errors import (
@@ -59,6 +60,34 @@ def _can_pin() -> bool:
     if _cuda_available is None:
         _cuda_available = torch.cuda.is_available()
     return _cuda_available
+
+
+# The threads of connections, open or closing, until they end: at exit they are joined (see
+# join_connection_threads), closed ones included, since one may still be completing a call.
+_live_threads: set[threading.Thread] = set()
+_live_lock = threading.Lock()
+
+
+def join_connection_threads(timeout: float) -> list[str]:
+    """Wait up to ``timeout`` seconds in all for the threads of this process's connections to end.
+
+    Returns:
+        the names of those still running then.
+    """
+    deadline = time.monotonic() + timeout
+    with _live_lock:
+        threads = [thread for thread in _live_threads if thread is not threading.current_thread()]
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return [thread.name for thread in threads if thread.is_alive()]
+
+
+def _forget_parents_threads() -> None:
+    global _live_threads, _live_lock
+    _live_threads, _live_lock = set(), threading.Lock()
+
+
+in_forked_child(_forget_parents_threads)
 
 
 class _Future(torch.futures.Future):
@@ -167,7 +196,9 @@ class Connection:
         self._on_close = on_close
         self._last_connect_error: BaseException | None = None
         self._pid = os.getpid()
-        self._thread = threading.Thread(target=self._run, name=f"rpcdl-connection-{address}", daemon=True)
+        self._thread = threading.Thread(target=self._run_to_end, name=f"rpcdl-connection-{address}", daemon=True)
+        with _live_lock:
+            _live_threads.add(self._thread)
         self._thread.start()
 
     @property
@@ -397,6 +428,13 @@ class Connection:
 
     # ------------------------------------------------------------------ thread
 
+    def _run_to_end(self) -> None:
+        try:
+            self._run()
+        finally:
+            with _live_lock:
+                _live_threads.discard(threading.current_thread())
+
     def _run(self) -> None:
         try:
             sock = self._connect()
@@ -461,8 +499,15 @@ class Connection:
         sock = dial(
             self.address, self.host, self.port, self._token, self._ssl,
             handshake_timeout=self._limits.handshake_timeout, grace=self._grace, failed=self._connect_failed,
+            pause=self._pause,
         )  # fmt: skip
         return io_stream(sock, receive=_IDLE_TICK, send=self._io_timeout)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait between two attempts to connect; a close ends the wait."""
+        with self._cond:
+            if not self._closed:
+                self._cond.wait(seconds)
 
     def _connect_failed(self, exc: OSError) -> float:
         """Note a failed attempt to connect; return until when calls still want a connection."""

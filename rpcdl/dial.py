@@ -101,6 +101,7 @@ def dial(
     handshake_timeout: float,
     grace: float,
     failed: Callable[[OSError], float],
+    pause: Callable[[float], None] = time.sleep,
 ) -> socket.socket:
     """Connect to the worker at ``address`` and run the handshake, retrying as the module docstring says.
 
@@ -115,6 +116,8 @@ def dial(
         failed: called with the error of each failed attempt; returns the
             time (``time.monotonic()``) until which retrying is still wanted,
             or raises to stop.
+        pause: waits that many seconds between attempts (the caller may cut
+            the wait short; ``failed`` then stops the retries).
 
     Returns:
         The connected socket, handshake done, TCP_NODELAY set.
@@ -192,7 +195,7 @@ def dial(
             raise WorkerUnavailable(
                 f"could not connect to rpcdl worker {address} within its timeout: {error}"
             ) from None
-        time.sleep(min(delay, started + grace - now) if why is not None else delay)
+        pause(min(delay, started + grace - now) if why is not None else delay)
         delay = min(delay * 2, _MAX_RETRY_DELAY)
 
 
