@@ -33,8 +33,9 @@ import torch
 
 from ._lifecycle import ExitPhase, at_exit, in_forked_child
 from .address import format_address, parse_address
+from .calls import Call, CallFuture
 from .checks import check_timeout
-from .connection import _IDLE_TICK, Connection, _Call, _Closed, _Future, join_connection_threads
+from .connection import _IDLE_TICK, Connection, _Closed, join_connection_threads
 from .dial import connect_grace
 from .errors import WorkerUnavailable
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
@@ -59,7 +60,7 @@ def read_in_background(futures: Iterable[torch.futures.Future]) -> None:
     For a thread that stops reading before they are all answered.
     """
     for future in futures:
-        call = future._call() if isinstance(future, _Future) else None
+        call = future._call() if isinstance(future, CallFuture) else None
         if call is not None and future._connection is not None:
             future._connection.read_in_background(call)
 
@@ -76,7 +77,7 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
         reading one of the connections, and completes the futures it reads).
     """
     send_held()  # this thread waits now: what it holds must not wait with it
-    calls = [future._call() for future in futures if isinstance(future, _Future)]
+    calls = [future._call() for future in futures if isinstance(future, CallFuture)]
     connections = {call.future._connection for call in calls if call is not None and not call.background}
     if not connections:
         return None  # no answer for this thread to read: their connections' threads read them
@@ -208,8 +209,8 @@ def _submit(
     token: Any = None,
     ssl_context: ssl.SSLContext | None = None,
     on_connection: Callable[[Connection], Any] | None = None,
-) -> _Call:
-    call = _Call(timeout, what, sync=sync, pin_memory=pin_memory, transform=transform)
+) -> Call:
+    call = Call(timeout, what, sync=sync, pin_memory=pin_memory, transform=transform)
     for _ in range(3):
         connection = connection_to(host, timeout, token, ssl_context)
         if on_connection is not None:
@@ -254,7 +255,7 @@ def _call(
     timeout: float = 120.0,
     token: str | bytes | None = None,
     ssl_context: ssl.SSLContext | None = None,
-) -> _Call:
+) -> Call:
     address = _check_address(host)
     timeout = check_timeout(timeout)
     payload, buffers = _serialize_call(address, func, args, kwargs)

@@ -16,7 +16,6 @@ thread. Before a thread waits for answers it sends the calls it holds back
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import os
 import select
@@ -25,7 +24,6 @@ import ssl
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -34,6 +32,7 @@ import torch
 from . import buffers, held
 from ._lifecycle import in_forked_child
 from .address import parse_address
+from .calls import Call
 from .dial import dial
 from .errors import (
     AuthenticationError,
@@ -48,7 +47,6 @@ from .serialization import load_exception, loads, peer_context
 from .tls_stream import TLSStream
 from .wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream, send_pieces
 
-_call_ids = itertools.count(1)
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
@@ -88,48 +86,6 @@ def _forget_parents_threads() -> None:
 
 
 in_forked_child(_forget_parents_threads)
-
-
-class _Future(torch.futures.Future):
-    """The future of a call: waiting on it reads answers from the worker meanwhile.
-
-    So a thread blocked in ``wait()`` gets its answer without a thread switch,
-    and waiting inside a callback (which runs on whichever thread read the
-    answer) cannot starve the connection.
-    """
-
-    _connection: Connection | None = None
-    _call: Callable[[], _Call | None] = staticmethod(lambda: None)  # a weak reference: no cycle holds the result
-
-    def wait(self) -> Any:
-        call = self._call()  # None once answered: the result is there or being set
-        if call is not None and not self.done() and self._connection is not None:
-            self._connection.wait(call)
-        return super().wait()
-
-
-class _Call:
-    __slots__ = (
-        "__weakref__", "background", "call_id", "deadline", "future", "pin_memory", "started", "sync", "timeout",
-        "transform", "what",
-    )  # fmt: skip
-
-    def __init__(
-        self, timeout: float, what: str, *, sync: bool, pin_memory: bool = False, transform: Callable | None = None
-    ):
-        self.call_id = next(_call_ids)
-        self.future = _Future()
-        self.future._call = weakref.ref(self)
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout
-        self.timeout = timeout
-        self.pin_memory = pin_memory
-        self.what = what
-        self.transform = transform
-        self.sync = sync
-        # whether the connection's own thread reads the answer (else a thread waiting for it,
-        # or one calling read_answers)
-        self.background = not sync and not held.reads_here()
 
 
 _ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
@@ -178,7 +134,7 @@ class Connection:
         self._limits = Limits()
         self._cond = threading.Condition(threading.Lock())
         self._send_lock = threading.Lock()
-        self._pending: dict[int, _Call] = {}
+        self._pending: dict[int, Call] = {}
         self._async_pending = 0
         self._large_answers = False  # whether the last answer was large
         self._caller_read_at = 0.0  # when a caller last came to read answers (read_if_ready)
@@ -211,7 +167,7 @@ class Connection:
 
     # ------------------------------------------------------------------ calls
 
-    def submit(self, kind: Kind, call: _Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> None:
+    def submit(self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> None:
         frame = Frame(kind, call.call_id, ref, payload, list(buffers))
         call.future._connection = self
         with self._cond:
@@ -234,7 +190,7 @@ class Connection:
             return
         self._send([frame])
 
-    def wait(self, call: _Call) -> None:
+    def wait(self, call: Call) -> None:
         """Wait until ``call`` is answered (or fails), reading answers meanwhile."""
         held.send_held()
         future = call.future
@@ -278,13 +234,13 @@ class Connection:
         self._read_once()
         return True
 
-    def read_in_background(self, call: _Call) -> None:
+    def read_in_background(self, call: Call) -> None:
         """Let this connection's thread read the answer to ``call``."""
         with self._cond:
             if call.call_id in self._pending and self._adopt([call]):
                 self._cond.notify_all()
 
-    def _adopt(self, calls: Iterable[_Call]) -> int:
+    def _adopt(self, calls: Iterable[Call]) -> int:
         """Hand the answers of ``calls`` left to their caller to this connection's thread; the caller
         holds ``_cond``. Returns how many were handed over."""
         adopted = 0
@@ -403,7 +359,7 @@ class Connection:
             return buffers.take(size)
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
 
-    def _deliver(self, frame: Frame, call: _Call) -> None:
+    def _deliver(self, frame: Frame, call: Call) -> None:
         try:
             if frame.kind == Kind.RESULT:
                 with peer_context(self.address, None, self):

@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable
 
 from .errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerUnavailable
+from .handshake import client_handshake
 from .security import Token
-from .wire import client_handshake
 
 log = logging.getLogger("rpcdl.client")
 

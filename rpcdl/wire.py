@@ -1,16 +1,7 @@
-"""Bytes on the wire: the handshake, framing and limits. Nothing here unpickles.
+"""Bytes on the wire: framing and limits. Nothing here unpickles.
 
-A connection opens with a handshake::
-
-    client -> worker   hello    magic, version, flags, client nonce
-    worker -> client   welcome  magic, version, flags, worker nonce, worker proof
-    client -> worker   proof    HMAC(token, "rpcdl-client" + worker nonce + client nonce)
-    worker -> client   verdict  status byte, message
-
-Proofs are HMAC-SHA256 on the shared token, so each side learns whether the other
-holds it without the token ever crossing the wire; without a token they are zeros.
-
-Then both sides exchange frames::
+A connection opens with a handshake (:mod:`rpcdl.handshake`); then both sides
+exchange frames::
 
     header   kind u8, flags u8, reserved u16, buffer count u32,
              call id u64, ref u64, payload length u64
@@ -25,8 +16,6 @@ allocated; the sender checks its own frames first (:meth:`Limits.check_outgoing`
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import os
 import socket
 import ssl
@@ -36,19 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AuthenticationError, ConnectionLost, FrameTooLarge, HelloUnanswered, LimitExceeded, ProtocolError
-from .security import Token
+from .errors import ConnectionLost, FrameTooLarge, LimitExceeded, ProtocolError
 from .tls_stream import TLSStream
-
-MAGIC = b"RPCDL\x00"
-VERSION = 1
-
-_NONCE_BYTES = 32
-_HELLO = struct.Struct("!6sHB32s")
-_WELCOME = struct.Struct("!6sHB32s32s")
-_VERDICT = struct.Struct("!BH")
-_MAX_VERDICT_MESSAGE = 1024
-_HAS_TOKEN = 1
 
 _HEADER = struct.Struct("!BBHIQQQ")
 _INLINE_PAYLOAD = 64 * 1024
@@ -172,148 +150,6 @@ class Frame:
 
 
 # ---------------------------------------------------------------------------- handshake
-
-
-def _recv_exact(sock: socket.socket, size: int, what: str) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionLost(f"peer closed the connection during the handshake ({what})")
-        data += chunk
-    return bytes(data)
-
-
-def _proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> bytes:
-    if token is None:
-        return bytes(32)
-    return hmac.new(token.secret, label + first + second, hashlib.sha256).digest()
-
-
-def _describe_answer(first: bytes) -> str:
-    if first.startswith(b"HTTP/"):
-        status_line = first.split(b"\r\n", 1)[0].decode("ascii", "replace")
-        return f"it answered {status_line!r}: an HTTP server"
-    if len(first) >= 2 and first[0] in (0x15, 0x16) and first[1] == 0x03:
-        return (
-            "it answered with a TLS record: it expects TLS; set RPCDL_TLS_CA (or pass ssl_context=) to connect with TLS"
-        )
-    return f"it answered {first[:16]!r}, not rpcdl's magic bytes {MAGIC!r}"
-
-
-def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) -> bytes:
-    """The first bytes the peer sends after the hello, checked to start like rpcdl's welcome."""
-    previous = sock.gettimeout()
-    if answer_timeout is not None:
-        sock.settimeout(answer_timeout)
-    try:
-        first = sock.recv(_WELCOME.size)
-    except TimeoutError:
-        raise ProtocolError(
-            f"{peer} is not an rpcdl worker (it accepted the connection but did not answer rpcdl's hello "
-            f"within {answer_timeout:g}s; rpcdl workers answer at once)"
-        ) from None
-    except ConnectionResetError:
-        first = b""
-    finally:
-        sock.settimeout(previous)
-    if not first:
-        raise HelloUnanswered(f"{peer} closed the connection after rpcdl's hello without answering")
-    if not MAGIC.startswith(first[: len(MAGIC)]):
-        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(first)})")
-    return first
-
-
-def client_handshake(sock: socket.socket, token: Token | None, peer: str, answer_timeout: float | None = None) -> None:
-    """Run the client side of the handshake on a connected socket.
-
-    Args:
-        sock: the connected socket (its timeout bounds each read of the handshake).
-        token: the shared secret, or ``None``.
-        peer: ``"host:port"`` of the worker, for messages.
-        answer_timeout: seconds the peer may take to start answering the hello
-            (rpcdl workers answer at once); ``None``: the socket's timeout.
-
-    Raises:
-        ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
-            or nothing within ``answer_timeout``), or speaks another version.
-        HelloUnanswered: ``peer`` closed the connection after the hello without a byte.
-        AuthenticationError: the tokens differ, or only one side has one.
-    """
-    client_nonce = os.urandom(_NONCE_BYTES)
-    flags = _HAS_TOKEN if token is not None else 0
-    sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
-    first = _first_answer(sock, peer, answer_timeout)
-    welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
-    magic, version, worker_flags, worker_nonce, worker_proof = _WELCOME.unpack(welcome)
-    if magic != MAGIC:
-        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(welcome)})")
-    if version != VERSION:
-        raise ProtocolError(
-            f"{peer} speaks rpcdl protocol version {version}, this client speaks {VERSION}: "
-            "install the same rpcdl version on both sides"
-        )
-    sock.sendall(_proof(token, b"rpcdl-client", worker_nonce, client_nonce))
-    status, length = _VERDICT.unpack(_recv_exact(sock, _VERDICT.size, "verdict"))
-    message = _recv_exact(sock, min(length, _MAX_VERDICT_MESSAGE), "verdict").decode("utf-8", "replace")
-    worker_has_token = bool(worker_flags & _HAS_TOKEN)
-    if worker_has_token and token is None:
-        raise AuthenticationError(
-            f"worker {peer} requires a token: set RPCDL_TOKEN or RPCDL_TOKEN_FILE, or pass token=, "
-            "to the token the worker was started with"
-        )
-    if token is not None and not worker_has_token:
-        raise AuthenticationError(
-            f"worker {peer} runs without a token but this client has one: refusing to trust an "
-            "unauthenticated worker; start it with the same RPCDL_TOKEN, or unset the client's token"
-        )
-    if not hmac.compare_digest(worker_proof, _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)):
-        raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
-    if status != 0:
-        raise AuthenticationError(f"worker {peer} refused the connection: {message}")
-
-
-def server_handshake(sock: socket.socket, token: Token | None, peer: str) -> None:
-    """Run the worker side of the handshake on an accepted socket.
-
-    The verdict is sent to the client before an error is raised here, so both
-    sides know why a connection was refused.
-
-    Raises:
-        ProtocolError: the peer is not an rpcdl client or speaks another version.
-        AuthenticationError: the peer does not prove it holds the worker's token.
-    """
-    magic, version, client_flags, client_nonce = _HELLO.unpack(_recv_exact(sock, _HELLO.size, "hello"))
-    if magic != MAGIC:
-        raise ProtocolError(f"{peer} is not an rpcdl client (bad magic bytes)")
-    worker_nonce = os.urandom(_NONCE_BYTES)
-    flags = _HAS_TOKEN if token is not None else 0
-    proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
-    sock.sendall(_WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
-    if version != VERSION:
-        reason = f"client {peer} speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
-        _send_verdict(sock, reason)
-        raise ProtocolError(reason)
-    client_proof = _recv_exact(sock, 32, "proof")
-    client_has_token = bool(client_flags & _HAS_TOKEN)
-    reason = ""
-    if token is not None and not client_has_token:
-        reason = "this worker requires a token (RPCDL_TOKEN) and the client sent none"
-    elif token is None and client_has_token:
-        reason = "this worker has no token but the client sent one"
-    elif not hmac.compare_digest(client_proof, _proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
-        reason = "token mismatch: the client holds a different token"
-    _send_verdict(sock, reason)
-    if reason:
-        raise AuthenticationError(f"refused {peer}: {reason}")
-
-
-def _send_verdict(sock: socket.socket, reason: str) -> None:
-    message = reason.encode()[:_MAX_VERDICT_MESSAGE]
-    sock.sendall(_VERDICT.pack(1 if reason else 0, len(message)) + message)
-
-
-# ---------------------------------------------------------------------------- frames
 
 
 def encode_frame(frame: Frame) -> list[memoryview | bytes]:

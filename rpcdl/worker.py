@@ -30,10 +30,11 @@ from ._lifecycle import ExitPhase, at_exit
 from .address import format_address, is_loopback
 from .checks import check_positive_int, check_timeout
 from .errors import ConnectionLost, LimitExceeded, ProtocolError
+from .handshake import server_handshake
 from .rref import RRefStore
 from .security import Token, default_server_tls, resolve_token
 from .serialization import dump_exception, dumps, loads, peer_context
-from .wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream, server_handshake
+from .wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream
 from .worker_connection import ClientConnection, Counters, shutdown_socket
 from .worker_process import StopSignals, append_address, process_exists
 

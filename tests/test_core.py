@@ -21,7 +21,8 @@ import torch
 import rpcdl
 import rpcdl.client
 from rpcdl.errors import RemoteError
-from rpcdl.wire import MAGIC, VERSION, Frame, FrameReader, Kind, client_handshake, send_frame
+from rpcdl.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.wire import Frame, FrameReader, Kind, send_frame
 
 TESTS = Path(__file__).resolve().parent
 

@@ -39,20 +39,10 @@ from hypothesis import strategies as st
 
 import rpcdl
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
+from rpcdl.handshake import MAGIC, VERSION, client_handshake, server_handshake
 from rpcdl.security import Token
 from rpcdl.serialization import dumps, loads
-from rpcdl.wire import (
-    MAGIC,
-    VERSION,
-    Frame,
-    FrameReader,
-    Kind,
-    Limits,
-    client_handshake,
-    encode_frame,
-    io_stream,
-    server_handshake,
-)
+from rpcdl.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
 EXAMPLES = int(os.environ.get("RPCDL_FUZZ_EXAMPLES", "30"))
 PARSER_EXAMPLES = 2 * EXAMPLES

@@ -28,8 +28,9 @@ from test_faults import TcpProxy
 import rpcdl
 from rpcdl.bench.pki import make_ca, make_certificate
 from rpcdl.cli import main as rpcdl_main
+from rpcdl.handshake import MAGIC, VERSION, client_handshake
 from rpcdl.security import Token, client_tls_context, server_tls_context
-from rpcdl.wire import MAGIC, VERSION, Frame, Kind, client_handshake, encode_frame
+from rpcdl.wire import Frame, Kind, encode_frame
 
 _WELCOME_SIZE = 73
 

@@ -7,7 +7,7 @@ Two targets, chosen with ``--target``:
   them or raise :class:`~rpcdl.errors.ProtocolError` /
   :class:`~rpcdl.errors.ConnectionLost`, and never allocate a buffer past them.
 * ``handshake``: the bytes are everything a client sends to a worker holding a
-  token; :func:`rpcdl.wire.server_handshake` must refuse it with one of rpcdl's
+  token; :func:`rpcdl.handshake.server_handshake` must refuse it with one of rpcdl's
   errors.
 
 Any other exception, a hang or a crash is a finding. Usage (see README.md)::
@@ -25,9 +25,10 @@ import struct
 import sys
 
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
+from rpcdl.handshake import MAGIC, VERSION, server_handshake
 from rpcdl.security import Token
 from rpcdl.serialization import dumps
-from rpcdl.wire import MAGIC, VERSION, Frame, FrameReader, Kind, Limits, encode_frame, server_handshake
+from rpcdl.wire import Frame, FrameReader, Kind, Limits, encode_frame
 
 LIMITS = Limits(max_message_bytes=4096, max_buffers=4, handshake_timeout=1.0)
 TOKEN = Token(b"fuzz-token")
@@ -114,12 +115,13 @@ def main(argv: list[str]) -> None:
 
     import atheris  # the fuzz extra: pip install 'rpcdl[fuzz]'
 
+    import rpcdl.handshake
     import rpcdl.wire
 
     for function in (
         rpcdl.wire.FrameReader.read_frame, rpcdl.wire.FrameReader._read_payload, rpcdl.wire.FrameReader._read_into,
-        rpcdl.wire.FrameReader._fill, rpcdl.wire.FrameReader._recv_into, rpcdl.wire.server_handshake,
-        rpcdl.wire._recv_exact,
+        rpcdl.wire.FrameReader._fill, rpcdl.wire.FrameReader._recv_into, rpcdl.handshake.server_handshake,
+        rpcdl.handshake._recv_exact,
     ):  # fmt: skip
         atheris.instrument_func(function)
     atheris.Setup([argv[0], *libfuzzer_args], TARGETS[options.target])
