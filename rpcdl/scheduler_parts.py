@@ -1,6 +1,7 @@
 """What a :class:`~rpcdl.scheduler.WorkerPool` knows of each worker and each task (see :mod:`rpcdl.scheduler`).
 
-Plain records, read and changed only by the thread advancing a pass.
+Plain records, read and changed only by the thread advancing a pass; the
+decisions that change them are :mod:`rpcdl.scheduling_policy`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-_FIRST_PROBE_DELAY = 0.2
+FIRST_PROBE_DELAY = 0.2
 
 
 class WorkerState(enum.Enum):
@@ -23,17 +24,26 @@ class WorkerState(enum.Enum):
 
 
 class WorkerSlot:
-    """What the client knows of one worker."""
+    """What the client knows of one worker.
+
+    Its estimates, in seconds (``None`` until measured): ``service_time``, the
+    time a call costs it (the wait for an answer, counted from the later of the
+    call's sending and the answer before); ``interval``, the spacing of its
+    answers while it is busy; ``rtt``, the round trip of a call sent while it
+    was idle (latency and work).
+    """
 
     __slots__ = (
         "address",
         "failure",
         "in_flight",
         "index",
+        "interval",
         "last_done",
         "last_sent",
         "probe_at",
         "probe_delay",
+        "rtt",
         "served",
         "service_time",
         "state",
@@ -45,25 +55,18 @@ class WorkerSlot:
         self.state = WorkerState.ACTIVE
         self.in_flight: set[_Attempt] = set()
         self.service_time: float | None = None
+        self.interval: float | None = None
+        self.rtt: float | None = None
         self.last_done = 0.0
         self.last_sent = 0.0
         self.probe_at = 0.0
-        self.probe_delay = _FIRST_PROBE_DELAY
+        self.probe_delay = FIRST_PROBE_DELAY
         self.failure: BaseException | None = None
         self.served = 0
 
     def expected_done(self, default: float) -> float:
         """When a new call sent now would finish, in service times from now."""
         return (len(self.in_flight) + 1) * (self.service_time or default)
-
-    def observe(self, attempt: _Attempt, now: float) -> None:
-        service = now - max(attempt.sent_at, self.last_done)
-        self.last_done = now
-        self.service_time = service if self.service_time is None else 0.5 * (self.service_time + service)
-
-    def due_for_trial(self, now: float) -> bool:
-        """An idle worker passed over as slow gets a task again after idling one service time."""
-        return not self.in_flight and now - max(self.last_done, self.last_sent) > (self.service_time or 0.0)
 
 
 class Task:
@@ -83,10 +86,13 @@ class Task:
 
 
 class _Attempt:
-    __slots__ = ("events", "future", "live", "sent_at", "slot", "task")
+    """One call of a task to a worker; ``sent_idle`` when the worker had no other call in flight."""
+
+    __slots__ = ("events", "future", "live", "sent_at", "sent_idle", "slot", "task")
 
     def __init__(self, task: Task, slot: WorkerSlot, sent_at: float, events: queue.SimpleQueue):
         self.task, self.slot, self.sent_at, self.live = task, slot, sent_at, True
+        self.sent_idle = not slot.in_flight
         self.events = events  # the queue of the pass that sent it
         self.future: torch.futures.Future | None = None
 
