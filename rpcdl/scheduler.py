@@ -119,16 +119,16 @@ class WorkerPool:
 
     def windows(self) -> dict[str, dict[str, Any]]:
         """Each worker's scheduling state: ``state``, calls ``in_flight`` (all passes), the ``window`` of calls
-        it may have in flight, and its measured ``service_time``, answer ``interval`` and idle round trip
-        ``rtt`` in seconds (``None`` until measured)."""
+        it may have in flight, and, in seconds (``None`` until measured), its ``service_time``, its shortest
+        round trip ``rtt`` and its average ``round_trip`` over the last window of answers."""
         return {
             slot.address: {
                 "state": slot.state.value,
                 "in_flight": len(slot.in_flight),
                 "window": self.policy.window(slot),
                 "service_time": slot.service_time,
-                "interval": slot.interval,
                 "rtt": slot.rtt,
+                "round_trip": slot.round_trip,
             }
             for slot in self.slots
         }
@@ -281,8 +281,7 @@ class Dispatch(Iterator[Task]):
             return
         attempt.future = future
         task.attempts.append(attempt)
-        slot.in_flight.add(attempt)
-        slot.last_sent = attempt.sent_at
+        self.pool.policy.sent(slot, attempt)
         # Not self: a dropped pass is collected (and closed) while its calls run.
         future.add_done_callback(lambda done: attempt.events.put(("result", attempt, done)))
 

@@ -28,25 +28,31 @@ class WorkerSlot:
 
     Its estimates, in seconds (``None`` until measured): ``service_time``, the
     time a call costs it (the wait for an answer, counted from the later of the
-    call's sending and the answer before); ``interval``, the spacing of its
-    answers while it is busy; ``rtt``, the round trip of a call sent while it
-    was idle (latency and work).
+    call's sending and the answer before); ``rtt``, the shortest round trip of
+    a call (latency and work, no wait); ``round_trip``, the average round trip
+    over the last window of answers. ``window``: the calls it may have in
+    flight (``None``: ``prefetch_factor``), adapted by
+    :meth:`rpcdl.scheduling_policy.SchedulingPolicy.observe`.
     """
 
     __slots__ = (
         "address",
+        "answers",
         "failure",
         "in_flight",
         "index",
-        "interval",
         "last_done",
         "last_sent",
         "probe_at",
         "probe_delay",
+        "round_trip",
+        "round_trips",
         "rtt",
         "served",
         "service_time",
         "state",
+        "window",
+        "window_filled",
     )  # fmt: skip
 
     def __init__(self, address: str, index: int):
@@ -55,8 +61,12 @@ class WorkerSlot:
         self.state = WorkerState.ACTIVE
         self.in_flight: set[_Attempt] = set()
         self.service_time: float | None = None
-        self.interval: float | None = None
         self.rtt: float | None = None
+        self.round_trip: float | None = None
+        self.window: int | None = None
+        self.round_trips = 0.0  # sum of the round trips measured since the window last changed
+        self.answers = 0  # how many
+        self.window_filled = False  # it had a full window of calls in flight since then
         self.last_done = 0.0
         self.last_sent = 0.0
         self.probe_at = 0.0
@@ -86,13 +96,12 @@ class Task:
 
 
 class _Attempt:
-    """One call of a task to a worker; ``sent_idle`` when the worker had no other call in flight."""
+    """One call of a task to a worker."""
 
-    __slots__ = ("events", "future", "live", "sent_at", "sent_idle", "slot", "task")
+    __slots__ = ("events", "future", "live", "sent_at", "slot", "task")
 
     def __init__(self, task: Task, slot: WorkerSlot, sent_at: float, events: queue.SimpleQueue):
         self.task, self.slot, self.sent_at, self.live = task, slot, sent_at, True
-        self.sent_idle = not slot.in_flight
         self.events = events  # the queue of the pass that sent it
         self.future: torch.futures.Future | None = None
 

@@ -14,11 +14,13 @@ Invariants, between any two steps of the thread advancing a pass:
 
 1. A worker is in exactly one :class:`~rpcdl.scheduler_parts.WorkerState`;
    only an ``ACTIVE`` worker is given tasks.
-2. An active worker has at most :meth:`SchedulingPolicy.window` calls in
-   flight, and ``prefetch_factor <= window <= max_window``.
-3. A pass holds at most :meth:`SchedulingPolicy.pass_window` tasks pulled from
-   its source and not handed out (the sum of the active workers' windows), so
-   the client holds at most that many answers: the memory bound.
+2. A worker is sent a call only while it has fewer than its
+   :meth:`SchedulingPolicy.window` in flight, and
+   ``prefetch_factor <= window <= max_window`` (1 until its first answer).
+3. A pass pulls a task from its source only while it holds fewer than
+   :meth:`SchedulingPolicy.pass_window` pulled and not handed out (the active
+   workers' windows together), so the client holds at most
+   ``max_window`` answers per worker: the memory bound.
 4. A task has at most two attempts (its first call and one copy); one answer
    is accepted, later ones are dropped.
 5. A ``DOWN`` worker has a probe time; each failed probe doubles its delay, up
@@ -30,7 +32,6 @@ Invariants, between any two steps of the thread advancing a pass:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from .errors import is_transient
@@ -54,8 +55,8 @@ MAX_PROBE_DELAY = 5.0
 IDLE_WAIT = 0.5
 MAX_WINDOW_FACTOR = 4  # the adaptive window grows to at most this times prefetch_factor
 _SERVICE_WEIGHT = 0.5  # weight of a new sample in the service-time average (it follows changes fast)
-_INTERVAL_WEIGHT = 0.2  # answers come in bursts: a slower average keeps their mean spacing
-_WINDOW_SLACK = 0.05  # a round trip within 5 % of k intervals needs k calls, not k + 1
+_GROW_BELOW = 0.75  # calls waiting at a worker whose window was full: fewer, and the window grows by one
+_SHRINK_ABOVE = 1.75  # more, and it shrinks by one
 
 
 def is_worker_failure(exc: BaseException) -> bool:
@@ -93,40 +94,71 @@ class SchedulingPolicy:
     # ------------------------------------------------------------------ windows
 
     def window(self, slot: WorkerSlot) -> int:
-        """How many calls ``slot`` may have in flight: enough to cover its link's bandwidth-delay product.
+        """How many calls ``slot`` may have in flight now (see :meth:`observe` for how it adapts).
 
-        A call sent to an idle worker takes ``rtt`` seconds (network, queues and
-        the work itself); a busy worker answers one every ``interval`` seconds.
-        ``rtt / interval`` calls in flight keep both the worker and the link busy,
-        bounded by ``prefetch_factor`` below and ``max_window`` above.
+        One until its first answer since it (re)joined: that answer pays for
+        setting up the connection, and the next call finds the worker idle,
+        which measures the round trip with no wait.
         """
-        if slot.rtt is None or slot.interval is None:
-            return self.prefetch_factor
-        needed = math.ceil(slot.rtt / max(slot.interval, 1e-9) - _WINDOW_SLACK)
-        return min(max(needed, self.prefetch_factor), self.max_window)
+        if slot.service_time is None:
+            return 1
+        return min(max(slot.window or self.prefetch_factor, self.prefetch_factor), self.max_window)
 
     def pass_window(self, slots: Sequence[WorkerSlot]) -> int:
         """How many tasks a pass may hold pulled and not handed out: the active workers' windows together."""
         return sum(self.window(slot) for slot in active(slots)) or self.prefetch_factor
 
+    def sent(self, slot: WorkerSlot, attempt: _Attempt) -> None:
+        """Record a call sent to ``slot``."""
+        slot.in_flight.add(attempt)
+        slot.last_sent = attempt.sent_at
+        if len(slot.in_flight) >= self.window(slot):
+            slot.window_filled = True
+
     def observe(self, slot: WorkerSlot, attempt: _Attempt, now: float, *, measure_link: bool = True) -> None:
-        """Learn from an answer to ``attempt`` seen at ``now``: service time, answer spacing, round trip.
+        """Learn from an answer to ``attempt`` seen at ``now``: the service time, and the window.
+
+        The window follows the bandwidth-delay product of the worker and its
+        link, as TCP Vegas does: ``rtt`` is the shortest round trip seen (the
+        link's latency and the work, with no wait at the worker). Once per
+        window of answers, the average round trip tells how many calls waited
+        at the worker: ``window * (1 - rtt / average)``. Under one (and the
+        window was full, so it was what limited the worker), the window grows
+        by one; over about two, it shrinks by one. A loopback worker that runs
+        one call at a time keeps one call waiting: its window stays at
+        ``prefetch_factor`` (2 by default); a link with a long round trip, or
+        a worker running calls in parallel, gets more calls in flight. A link
+        that slows down makes calls wait: its window shrinks back.
 
         Args:
             measure_link: whether ``now`` is when the answer arrived. An answer
                 that waited for a busy consumer says nothing of the link: it
-                updates the service time only (it would inflate the window).
+                updates the service time only. The first answer since the
+                worker (re)joined is not measured either: it paid for setting
+                up the connection.
         """
-        busy = slot.last_done > attempt.sent_at  # it answered another call while this one waited
+        first = slot.service_time is None
         service = now - max(attempt.sent_at, slot.last_done)
         slot.last_done = now
         slot.service_time = _average(slot.service_time, service, _SERVICE_WEIGHT)
-        if not measure_link:
+        if not measure_link or first:
             return
-        if busy:
-            slot.interval = _average(slot.interval, service, _INTERVAL_WEIGHT)
-        if attempt.sent_idle:
-            slot.rtt = _average(slot.rtt, now - attempt.sent_at, _SERVICE_WEIGHT)
+        round_trip = now - attempt.sent_at
+        slot.rtt = round_trip if slot.rtt is None else min(slot.rtt, round_trip)
+        slot.round_trips += round_trip
+        slot.answers += 1
+        window = self.window(slot)
+        if slot.answers < window:
+            return
+        slot.round_trip = slot.round_trips / slot.answers
+        waiting = window * (1.0 - slot.rtt / slot.round_trip) if slot.round_trip > 0 else 0.0
+        if waiting < _GROW_BELOW and slot.window_filled:
+            window += 1
+        elif waiting > _SHRINK_ABOVE:
+            window -= 1
+        slot.window = min(max(window, self.prefetch_factor), self.max_window)
+        slot.round_trips, slot.answers = 0.0, 0
+        slot.window_filled = len(slot.in_flight) >= slot.window
 
     # ------------------------------------------------------------------ choosing a worker
 
@@ -225,8 +257,9 @@ class SchedulingPolicy:
         if failure is None:
             slot.state = WorkerState.ACTIVE
             slot.probe_delay = FIRST_PROBE_DELAY
-            slot.service_time = slot.interval = slot.rtt = None
             slot.last_done = 0.0
+            slot.service_time = slot.rtt = slot.round_trip = slot.window = None
+            slot.round_trips, slot.answers, slot.window_filled = 0.0, 0, False
         else:
             slot.failure = failure
             if is_transient(failure):

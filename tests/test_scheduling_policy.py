@@ -56,43 +56,61 @@ class Calls:
 
 def _send(policy: SchedulingPolicy, slot: WorkerSlot, now: float) -> _Attempt:
     attempt = _Attempt(Task(0, None), slot, now, queue.SimpleQueue())
-    slot.in_flight.add(attempt)
-    slot.last_sent = now
+    policy.sent(slot, attempt)
     return attempt
 
 
-def _simulate(policy: SchedulingPolicy, durations: dict[str, float], tasks: int) -> dict[str, int]:
-    """Run ``tasks`` tasks on serial workers taking ``durations`` seconds each; return tasks per worker."""
-    slots = [WorkerSlot(address, index) for index, address in enumerate(durations)]
-    free_at = dict.fromkeys(durations, 0.0)
-    done: list[tuple[float, int, _Attempt]] = []
-    order = itertools.count()
-    served = dict.fromkeys(durations, 0)
-    now, left = 0.0, tasks
-    while left or done:
-        slot = policy.pick(slots, now) if left else None
-        if slot is not None:
-            attempt = _send(policy, slot, now)
-            free_at[slot.address] = max(now, free_at[slot.address]) + durations[slot.address]
-            heapq.heappush(done, (free_at[slot.address], next(order), attempt))
-            left -= 1
-            continue
-        # Nothing to send: wait for the next answer, or a trial falls due (the pass wakes at least this often).
-        now = min(done[0][0], now + policy.wait_time(slots, now, awaiting_head=True)) if done else now + 0.01
-        while done and done[0][0] <= now:
-            _, _, attempt = heapq.heappop(done)
-            attempt.slot.in_flight.discard(attempt)
-            policy.observe(attempt.slot, attempt, now)
-            served[attempt.slot.address] += 1
-    return served
+class Simulation:
+    """Workers as queues: each runs ``parallel`` calls at once, ``service`` seconds each, behind a link of
+    ``latency`` seconds there and back. The policy picks the workers; the pass wakes as the scheduler does."""
+
+    def __init__(self, policy: SchedulingPolicy, workers: dict[str, tuple[float, float, int]]):
+        self.policy, self.workers = policy, dict(workers)
+        self.slots = [WorkerSlot(address, index) for index, address in enumerate(workers)]
+        self.free_at = {address: [0.0] * parallel for address, (_, _, parallel) in workers.items()}
+        self.answers: list[tuple[float, int, _Attempt]] = []
+        self.order = itertools.count()
+        self.served = dict.fromkeys(workers, 0)
+        self.most_in_flight = dict.fromkeys(workers, 0)
+        self.now = 0.0
+
+    def run(self, tasks: int) -> None:
+        while tasks or self.answers:
+            slot = self.policy.pick(self.slots, self.now) if tasks else None
+            if slot is not None:
+                self._send(slot)
+                tasks -= 1
+                continue
+            wake = self.now + self.policy.wait_time(self.slots, self.now, awaiting_head=True)
+            self.now = min(self.answers[0][0], wake) if self.answers else wake
+            while self.answers and self.answers[0][0] <= self.now:
+                _, _, attempt = heapq.heappop(self.answers)
+                attempt.slot.in_flight.discard(attempt)
+                self.policy.observe(attempt.slot, attempt, self.now)
+                self.served[attempt.slot.address] += 1
+
+    def _send(self, slot: WorkerSlot) -> None:
+        service, latency, _ = self.workers[slot.address]
+        attempt = _send(self.policy, slot, self.now)
+        servers = self.free_at[slot.address]
+        start = max(self.now + latency / 2, heapq.heappop(servers))
+        heapq.heappush(servers, start + service)
+        heapq.heappush(self.answers, (start + service + latency / 2, next(self.order), attempt))
+        self.most_in_flight[slot.address] = max(self.most_in_flight[slot.address], len(slot.in_flight))
+
+    def window(self, address: str) -> int:
+        return self.policy.window(next(slot for slot in self.slots if slot.address == address))
 
 
 # ---------------------------------------------------------------------------- a straggler
 
 
 def test_straggler_gets_fewer_tasks_and_the_fast_worker_is_preferred():
-    policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
-    served = _simulate(policy, {"fast:1": 0.01, "slow:2": 0.2}, tasks=200)
+    simulation = Simulation(
+        SchedulingPolicy(prefetch_factor=2, timeout=30.0), {"fast:1": (0.01, 0, 1), "slow:2": (0.2, 0, 1)}
+    )
+    simulation.run(200)
+    served = simulation.served
     assert sum(served.values()) == 200
     assert served["fast:1"] > 5 * served["slow:2"]
     assert served["slow:2"] >= 1  # tried, not forgotten
@@ -265,66 +283,88 @@ def test_none_left_watch_resets_when_one_comes_back_and_gives_up_at_once_when_no
 # ---------------------------------------------------------------------------- the adaptive window
 
 
-def _measure(policy: SchedulingPolicy, slot: WorkerSlot, rtt: float, interval: float) -> None:
-    """An idle call answered after ``rtt``, then a busy stretch with answers ``interval`` apart."""
-    now = 0.0
-    idle = _send(policy, slot, now)
-    pipelined = [_send(policy, slot, now) for _ in range(20)]
-    slot.in_flight.clear()
-    now += rtt
-    policy.observe(slot, idle, now)
-    for attempt in pipelined:
-        now += interval
-        policy.observe(slot, attempt, now)
+@pytest.mark.parametrize(
+    ("service", "latency", "parallel", "windows"),
+    [
+        (0.01, 0.0, 1, {2}),  # loopback, one call at a time: one runs, one waits, the worker never idles
+        (0.01, 0.08, 1, {9, 10, 11}),  # the round trip covers 9 service times
+        (0.04, 0.0, 4, {4, 5, 6}),  # four calls run at once
+    ],
+)
+def test_window_follows_the_bandwidth_delay_product_within_the_bound(service, latency, parallel, windows):
+    policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0, max_window=16)
+    workers = {f"w{index}:1": (service, latency, parallel) for index in range(2)}
+    simulation = Simulation(policy, workers)
+    assert [policy.window(slot) for slot in simulation.slots] == [1, 1]  # until the first answer
+    simulation.run(2000)
+    assert {simulation.window(address) for address in workers} <= windows
+    assert all(most <= 16 for most in simulation.most_in_flight.values())
 
 
-def test_long_latency_link_gets_a_larger_window_than_loopback_within_the_bound():
+def test_window_is_capped_and_shrinks_when_the_link_slows_down():
     policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
-    loopback, remote = WorkerSlot("127.0.0.1:1", 0), WorkerSlot("10.0.0.2:1", 1)
-    assert policy.window(loopback) == 2  # not measured yet: prefetch_factor
-    _measure(policy, loopback, rtt=0.0105, interval=0.01)
-    _measure(policy, remote, rtt=0.05, interval=0.01)
-    assert policy.window(loopback) == 2
-    assert policy.window(remote) == 5
-    assert policy.pass_window([loopback, remote]) == 7
-    far = WorkerSlot("10.0.0.3:1", 2)
-    _measure(policy, far, rtt=1.0, interval=0.001)
-    assert policy.window(far) == policy.max_window == 8  # 4 * prefetch_factor at most
-    far.state = WorkerState.DOWN
-    assert policy.pass_window([loopback, remote, far]) == 7  # only active workers count
+    simulation = Simulation(policy, {"remote:1": (0.01, 0.5, 1)})
+    simulation.run(500)
+    assert simulation.window("remote:1") == policy.max_window == 8  # 4 * prefetch_factor at most
+    assert simulation.most_in_flight["remote:1"] <= 8
+    simulation.workers["remote:1"] = (0.5, 0.5, 1)  # now the worker is the bottleneck: calls wait there
+    simulation.run(40)
+    assert simulation.window("remote:1") <= 3
+    assert policy.pass_window(simulation.slots) == simulation.window("remote:1")
+    simulation.slots[0].state = WorkerState.DOWN
+    assert policy.pass_window(simulation.slots) == 2  # none active: prefetch_factor
 
 
 def test_window_stays_between_prefetch_factor_and_its_maximum():
     policy = SchedulingPolicy(prefetch_factor=3, timeout=30.0, max_window=10)
     slot = WorkerSlot("w0:1", 0)
-    for rtt in (0.0, 1e-6, 0.001, 0.1, 10.0):
-        for interval in (0.0, 1e-6, 0.001, 0.1, 10.0):
-            slot.rtt, slot.interval = rtt, interval
-            assert 3 <= policy.window(slot) <= 10
+    assert policy.window(slot) == 1  # not measured yet: one call, to measure the round trip with no wait
+    slot.service_time = 0.01
+    for window in (None, 0, 1, 3, 7, 10, 11, 100):
+        slot.window = window
+        assert 3 <= policy.window(slot) <= 10
 
 
-def test_answers_read_late_do_not_grow_the_window():
+def test_answers_read_late_do_not_change_the_window():
     policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
     slot = WorkerSlot("w0:1", 0)
-    attempt = _send(policy, slot, 0.0)
+    first = _send(policy, slot, 0.0)
     slot.in_flight.clear()
-    policy.observe(slot, attempt, 5.0, measure_link=False)  # the consumer was busy for 5 s
-    assert (slot.rtt, slot.interval, slot.service_time) == (None, None, 5.0)
+    policy.observe(slot, first, 0.01)
+    assert slot.rtt is None  # the first answer paid for the connection's set-up
+    attempts = [_send(policy, slot, 0.01) for _ in range(2)]
+    slot.in_flight.clear()
+    for attempt in attempts:
+        policy.observe(slot, attempt, 5.0, measure_link=False)  # the consumer was busy for 5 s
+    assert (slot.rtt, slot.round_trip, slot.window) == (None, None, None)
     assert policy.window(slot) == 2
+    late = _send(policy, slot, 5.0)
+    slot.in_flight.clear()
+    policy.observe(slot, late, 5.02)  # read as it came: measured
+    assert slot.rtt == pytest.approx(0.02)
 
 
 def test_pass_holds_at_most_the_windows_and_windows_are_visible():
     clock, calls = Clock(), Calls()
     pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=2, timeout=30.0, clock=clock)
-    _measure(pool.policy, pool.slots[1], rtt=0.05, interval=0.01)  # a long link: window 5
+    local, remote = pool.slots
+    local.service_time = 0.01
+    remote.window, remote.rtt, remote.round_trip, remote.service_time = 5, 0.05, 0.06, 0.01  # as measured
     dispatch = pool.start(iter(range(100)), calls)
     dispatch._dispatch()
     assert len(dispatch._outstanding) == 7
     assert sorted(address for _, address in calls.where()) == ["w0:1"] * 2 + ["w1:2"] * 5
     windows = pool.windows()
     assert windows["w0:1"] == {
-        "state": "active", "in_flight": 2, "window": 2, "service_time": None, "interval": None, "rtt": None
+        "state": "active", "in_flight": 2, "window": 2, "service_time": 0.01, "rtt": None, "round_trip": None
     }  # fmt: skip
-    assert windows["w1:2"]["window"] == 5 and windows["w1:2"]["in_flight"] == 5
-    assert windows["w1:2"]["rtt"] == pytest.approx(0.05)
+    assert windows["w1:2"] == {
+        "state": "active", "in_flight": 5, "window": 5, "service_time": 0.01, "rtt": 0.05, "round_trip": 0.06
+    }  # fmt: skip
+    for payload, _, future in calls.sent:
+        future.set_result(payload)
+    assert next(dispatch).value == 0
+    dispatch._handle_events(wait=False)
+    dispatch._dispatch()
+    assert len(dispatch._outstanding) == 7  # answers not handed out count: nothing more is pulled
     dispatch.close()
