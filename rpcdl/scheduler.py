@@ -164,7 +164,7 @@ class WorkerPool:
 
 
 class Dispatch(Iterator[Task]):
-    """One pass: an iterator of finished :class:`Task` objects (see the module)."""
+    """One pass: an iterator of finished :class:`~rpcdl.scheduler_parts.Task` objects (see the module)."""
 
     def __init__(self, pool: WorkerPool, source: Iterator[Any], call: Call, in_order: bool):
         self.pool = pool

@@ -17,6 +17,8 @@ FIRST_PROBE_DELAY = 0.2
 
 
 class WorkerState(enum.Enum):
+    """What a worker is to the scheduler."""
+
     ACTIVE = "active"
     DOWN = "down"  # failed; revived when its probe is due
     PROBING = "probing"  # a revival is in flight

@@ -24,7 +24,7 @@ Invariants, between any two steps of the thread advancing a pass:
 4. A task has at most two attempts (its first call and one copy); one answer
    is accepted, later ones are dropped.
 5. A ``DOWN`` worker has a probe time; each failed probe doubles its delay, up
-   to :data:`MAX_PROBE_DELAY`; rejoining resets it and the worker's estimates.
+   to ``MAX_PROBE_DELAY`` (5 s); rejoining resets it and the worker's estimates.
 6. An ``EXCLUDED`` worker (a deterministic failure) never comes back.
 7. "No worker left" is decided only when none is active, and either none can
    come back or ``timeout`` seconds have passed since one was.
