@@ -55,8 +55,9 @@ MAX_PROBE_DELAY = 5.0
 IDLE_WAIT = 0.5
 MAX_WINDOW_FACTOR = 4  # the adaptive window grows to at most this times prefetch_factor
 _SERVICE_WEIGHT = 0.5  # weight of a new sample in the service-time average (it follows changes fast)
-_GROW_BELOW = 0.75  # calls waiting at a worker whose window was full: fewer, and the window grows by one
-_SHRINK_ABOVE = 1.75  # more, and it shrinks by one
+_GROW_BELOW = 0.5  # calls waiting at a worker whose window was full: fewer, and the window grows by one
+_LEAVE_FLOOR_BELOW = 0.25  # the same, to grow past prefetch_factor: round trips on loopback are noisy
+_SHRINK_ABOVE = 1.5  # more, and it shrinks by one
 
 
 def is_worker_failure(exc: BaseException) -> bool:
@@ -122,10 +123,13 @@ class SchedulingPolicy:
         link, as TCP Vegas does: ``rtt`` is the shortest round trip seen (the
         link's latency and the work, with no wait at the worker). Once per
         window of answers, the average round trip tells how many calls waited
-        at the worker: ``window * (1 - rtt / average)``. Under one (and the
-        window was full, so it was what limited the worker), the window grows
-        by one; over about two, it shrinks by one. A loopback worker that runs
-        one call at a time keeps one call waiting: its window stays at
+        at the worker: ``window * (1 - rtt / average)``. Under half a call
+        (and the window was full, so it was what limited the worker), the
+        window grows by one; over one and a half, it shrinks by one. To grow
+        past ``prefetch_factor`` it takes under a quarter of a call: round
+        trips on loopback are noisy, and the client's memory bound stays
+        ``prefetch_factor`` per worker there. A loopback worker that runs one
+        call at a time keeps one call waiting: its window stays at
         ``prefetch_factor`` (2 by default); a link with a long round trip, or
         a worker running calls in parallel, gets more calls in flight. A link
         that slows down makes calls wait: its window shrinks back.
@@ -152,7 +156,7 @@ class SchedulingPolicy:
             return
         slot.round_trip = slot.round_trips / slot.answers
         waiting = window * (1.0 - slot.rtt / slot.round_trip) if slot.round_trip > 0 else 0.0
-        if waiting < _GROW_BELOW and slot.window_filled:
+        if slot.window_filled and waiting < (_GROW_BELOW if window > self.prefetch_factor else _LEAVE_FLOOR_BELOW):
             window += 1
         elif waiting > _SHRINK_ABOVE:
             window -= 1
