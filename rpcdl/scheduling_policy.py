@@ -8,7 +8,8 @@ clock), so the policy can be driven by hand. The policy updates the records it
 is given (:class:`~rpcdl.scheduler_parts.WorkerSlot` holds a worker's state,
 estimates and probe schedule) and returns decisions: which worker, which task
 to copy where, which calls to retry, which probes are due, whether no worker
-is left and what to report.
+is left and what to report. Threading: it is called by the thread advancing a
+pass (see :mod:`rpcdl.scheduler`), holds no lock and starts no thread.
 
 Invariants, between any two steps of the thread advancing a pass:
 
@@ -21,8 +22,9 @@ Invariants, between any two steps of the thread advancing a pass:
    :meth:`SchedulingPolicy.pass_window` pulled and not handed out (the active
    workers' windows together), so the client holds at most
    ``max_window`` answers per worker: the memory bound.
-4. A task has at most two attempts (its first call and one copy); one answer
-   is accepted, later ones are dropped.
+4. A task has at most two live calls (one and a copy; a failed call is
+   retried only when none is live); one answer is accepted, later ones are
+   dropped.
 5. A ``DOWN`` worker has a probe time; each failed probe doubles its delay, up
    to ``MAX_PROBE_DELAY`` (5 s); rejoining resets it and the worker's estimates.
 6. An ``EXCLUDED`` worker (a deterministic failure) never comes back.
