@@ -81,7 +81,9 @@ class RPCDataloader:
             for, and the loader waits 120 s for a worker to come back. The
             dataset's build on the workers has its own timeout
             (``RPCDataset(..., rpcdl_timeout=)``).
-        prefetch_factor: batches in flight or ready per worker.
+        prefetch_factor: batches in flight or ready per worker, at least; a
+            worker whose link has a long round trip gets more, up to 4 times
+            as many (see :meth:`worker_windows`).
         in_order: yield batches in sampler order (``True``) or as they come.
         generator: random generator of the default ``RandomSampler``.
         seed: when set, the random generators of the workers are seeded from
@@ -222,6 +224,15 @@ class RPCDataloader:
     def worker_states(self) -> dict[str, str]:
         """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
         return self._pool.states()
+
+    def worker_windows(self) -> dict[str, dict[str, Any]]:
+        """Per worker: ``state``, calls ``in_flight``, its ``window`` (calls it may have in flight: from
+        ``prefetch_factor`` to 4 times it, to cover its link's round trip) and, in seconds (``None`` until
+        measured), its ``service_time``, shortest round trip ``rtt`` and recent average ``round_trip``.
+
+        Example: ``loader.worker_windows()["127.0.0.1:6543"]["window"]`` gives ``2`` on loopback.
+        """
+        return self._pool.windows()
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``.

@@ -5,10 +5,11 @@ A :class:`WorkerPool` keeps what a client knows of its workers across passes
 schedule. A :class:`Dispatch` is one pass over a source of payloads:
 
 - each payload goes to the worker expected to finish it first (its calls in
-  flight times its service time), at most ``prefetch_factor`` calls per worker,
-  never to a worker much slower than the best one could be;
-- at most ``prefetch_factor`` payloads per active worker are in flight or done
-  and not yet handed out;
+  flight times its service time), at most its window of calls in flight (at
+  least ``prefetch_factor``, more on a link with a long round trip), never to
+  a worker much slower than the best one could be;
+- at most the active workers' windows together are in flight or done and not
+  yet handed out;
 - finished tasks are handed out in source order (or as they complete); when
   the task the consumer waits for is late, a copy goes to another worker and
   the first answer wins;
@@ -28,6 +29,10 @@ finished calls free their workers' slots whichever pass notices them. The
 consumer reads the answers to its calls itself while it waits (see
 :func:`rpcdl.client.answers_read_here`), which saves two thread switches per
 answer; large answers are read by the connections' threads, in parallel.
+
+The decisions (which worker, which copy, who is taken out, which probe is due,
+whether none is left) are :mod:`rpcdl.scheduling_policy`'s, plain functions of
+the records and the time of the pool's ``clock``; this module does the I/O.
 """
 
 from __future__ import annotations
@@ -44,21 +49,17 @@ from typing import Any
 import torch
 
 from .client import answers_read_here, ping_async, read_answers, read_in_background, sent_together
-from .errors import RPCDLError, WorkerTimeout, is_transient
+from .errors import RPCDLError, WorkerTimeout
 from .held import outside_held_blocks
 from .rref import RRefNotFound
-from .scheduler_parts import _FIRST_PROBE_DELAY, Call, Revive, Task, WorkerSlot, WorkerState, _Attempt
+from .scheduler_parts import Call, Revive, Task, WorkerSlot, WorkerState, _Attempt
+from .scheduling_policy import AllDownWatch, SchedulingPolicy, active, is_worker_failure
 
 __all__ = ["Call", "Dispatch", "NoWorkersLeft", "Revive", "Task", "WorkerPool", "WorkerSlot", "WorkerState"]
 
 log = logging.getLogger("rpcdl.scheduler")
 
-_HEDGE_FACTOR = 3.0  # a head task older than this many service times gets a copy elsewhere
-_SLOW_FACTOR = 2.0  # a worker expected to finish later than this times the best is passed over
-_MIN_HEDGE_AGE = 0.05
 _PROBE_TIMEOUT = 10.0
-_MAX_PROBE_DELAY = 5.0
-_IDLE_WAIT = 0.5
 
 
 class NoWorkersLeft(RPCDLError, RuntimeError):
@@ -70,13 +71,17 @@ class WorkerPool:
 
     Args:
         workers: worker addresses.
-        prefetch_factor: calls in flight per worker (and tasks not handed out
-            yet per active worker).
+        prefetch_factor: calls in flight per worker at least (and tasks not
+            handed out yet per active worker); a worker whose link needs more
+            to stay busy gets more, up to ``max_window``
+            (see :meth:`SchedulingPolicy.window <rpcdl.scheduling_policy.SchedulingPolicy.window>`).
         timeout: seconds a call may take before its task goes elsewhere; also
             how long to wait for a worker when none is left.
         revive: makes a failed worker usable again (default: a ping).
         forget: called with a worker's address when it lost its state (it
             restarted): the owner of that state drops its references.
+        max_window: calls in flight per worker at most (default: ``4 * prefetch_factor``).
+        clock: the time in seconds, monotonic (injected so that tests drive it).
     """
 
     def __init__(
@@ -87,10 +92,14 @@ class WorkerPool:
         timeout: float,
         revive: Revive | None = None,
         forget: Callable[[str], None] | None = None,
+        max_window: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.slots = [WorkerSlot(address, index) for index, address in enumerate(workers)]
         self.prefetch_factor = prefetch_factor
         self.timeout = float(timeout)
+        self.policy = SchedulingPolicy(prefetch_factor=prefetch_factor, timeout=self.timeout, max_window=max_window)
+        self.clock = clock
         self.revive = revive or (lambda slot: ping_async(slot.address, timeout=min(self.timeout, _PROBE_TIMEOUT)))
         self.forget = forget or (lambda address: None)
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # probes: one may end in a later pass
@@ -106,17 +115,31 @@ class WorkerPool:
         return {slot.address: slot.state.value for slot in self.slots}
 
     def active(self) -> list[WorkerSlot]:
-        return [slot for slot in self.slots if slot.state == WorkerState.ACTIVE]
+        """The workers that may be given tasks."""
+        return active(self.slots)
+
+    def windows(self) -> dict[str, dict[str, Any]]:
+        """Each worker's scheduling state: ``state``, calls ``in_flight`` (all passes), the ``window`` of calls
+        it may have in flight, and, in seconds (``None`` until measured), its ``service_time``, its shortest
+        round trip ``rtt`` and its average ``round_trip`` over the last window of answers."""
+        return {
+            slot.address: {
+                "state": slot.state.value,
+                "in_flight": len(slot.in_flight),
+                "window": self.policy.window(slot),
+                "service_time": slot.service_time,
+                "rtt": slot.rtt,
+                "round_trip": slot.round_trip,
+            }
+            for slot in self.slots
+        }
 
     def start(self, source: Iterator[Any], call: Call, *, in_order: bool = True) -> Dispatch:
         """Begin a pass over ``source``; iterate the result for finished tasks.
 
         Passes already open go on independently (close them to stop them).
         """
-        now = time.monotonic()
-        for slot in self.slots:
-            if slot.state == WorkerState.DOWN:
-                slot.probe_at = now
+        self.policy.probe_all_down_now(self.slots, self.clock())
         dispatch = Dispatch(self, source, call, in_order)
         self._passes.add(dispatch)
         return dispatch
@@ -142,7 +165,7 @@ class WorkerPool:
 
 
 class Dispatch(Iterator[Task]):
-    """One pass: an iterator of finished :class:`Task` objects (see the module)."""
+    """One pass: an iterator of finished :class:`~rpcdl.scheduler_parts.Task` objects (see the module)."""
 
     def __init__(self, pool: WorkerPool, source: Iterator[Any], call: Call, in_order: bool):
         self.pool = pool
@@ -156,7 +179,7 @@ class Dispatch(Iterator[Task]):
         self._outstanding: dict[int, Task] = {}  # pulled, not handed out
         self._waiting: collections.deque[Task] = collections.deque()  # to (re)send, oldest first
         self._finished: collections.deque[Task] = collections.deque()  # in completion order
-        self._all_down_since: float | None = None
+        self._all_down = AllDownWatch(pool.timeout)
 
     def __next__(self) -> Task:
         if self.closed:
@@ -214,26 +237,10 @@ class Dispatch(Iterator[Task]):
     # ------------------------------------------------------------------ dispatch
 
     def _window(self) -> int:
-        return self.pool.prefetch_factor * max(len(self.pool.active()), 1)
+        return self.pool.policy.pass_window(self.pool.slots)
 
-    def _default_service_time(self) -> float:
-        times = [slot.service_time for slot in self.pool.slots if slot.service_time is not None]
-        return min(times) if times else 1.0
-
-    def _pick(self, exclude: WorkerSlot | None = None) -> WorkerSlot | None:
-        """The active worker expected to finish a new task first, unless it is much slower than the best."""
-        candidates = [slot for slot in self.pool.active() if slot is not exclude]
-        if not candidates:
-            return None
-        default = self._default_service_time()
-        best_possible = min(slot.expected_done(default) for slot in candidates)
-        free = [slot for slot in candidates if len(slot.in_flight) < self.pool.prefetch_factor]
-        if not free:
-            return None
-        chosen = min(free, key=lambda slot: (slot.expected_done(default), len(slot.in_flight), slot.index))
-        if chosen.expected_done(default) > _SLOW_FACTOR * best_possible and not chosen.due_for_trial(time.monotonic()):
-            return None  # better to wait for a faster worker
-        return chosen
+    def _pick(self) -> WorkerSlot | None:
+        return self.pool.policy.pick(self.pool.slots, self.pool.clock())
 
     def _dispatch(self) -> None:
         copy = self._hedge()
@@ -264,11 +271,11 @@ class Dispatch(Iterator[Task]):
             self._send(self._waiting.popleft(), slot)
 
     def _send(self, task: Task, slot: WorkerSlot) -> None:
-        attempt = _Attempt(task, slot, time.monotonic(), self.events)
+        attempt = _Attempt(task, slot, self.pool.clock(), self.events)
         try:
             future = self._call(task, slot)
         except Exception as exc:
-            if _worker_failure(exc):
+            if is_worker_failure(exc):
                 self._waiting.appendleft(task)
                 self._mark_down(slot, exc)
             else:  # the payload cannot be sent: the error is its result
@@ -276,43 +283,23 @@ class Dispatch(Iterator[Task]):
             return
         attempt.future = future
         task.attempts.append(attempt)
-        slot.in_flight.add(attempt)
-        slot.last_sent = attempt.sent_at
+        self.pool.policy.sent(slot, attempt)
         # Not self: a dropped pass is collected (and closed) while its calls run.
         future.add_done_callback(lambda done: attempt.events.put(("result", attempt, done)))
 
     def _hedge(self) -> tuple[Task, WorkerSlot] | None:
-        """The task the consumer waits for and another worker to send a copy to, when it is late on
-        its worker or another is expected to finish it much sooner (a slow worker's trial task)."""
+        """The task the consumer waits for and another worker to send a copy to, if it needs one."""
         if not self.in_order or not self._outstanding:
             return None
         head = self._head()
-        live = [attempt for attempt in head.attempts if attempt.live]
-        if head.done or len(live) != 1 or len(head.attempts) > 2:
-            return None
-        attempt = live[0]
-        default = self._default_service_time()
-        age = time.monotonic() - attempt.sent_at
-        late = age >= max(_HEDGE_FACTOR * default, _MIN_HEDGE_AGE)
-        remaining_here = (attempt.slot.service_time or default) - age
-        if not late and remaining_here <= _SLOW_FACTOR * default:
-            return None
-        slot = self._pick(exclude=attempt.slot)
-        if slot is not None and (late or remaining_here > _SLOW_FACTOR * slot.expected_done(default)):
-            return head, slot
-        return None
+        slot = self.pool.policy.hedge(head, self.pool.slots, self.pool.clock())
+        return None if slot is None else (head, slot)
 
     # ------------------------------------------------------------------ events
 
     def _wait_time(self) -> float:
-        now = time.monotonic()
-        deadline = now + _IDLE_WAIT
-        probes = [slot.probe_at for slot in self.pool.slots if slot.state == WorkerState.DOWN]
-        if probes:
-            deadline = min(deadline, min(probes))
-        if self.in_order and self._outstanding:
-            deadline = min(deadline, now + max(_MIN_HEDGE_AGE, self._default_service_time()))
-        return max(0.0, deadline - now)
+        awaiting_head = self.in_order and bool(self._outstanding)
+        return self.pool.policy.wait_time(self.pool.slots, self.pool.clock(), awaiting_head)
 
     def _handle_events(self, wait: bool = True) -> None:
         in_flight = [attempt.future for slot in self.pool.slots for attempt in slot.in_flight]
@@ -326,7 +313,7 @@ class Dispatch(Iterator[Task]):
         while event is not None:
             kind, subject, future = event
             if kind == "result":
-                self._on_result(subject, future)
+                self._on_result(subject, future, arrived_now=wait)
             elif kind == "retry":  # another pass took the worker of this task out
                 self._retry(subject)
                 self._waiting = collections.deque(sorted(self._waiting, key=lambda task: task.seq))
@@ -343,25 +330,25 @@ class Dispatch(Iterator[Task]):
         self.pool.release_answered(self.events)
         self._check_no_workers()
 
-    def _on_result(self, attempt: _Attempt, future: torch.futures.Future) -> None:
+    def _on_result(self, attempt: _Attempt, future: torch.futures.Future, arrived_now: bool = True) -> None:
         slot, task = attempt.slot, attempt.task
         slot.in_flight.discard(attempt)
         try:
             value = future.wait()
         except Exception as exc:
             if not attempt.live or task.done:
-                if _worker_failure(exc) and slot.state == WorkerState.ACTIVE:
+                if is_worker_failure(exc) and slot.state == WorkerState.ACTIVE:
                     self._mark_down(slot, exc)  # a copy elsewhere saved the task, yet this worker failed
                 return
             attempt.live = False
-            if not _worker_failure(exc):
+            if not is_worker_failure(exc):
                 self._finish(task, slot, error=exc)
                 return
             if slot.state == WorkerState.ACTIVE:  # else another pass took it out already
                 self._mark_down(slot, exc)
             if isinstance(exc, WorkerTimeout):
                 task.timeouts += 1
-                if task.timeouts >= sum(s.state != WorkerState.EXCLUDED for s in self.pool.slots):
+                if self.pool.policy.gives_up(task, self.pool.slots):
                     exc.add_note(
                         f"task {task.seq} timed out on {task.timeouts} workers: it takes longer than "
                         f"timeout={self.pool.timeout:g}s; raise the timeout"
@@ -370,7 +357,7 @@ class Dispatch(Iterator[Task]):
                     return
             self._retry(task)
             return
-        slot.observe(attempt, time.monotonic())
+        self.pool.policy.observe(slot, attempt, self.pool.clock(), measure_link=arrived_now)
         if attempt.live and not task.done and not self.closed:
             slot.served += 1
             self._finish(task, slot, value=value)
@@ -396,27 +383,17 @@ class Dispatch(Iterator[Task]):
             log.warning("worker %s left: %s", slot.address, exc)
         if isinstance(exc, RRefNotFound):
             self.pool.forget(slot.address)
-        slot.state = WorkerState.DOWN
-        slot.failure = exc
-        slot.probe_at = time.monotonic() + slot.probe_delay
-        slot.probe_delay = min(slot.probe_delay * 2, _MAX_PROBE_DELAY)
-        for attempt in list(slot.in_flight):
-            attempt.live = False
+        for attempt in self.pool.policy.take_down(slot, exc, self.pool.clock()):
             if attempt.events is self.events:
                 self._retry(attempt.task)
             else:
                 attempt.events.put(("retry", attempt.task, None))
-        slot.in_flight.clear()
         self._waiting = collections.deque(sorted(self._waiting, key=lambda task: task.seq))
 
     # ------------------------------------------------------------------ revival
 
     def _probe_due(self) -> None:
-        now = time.monotonic()
-        for slot in self.pool.slots:
-            if slot.state != WorkerState.DOWN or slot.probe_at > now:
-                continue
-            slot.state = WorkerState.PROBING
+        for slot in self.pool.policy.probes_due(self.pool.slots, self.pool.clock()):
             try:
                 future = self.pool.revive(slot)
             except Exception as exc:
@@ -425,41 +402,19 @@ class Dispatch(Iterator[Task]):
             future.add_done_callback(lambda done, slot=slot, pool=self.pool: pool.probe_done(slot, done))
 
     def _on_revived(self, slot: WorkerSlot, future: torch.futures.Future) -> None:
-        if slot.state != WorkerState.PROBING:
-            return
         try:
             future.wait()
+            failure = None
         except Exception as exc:
-            slot.failure = exc
-            if is_transient(exc):
-                slot.state = WorkerState.DOWN
-                slot.probe_at = time.monotonic() + slot.probe_delay
-                slot.probe_delay = min(slot.probe_delay * 2, _MAX_PROBE_DELAY)
-            else:
-                log.error("worker %s is kept out: %s", slot.address, exc)
-                slot.state = WorkerState.EXCLUDED
-            return
-        log.warning("worker %s is back", slot.address)
-        slot.state = WorkerState.ACTIVE
-        slot.probe_delay = _FIRST_PROBE_DELAY
-        slot.service_time = None
-        slot.last_done = 0.0
+            failure = exc
+        state = self.pool.policy.probe_ended(slot, failure, self.pool.clock())
+        if state == WorkerState.ACTIVE:
+            log.warning("worker %s is back", slot.address)
+        elif state == WorkerState.EXCLUDED:
+            log.error("worker %s is kept out: %s", slot.address, failure)
 
     def _check_no_workers(self) -> None:
-        if self.pool.active():
-            self._all_down_since = None
-            return
-        now = time.monotonic()
-        if self._all_down_since is None:
-            self._all_down_since = now
-        recoverable = any(slot.state != WorkerState.EXCLUDED for slot in self.pool.slots)
-        if recoverable and now - self._all_down_since < self.pool.timeout:
-            return
-        self.close()
-        details = "; ".join(f"{slot.address} ({slot.state.value}: {slot.failure})" for slot in self.pool.slots)
-        raise NoWorkersLeft(f"no worker is left (waited {self.pool.timeout:g}s for one to come back): {details}")
-
-
-def _worker_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says the worker failed (rather than the user's code)."""
-    return is_transient(exc) or isinstance(exc, RRefNotFound)
+        message = self._all_down.check(self.pool.slots, self.pool.clock())
+        if message is not None:
+            self.close()
+            raise NoWorkersLeft(message)

@@ -1,6 +1,7 @@
 """What a :class:`~rpcdl.scheduler.WorkerPool` knows of each worker and each task (see :mod:`rpcdl.scheduler`).
 
-Plain records, read and changed only by the thread advancing a pass.
+Plain records, read and changed only by the thread advancing a pass; the
+decisions that change them are :mod:`rpcdl.scheduling_policy`'s.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import Any
 
 import torch
 
-_FIRST_PROBE_DELAY = 0.2
+FIRST_PROBE_DELAY = 0.2
 
 
 class WorkerState(enum.Enum):
+    """What a worker is to the scheduler."""
+
     ACTIVE = "active"
     DOWN = "down"  # failed; revived when its probe is due
     PROBING = "probing"  # a revival is in flight
@@ -23,10 +26,20 @@ class WorkerState(enum.Enum):
 
 
 class WorkerSlot:
-    """What the client knows of one worker."""
+    """What the client knows of one worker.
+
+    Its estimates, in seconds (``None`` until measured): ``service_time``, the
+    time a call costs it (the wait for an answer, counted from the later of the
+    call's sending and the answer before); ``rtt``, the shortest round trip of
+    a call (latency and work, no wait); ``round_trip``, the average round trip
+    over the last window of answers. ``window``: the calls it may have in
+    flight (``None``: ``prefetch_factor``), adapted by
+    :meth:`rpcdl.scheduling_policy.SchedulingPolicy.observe`.
+    """
 
     __slots__ = (
         "address",
+        "answers",
         "failure",
         "in_flight",
         "index",
@@ -34,9 +47,14 @@ class WorkerSlot:
         "last_sent",
         "probe_at",
         "probe_delay",
+        "round_trip",
+        "round_trips",
+        "rtt",
         "served",
         "service_time",
         "state",
+        "window",
+        "window_filled",
     )  # fmt: skip
 
     def __init__(self, address: str, index: int):
@@ -45,25 +63,22 @@ class WorkerSlot:
         self.state = WorkerState.ACTIVE
         self.in_flight: set[_Attempt] = set()
         self.service_time: float | None = None
+        self.rtt: float | None = None
+        self.round_trip: float | None = None
+        self.window: int | None = None
+        self.round_trips = 0.0  # sum of the round trips measured since the window last changed
+        self.answers = 0  # how many
+        self.window_filled = False  # it had a full window of calls in flight since then
         self.last_done = 0.0
         self.last_sent = 0.0
         self.probe_at = 0.0
-        self.probe_delay = _FIRST_PROBE_DELAY
+        self.probe_delay = FIRST_PROBE_DELAY
         self.failure: BaseException | None = None
         self.served = 0
 
     def expected_done(self, default: float) -> float:
         """When a new call sent now would finish, in service times from now."""
         return (len(self.in_flight) + 1) * (self.service_time or default)
-
-    def observe(self, attempt: _Attempt, now: float) -> None:
-        service = now - max(attempt.sent_at, self.last_done)
-        self.last_done = now
-        self.service_time = service if self.service_time is None else 0.5 * (self.service_time + service)
-
-    def due_for_trial(self, now: float) -> bool:
-        """An idle worker passed over as slow gets a task again after idling one service time."""
-        return not self.in_flight and now - max(self.last_done, self.last_sent) > (self.service_time or 0.0)
 
 
 class Task:
@@ -83,6 +98,8 @@ class Task:
 
 
 class _Attempt:
+    """One call of a task to a worker."""
+
     __slots__ = ("events", "future", "live", "sent_at", "slot", "task")
 
     def __init__(self, task: Task, slot: WorkerSlot, sent_at: float, events: queue.SimpleQueue):

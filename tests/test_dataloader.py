@@ -210,6 +210,25 @@ def test_slow_worker_serves_fewer_batches(spawn_workers):
     assert all(slow < served[fast] for fast in workers[1:]), served
 
 
+@pytest.mark.timeout(60)
+def test_worker_windows_show_a_parallel_worker_given_more_calls_in_flight(spawn_workers):
+    serial, parallel = spawn_workers(1)[0], spawn_workers(1, parallel=4)[0]
+    loader = rpcdl.RPCDataloader(
+        rpcdl.RPCDataset([serial, parallel], helpers.RangeDataset, 80, 0.05), prefetch_factor=2
+    )
+    before = loader.worker_windows()
+    assert before[parallel] == {
+        "state": "active", "in_flight": 0, "window": 1, "service_time": None, "rtt": None, "round_trip": None
+    }  # fmt: skip
+    assert indices_of(loader) == list(range(80))
+    windows = loader.worker_windows()
+    assert set(windows) == {serial, parallel}
+    assert all(entry["state"] == "active" and entry["in_flight"] == 0 for entry in windows.values())
+    assert all(2 <= entry["window"] <= 8 for entry in windows.values())  # prefetch_factor to 4 times it
+    assert windows[parallel]["window"] >= 3, windows  # it runs four calls at once: more are sent to it
+    assert windows[parallel]["rtt"] > 0 and windows[parallel]["round_trip"] >= windows[parallel]["rtt"]
+
+
 def _open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
