@@ -139,6 +139,7 @@ class Connection:
         self._large_answers = False  # whether the last answer was large
         self._caller_read_at = 0.0  # when a caller last came to read answers (read_if_ready)
         self._reading = False
+        self._wakes_at = 0.0  # when the connection's thread, asleep in _serve_async_calls, looks again
         self._role_waiters = 0  # threads waiting in _cond for the reading role
         self._queued: list[Frame] = []
         self._releases: collections.deque[int] = collections.deque()
@@ -181,6 +182,8 @@ class Connection:
             if call.background:
                 self._async_pending += 1
                 self._cond.notify_all()
+            elif not call.sync and call.deadline < self._wakes_at:
+                self._cond.notify_all()  # the connection's thread sleeps past this call's deadline
             if not self._ready:
                 self._queued.append(frame)
                 return
@@ -420,6 +423,13 @@ class Connection:
             return
         self._serve_async_calls()
 
+    def _until_next_deadline(self) -> float:
+        """Seconds until the first pending call is overdue, at most the release tick (under ``_cond``)."""
+        if not self._pending:
+            return _RELEASE_TICK
+        first = min(call.deadline for call in self._pending.values())
+        return min(max(first - time.monotonic(), 0.0) + 0.001, _RELEASE_TICK)
+
     def _serve_async_calls(self) -> None:
         """Until closed: read for asynchronous calls (nobody waits in :meth:`wait` for them),
         fail overdue calls, flush RRef releases."""
@@ -431,10 +441,13 @@ class Connection:
                     waits_for_role = self._async_pending > 0
                     watches_caller = any(not call.background and not call.sync for call in self._pending.values())
                     self._role_waiters += waits_for_role
+                    tick = _IDLE_TICK if waits_for_role or watches_caller else self._until_next_deadline()
+                    self._wakes_at = time.monotonic() + tick
                     try:
-                        self._cond.wait(_IDLE_TICK if waits_for_role or watches_caller else _RELEASE_TICK)
+                        self._cond.wait(tick)
                     finally:
                         self._role_waiters -= waits_for_role
+                        self._wakes_at = 0.0
                 if self._closed:
                     return
                 now = time.monotonic()
