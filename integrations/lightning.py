@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from rpcdl.address import check_workers, parse_address
-from rpcdl.checks import check_positive_int, check_timeout
+from rpcdl.checks import check_loader_timeout, check_positive_int
 from rpcdl.dataloader import RPCDataloader
 from rpcdl.dataset import RPCDataset
 from rpcdl.distributed import shard_workers
@@ -218,7 +218,7 @@ class RPCDataModule(pl.LightningDataModule):
         prefetch_factor: batches in flight or ready per worker.
         drop_last: drop the last incomplete training batch.
         timeout: seconds a worker has to deliver a batch before its batches go to
-            the others.
+            the others; ``0``: no timeout, as torch's DataLoader.
         seed: base seed of the shuffle and of the workers' random generators.
             ``None``: the seed of ``seed_everything`` (``$PL_GLOBAL_SEED``), else 0.
         num_local_workers: worker processes to start when no workers are given.
@@ -260,7 +260,7 @@ class RPCDataModule(pl.LightningDataModule):
             isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int) or eval_batch_size < 1
         ):
             raise ValueError(f"eval_batch_size must be a positive integer or None, got {eval_batch_size!r}")
-        check_timeout(timeout)
+        check_loader_timeout(timeout)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an integer or None, got {seed!r}")
         if isinstance(collate_fn, str):

@@ -89,6 +89,9 @@ def test_arguments_are_checked_where_they_are_given():
         RPCDataModule(train_dataset="probe_dataset.Missing")
     with pytest.raises(ValueError, match="class_path"):
         RPCDataModule(train_dataset={"init_args": {"n": 4}})
+    with pytest.raises(ValueError, match="timeout option should be non-negative"):  # torch's DataLoader message
+        RPCDataModule(train_dataset=probe_spec(4), timeout=-1)
+    assert RPCDataModule(train_dataset=probe_spec(4), timeout=0).timeout == 0  # no timeout, as in torch
 
 
 def test_nested_class_paths_in_init_args_are_built_on_the_workers(two_workers):
