@@ -39,7 +39,7 @@ from .connection import _IDLE_TICK, Connection, _Closed, join_connection_threads
 from .dial import connect_grace
 from .errors import WorkerUnavailable
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
-from .rref import RRef, holding_handle, new_uid
+from .rref import RRef, holding_handle, install_rpc_sync, new_uid
 from .security import Token, default_client_tls, resolve_token
 from .serialization import dumps, peer_context
 from .wire import Kind, Limits
@@ -344,6 +344,9 @@ def rpc_sync(
         1
     """
     return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
+
+
+install_rpc_sync(rpc_sync)
 
 
 def remote(

@@ -28,6 +28,26 @@ def new_uid() -> int:
     return secrets.randbits(63) | 1
 
 
+class _Calls:
+    """How an RRef reaches its owner: :mod:`rpcdl.client` installs its ``rpc_sync`` when it loads.
+
+    (The client makes and receives RRefs, so it imports this module; this one
+    must not import the client back.) A remote RRef exists only once a client
+    connection has made or received it, so the client is there to use.
+    """
+
+    def __init__(self) -> None:
+        self.rpc_sync: Any = None
+
+
+_calls = _Calls()
+
+
+def install_rpc_sync(rpc_sync: Any) -> None:
+    """Let RRefs fetch their object with ``rpc_sync`` (called once by :mod:`rpcdl.client`)."""
+    _calls.rpc_sync = rpc_sync
+
+
 class _Entry:
     __slots__ = ("error", "holder", "ready", "released", "value")
 
@@ -212,11 +232,11 @@ class RRef(Generic[T]):
         """Return the object, copied from its worker when it lives on one."""
         if self._handle is None:
             return self._value
-        from .client import rpc_sync
-
+        if _calls.rpc_sync is None:
+            raise RuntimeError("RRef.to_here() needs rpcdl.client: import rpcdl.client first")
         connection = self._handle.connection
         credentials = connection.credentials() if connection is not None else {}
-        return rpc_sync(self._handle.owner, _identity, (self,), timeout=timeout, **credentials)
+        return _calls.rpc_sync(self._handle.owner, _identity, (self,), timeout=timeout, **credentials)
 
     def __repr__(self) -> str:
         if self._handle is None:

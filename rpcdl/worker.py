@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ._lifecycle import ExitPhase, at_exit
 from .address import format_address, is_loopback
 from .checks import check_positive_int, check_timeout

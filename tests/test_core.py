@@ -148,6 +148,13 @@ def test_rref_returned_by_a_worker_stays_there(two_workers):
     assert rpcdl.rpc_sync(two_workers[0], len, (rref,)) == 5
 
 
+def test_an_rref_sent_to_another_worker_is_fetched_there_from_its_owner(two_workers):
+    rref = rpcdl.remote(two_workers[0], torch.arange, (4,))
+    fetched = rpcdl.rpc_sync(two_workers[1], lambda r: (r.owner(), r.to_here()), (rref,))
+    assert fetched[0] == two_workers[0]
+    assert torch.equal(fetched[1], torch.arange(4))
+
+
 def test_remote_error_is_raised_by_to_here(two_workers):
     rref = rpcdl.remote(two_workers[0], int, ("not a number",))
     with pytest.raises(ValueError, match="invalid literal"):
