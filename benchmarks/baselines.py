@@ -18,9 +18,9 @@ import sys
 import warnings
 from typing import Any
 
-from rpcdl.bench.scenarios import Bench
-from rpcdl.bench.systems import LoaderSpec, System
-from rpcdl.bench.workloads import PREFETCH, SLOWDOWN, noop, set_slowdown
+from rpcdl.cli.bench.scenarios import Bench
+from rpcdl.cli.bench.systems import LoaderSpec, System
+from rpcdl.cli.bench.workloads import PREFETCH, SLOWDOWN, noop, set_slowdown
 
 # rpcdataloader's run_worker binds a given port and prints nothing: bind port 0
 # instead (the system picks a free one) and print the address when listening.

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import available
 
-from rpcdl.bench import main
+from rpcdl.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(extra_systems=available()))

@@ -1,7 +1,7 @@
 """Image batches across real links: rpcdl beside rpcdataloader and a raw socket, on the same shaped links.
 
 Two worker hosts, each a network namespace behind its own veth link shaped by
-``tbf`` (see :mod:`rpcdl.bench.cluster`); the trainer is this process. For
+``tbf`` (see :mod:`rpcdl.cli.bench.cluster`); the trainer is this process. For
 each link rate, every system moves the same batches of 64 x uint8[3, 224, 224]
 (random bytes drawn once and reused: incompressible) from both hosts, round
 after round, interleaved; the table gives medians in MB/s and rpcdl's ratio to
@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import rpcdl
-from rpcdl.bench.cluster import Cluster, Host, unavailable
-from rpcdl.bench.pki import make_ca, make_certificate
-from rpcdl.bench.workloads import IMAGE_BATCH, IMAGE_BATCH_BYTES, LENGTH, REQUEST, ImageDataset, recv_exact_into
+from rpcdl.cli.bench.cluster import Cluster, Host, unavailable
+from rpcdl.cli.bench.pki import make_ca, make_certificate
+from rpcdl.cli.bench.workloads import IMAGE_BATCH, IMAGE_BATCH_BYTES, LENGTH, REQUEST, ImageDataset, recv_exact_into
 from rpcdl.local import child_environment, stop_process
 
 TOKEN = "links-benchmark-token"
@@ -47,7 +47,7 @@ rpc._create_server = _create_server
 rpc.run_worker(sys.argv[1], 0)
 """
 
-_SOCKET_PEER = "import sys; from rpcdl.bench.workloads import socket_server; socket_server(sys.argv[1])"
+_SOCKET_PEER = "import sys; from rpcdl.cli.bench.workloads import socket_server; socket_server(sys.argv[1])"
 
 
 def _start(host: Host, command: list[str]) -> str:

@@ -44,7 +44,7 @@ class LocalWorkers(list):
     def _launch(self, port: int = 0) -> tuple[subprocess.Popen, str]:
         process = self._spawn(port)
         try:
-            return process, _read_ready_line(process, self._startup_timeout)
+            return process, read_ready_line(process, self._startup_timeout)
         except BaseException:
             stop_process(process, grace=1.0)
             raise
@@ -54,7 +54,7 @@ class LocalWorkers(list):
         started = [self._spawn() for _ in range(count)]
         self.processes.extend(started)
         for process in started:
-            self.append(_read_ready_line(process, self._startup_timeout))
+            self.append(read_ready_line(process, self._startup_timeout))
         for address in self:
             _ping(address, timeout=self._startup_timeout)
 
@@ -99,7 +99,7 @@ def _ping(address: str, timeout: float) -> None:
     ping(address, timeout=timeout)
 
 
-def _read_ready_line(process: subprocess.Popen, timeout: float) -> str:
+def read_ready_line(process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)

@@ -52,7 +52,7 @@ def _rpcdl_modules() -> list[str]:
 
     names = ["rpcdl"]
     for info in pkgutil.walk_packages(rpcdl.__path__, "rpcdl."):
-        if not info.name.startswith(("rpcdl.bench", "rpcdl.examples", "rpcdl.configs", "rpcdl.__main__")):
+        if not info.name.startswith(("rpcdl.cli.bench", "rpcdl.examples", "rpcdl.configs", "rpcdl.__main__")):
             names.append(info.name)
     return names
 

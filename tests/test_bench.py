@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from rpcdl.bench.report import NOT_JUDGED, TARGETS, Figure, evaluate_targets, format_table, format_targets
-from rpcdl.bench.workloads import RPCDL, SCENARIOS, SOCKET, TORCH
+from rpcdl.cli.bench.report import NOT_JUDGED, TARGETS, Figure, evaluate_targets, format_table, format_targets
+from rpcdl.cli.bench.workloads import RPCDL, SCENARIOS, SOCKET, TORCH
 
 
 def run_bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:

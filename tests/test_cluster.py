@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rpcdl
-from rpcdl.bench.cluster import Cluster, unavailable
+from rpcdl.cli.bench.cluster import Cluster, unavailable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,7 +153,7 @@ def test_a_link_throttled_mid_epoch_is_treated_as_a_straggler(cluster, with_toke
 
 
 def test_tls_across_the_cluster(cluster, with_token, tmp_path, monkeypatch):
-    from rpcdl.bench.pki import make_ca, make_certificate
+    from rpcdl.cli.bench.pki import make_ca, make_certificate
 
     make_ca(tmp_path, "ca")
     host = cluster.hosts[1]

@@ -18,7 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 import rpcdl
 import rpcdl.local
-from rpcdl.bench.workloads import ImageDataset
+from rpcdl.cli.bench.workloads import ImageDataset
 
 
 def indices_of(batches) -> list[int]:

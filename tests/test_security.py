@@ -26,8 +26,8 @@ import torch
 from test_faults import TcpProxy
 
 import rpcdl
-from rpcdl.bench.pki import make_ca, make_certificate
 from rpcdl.cli import main as rpcdl_main
+from rpcdl.cli.bench.pki import make_ca, make_certificate
 from rpcdl.handshake import MAGIC, VERSION, client_handshake
 from rpcdl.security import Token, client_tls_context, server_tls_context
 from rpcdl.wire import Frame, Kind, encode_frame

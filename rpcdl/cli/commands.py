@@ -14,8 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from .cli_args import host_problem, log_level, new_file, port, positive_float, positive_int, worker_address
-from .security import (
+from ..security import (
     TLS_CERT_ENV,
     TLS_KEY_ENV,
     TOKEN_ENV,
@@ -26,6 +25,7 @@ from .security import (
     resolve_token,
     server_tls_context,
 )
+from .args import host_problem, log_level, new_file, port, positive_float, positive_int, worker_address
 
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
@@ -91,7 +91,7 @@ def package_version() -> str:
     try:
         return importlib.metadata.version("rpcdl")
     except importlib.metadata.PackageNotFoundError:
-        from . import __version__
+        from .. import __version__
 
         return __version__
 
@@ -157,7 +157,7 @@ def run_worker_command(
         fail(str(exc))
     if args.procs > 1:
         return _run_worker_processes(args, argv)
-    from .worker import run_worker
+    from ..worker import run_worker
 
     try:
         run_worker(
@@ -182,7 +182,7 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
         port = args.port + index if args.port else 0
         command = [sys.executable, "-m", "rpcdl", "worker", *_without_option(child_argv, "--port"), "--port", str(port)]
         children.append(subprocess.Popen(command))
-    from .worker import StopSignals
+    from ..worker import StopSignals
 
     stop = StopSignals().install()
     while not stop.wait(0.5):
@@ -208,7 +208,7 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .client import stats
+    from ..client import stats
 
     columns = [
         ("worker", "address"), ("pid", "pid"), ("up s", "uptime_s"), ("clients", "clients"),
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=positive_float, default=10.0, help="seconds to wait for each worker")
 
     for name in _PLUGGED_COMMANDS:
-        module = importlib.import_module(f"rpcdl.{name}")
+        module = importlib.import_module(f"rpcdl.cli.{name}")
         sub = commands.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
         module.add_arguments(sub)
         sub.set_defaults(handler=module.run)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .cli_args import existing_file, new_file, positive_int, silent_worker, worker_address
+from .args import existing_file, new_file, positive_int, silent_worker, worker_address
 
 HELP = "train a small CNN on scikit-learn's digits through local (or given) workers"
 DESCRIPTION = (
@@ -116,13 +116,13 @@ def _batch_length(batch: Any) -> int:
 
 def _warm_up() -> None:
     """Runs on each worker while the trainer starts: import scikit-learn and read the digits once."""
-    from .examples.digits import _load_digits
+    from ..examples.digits import _load_digits
 
     _load_digits()
 
 
 def _worker_counters(workers: list[str]) -> dict[str, dict[str, Any]]:
-    from .client import stats
+    from ..client import stats
 
     counters = {}
     for address in workers:
@@ -249,8 +249,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .client import rpc_async
-    from .local import local_workers
+    from ..client import rpc_async
+    from ..local import local_workers
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
     started = time.perf_counter()

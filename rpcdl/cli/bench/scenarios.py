@@ -141,7 +141,7 @@ class Bench:
                 raise ValueError(f"this scenario needs {count} workers, --workers gave {len(self.given_workers)}")
             return self.given_workers[:count]
         if self._local_workers is None:
-            from ..local import local_workers
+            from ...local import local_workers
 
             self._local_context = local_workers(count)
             self._local_workers = self._local_context.__enter__()
@@ -170,7 +170,7 @@ class Bench:
                 with contextlib.suppress(Exception):
                     system.stop()
         if self._local_context is not None:
-            from ..client import shutdown
+            from ...client import shutdown
 
             shutdown()
             self._local_context.__exit__(None, None, None)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..local import child_environment, stop_process
+from ...local import child_environment, stop_process
 from .workloads import (
     LENGTH,
     PREFETCH,
@@ -40,7 +40,7 @@ class LoaderSpec:
 
 
 class Bench(Protocol):
-    """What a system needs of the bench that runs it (:class:`rpcdl.bench.scenarios.Bench`)."""
+    """What a system needs of the bench that runs it (:class:`rpcdl.cli.bench.scenarios.Bench`)."""
 
     def worker_addresses(self, count: int) -> list[str]:
         """The addresses of ``count`` rpcdl workers."""
@@ -79,12 +79,12 @@ class RpcdlSystem(System):
         self.bench = bench
 
     def call(self) -> None:
-        from ..client import rpc_sync
+        from ...client import rpc_sync
 
         rpc_sync(self.bench.worker_addresses(1)[0], noop)
 
     def calls(self, count: int, window: int) -> None:
-        from ..client import rpc_async
+        from ...client import rpc_async
 
         address = self.bench.worker_addresses(1)[0]
         in_flight: collections.deque = collections.deque()
@@ -96,9 +96,9 @@ class RpcdlSystem(System):
             future.wait()
 
     def loader(self, spec: LoaderSpec) -> Any:
-        from ..client import rpc_sync
-        from ..dataloader import RPCDataloader
-        from ..dataset import RPCDataset
+        from ...client import rpc_sync
+        from ...dataloader import RPCDataloader
+        from ...dataset import RPCDataset
 
         addresses = self.bench.worker_addresses(spec.workers)
         for index, address in enumerate(addresses):
@@ -107,7 +107,7 @@ class RpcdlSystem(System):
         return RPCDataloader(dataset, batch_size=spec.batch_size, prefetch_factor=PREFETCH)
 
     def release_loader(self, loader: Any) -> None:
-        from ..client import rpc_sync
+        from ...client import rpc_sync
 
         for address in loader.workers:
             rpc_sync(address, set_slowdown, (1.0,))
@@ -152,7 +152,7 @@ class SocketSystem(System):
 
     def start(self, bench: Bench) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "from rpcdl.bench.workloads import socket_server; socket_server()"],
+            [sys.executable, "-c", "from rpcdl.cli.bench.workloads import socket_server; socket_server()"],
             stdout=subprocess.PIPE, text=True, env=child_environment(),
         )  # fmt: skip
         port = int(self.process.stdout.readline())

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..cli_args import new_file, positive_int, silent_worker, worker_address
+from ..args import new_file, positive_int, silent_worker, worker_address
 from .report import evaluate_targets, format_table, format_targets, machine_info, plot
 from .scenarios import Bench, Sizes
 from .systems import RpcdlSystem, SocketSystem, System, TorchLoaderSystem

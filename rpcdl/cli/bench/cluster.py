@@ -25,8 +25,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..local import _read_ready_line as read_ready_line  # TODO public at merge
-from ..local import child_environment, stop_process
+from ...local import child_environment, read_ready_line, stop_process
 
 _NAME_PREFIX = "rpcdl"
 _clusters_made = itertools.count()
