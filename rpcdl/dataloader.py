@@ -25,31 +25,14 @@ from .checks import check_loader_timeout, check_positive_int
 from .client import ping_async, rpc_async
 from .dataset import RPCDataset
 from .errors import is_transient
+from .fetch import fetch_batch, fetch_sample
 from .loader_state import check_state, loader_shape
 from .rref import RRefNotFound
 from .scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot
 from .seeding import derive_seed, set_random_seeds
+from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
 
 log = logging.getLogger("rpcdl.dataloader")
-
-# ---------------------------------------------------------------------------- on the workers
-
-
-def _fetch_batch(dataset: Any, indices: Sequence[Any], collate_fn: Callable, seed: int | None) -> Any:
-    if seed is not None:
-        set_random_seeds(seed, 0)
-    # As torch's _MapDatasetFetcher: a dataset's own batched read when it defines one.
-    getitems = getattr(dataset, "__getitems__", None)
-    if getitems:
-        return collate_fn(getitems(indices))
-    return collate_fn([dataset[i] for i in indices])
-
-
-def _fetch_sample(dataset: Any, index: Any, convert_fn: Callable, seed: int | None) -> Any:
-    if seed is not None:
-        set_random_seeds(seed, 0)
-    return convert_fn(dataset[index])
-
 
 # ---------------------------------------------------------------------------- the loader
 
@@ -132,7 +115,7 @@ class RPCDataloader:
         kwargs: dict[str, Any] | None = None,
         **torch_only: Any,
     ):
-        _refuse_torch_only(torch_only)
+        refuse_torch_only(torch_only)
         if workers is not None:
             dataset = RPCDataset(workers, dataset, *args, **(kwargs or {}))
         if not isinstance(dataset, RPCDataset):
@@ -197,10 +180,11 @@ class RPCDataloader:
         self._iterator: _EpochIterator | None = None  # the one that yielded last: state_dict() tells its position
         self._open_iterators: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
         self._resume: dict[str, Any] | None = None
+        self._drawn_generator: torch.Generator | None = None  # the sampler's, when drawn each epoch as torch does
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FIXED_ATTRIBUTES and getattr(self, "_initialized", False):
+        if name in FIXED_ATTRIBUTES and getattr(self, "_initialized", False):
             # torch.utils.data.DataLoader's rule and message.
             raise ValueError(f"{name} attribute should not be set after {self.__class__.__name__} is initialized")
         super().__setattr__(name, value)
@@ -289,10 +273,21 @@ class RPCDataloader:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
         self._told_epoch = epoch
-        generator = self._sampler_generator()
-        if resume is not None and resume.get("generator_state") is not None and generator is not None:
-            generator.set_state(resume["generator_state"])
-        return epoch, generator.get_state() if generator is not None else None, resume
+        saved = resume.get("generator_state") if resume is not None else None
+        generator = self._own_generator()
+        if generator is not None and saved is not None:
+            generator.set_state(saved)
+        start = generator.get_state() if generator is not None else None
+        # torch's DataLoader draws its workers' base seed here: the same draw keeps the random
+        # streams (the global one, or the loader's generator) where torch would leave them.
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        if generator is None:
+            generator = self._epoch_generator()
+            if generator is not None:
+                if saved is not None:
+                    generator.set_state(saved)
+                start = generator.get_state()
+        return epoch, start, resume
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the current epoch: load it into a new loader to resume.
@@ -316,7 +311,7 @@ class RPCDataloader:
             state = iterator.state_dict()
             if not self._epoch_complete(state):
                 return {**shape, **state}
-        generator = self._sampler_generator()
+        generator = self._own_generator()
         return {
             **shape,
             "epoch": self._explicit_epoch if self._explicit_epoch is not None else self._next_epoch,
@@ -352,14 +347,32 @@ class RPCDataloader:
         built = self.dataset.build_async(slot.address)
         return built.then(lambda done: self.dataset.accept(slot.address, *done.wait()))
 
-    def _sampler_generator(self) -> torch.Generator | None:
-        sampler = self.sampler if self.batch_sampler is None else getattr(self.batch_sampler, "sampler", self.sampler)
-        generator = getattr(sampler, "generator", None)
-        if isinstance(sampler, RandomSampler) and generator is None:
-            # torch draws a fresh seed each epoch; owning the generator makes the order resumable.
-            sampler.generator = generator = torch.Generator()
-            generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
-        return generator if isinstance(generator, torch.Generator) else None
+    def _random_sampler(self) -> Sampler | Iterable:
+        return self.sampler if self.batch_sampler is None else getattr(self.batch_sampler, "sampler", self.sampler)
+
+    def _epoch_generator(self) -> torch.Generator | None:
+        """A ``RandomSampler`` without a generator of its own: a new one for the epoch starting now.
+
+        Seeded from torch's global generator, as the sampler's ``__iter__`` would
+        seed it: the same order as torch's for the same seed, and a generator the
+        loader can keep in its state to resume the epoch. ``None`` for other samplers.
+        """
+        sampler = self._random_sampler()
+        if not isinstance(sampler, RandomSampler):
+            return None
+        if sampler.generator is not None and sampler.generator is not self._drawn_generator:
+            return None
+        generator = torch.Generator()
+        generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        sampler.generator = self._drawn_generator = generator
+        return generator
+
+    def _own_generator(self) -> torch.Generator | None:
+        """The sampler's generator when it is the user's (a generator drawn per epoch is not, between epochs)."""
+        generator = getattr(self._random_sampler(), "generator", None)
+        if not isinstance(generator, torch.Generator) or generator is self._drawn_generator:
+            return None
+        return generator
 
     def __repr__(self) -> str:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"
@@ -386,7 +399,7 @@ class _EpochIterator(Iterator[Any]):
         batches = (
             (seq, indices) for seq, indices in itertools.islice(enumerate(source), skip_prefix, None) if seq not in skip
         )
-        self._fetch = _fetch_batch if loader.batch_sampler is not None else _fetch_sample
+        self._fetch = fetch_batch if loader.batch_sampler is not None else fetch_sample
         if loader.seed is not None:
             self._reseed_workers()
         self._dispatch = loader._pool.start(batches, self._call, in_order=loader.in_order)
@@ -469,26 +482,3 @@ class _EpochIterator(Iterator[Any]):
 
 
 _DEFAULT_REVIVAL_WAIT = 120.0
-#: Attributes torch's DataLoader refuses to change after construction (``persistent_workers`` has no
-#: meaning here: setting it is refused all the same, rather than ignored).
-_FIXED_ATTRIBUTES = frozenset(("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
-#: torch DataLoader arguments that have no place here, and what replaces each.
-_TORCH_ONLY = {
-    "num_workers": (
-        "the loading processes are the rpcdl workers: their number is that of the worker addresses given to "
-        "RPCDataset, and each worker runs up to its --parallel calls at once (rpcdl worker --parallel N)"
-    ),
-    "persistent_workers": "rpcdl workers always persist: they outlive epochs and loaders",
-    "worker_init_fn": (
-        "seed the workers' random generators with RPCDataloader(..., seed=S) (or rpcdl.set_random_seeds), "
-        "and run any other set-up on the workers with rpcdl.rpc_sync(worker, fn) or in the dataset's __init__"
-    ),
-    "multiprocessing_context": "the workers are separate processes started by `rpcdl worker` or rpcdl.local_workers",
-}
-
-
-def _refuse_torch_only(options: dict[str, Any]) -> None:
-    for name in options:
-        if name in _TORCH_ONLY:
-            raise TypeError(f"RPCDataloader does not take torch's {name}=: {_TORCH_ONLY[name]}")
-        raise TypeError(f"RPCDataloader.__init__() got an unexpected keyword argument {name!r}")

@@ -110,6 +110,19 @@ def test_subset_and_stack_dataset_alike(two_workers, factory, args):
     run_both(two_workers, factory, *args, batch_size=2)
 
 
+@pytest.mark.parametrize("seeded", ["generator", "global seed"])
+def test_shuffle_order_and_random_streams_are_torchs(two_workers, seeded):
+    """The same seed gives torch's order, epoch after epoch, and leaves torch's random stream where torch does."""
+    results = {}
+    for side in both(two_workers):
+        torch.manual_seed(11)
+        generator = torch.Generator().manual_seed(3) if seeded == "generator" else None
+        loader = side.loader(helpers.RangeDataset, 14, batch_size=4, shuffle=True, generator=generator)
+        epochs = [[batch.tolist() for batch in loader] for _ in range(3)]
+        results[side.name] = (epochs, torch.rand(2).tolist())
+    assert results["rpcdl"] == results["torch"]
+
+
 # ---------------------------------------------------------------------------- several iterators
 
 
