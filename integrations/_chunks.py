@@ -7,8 +7,9 @@ items in chunks whose size adapts to the function's cost:
 - a chunk starts at one item and grows (at most doubling per answer) while
   the work a chunk carries is below :data:`TARGET_CHUNK_SECONDS`, up to
   ``max_chunk_size`` items; it shrinks at once when items get slower;
-- filling a chunk never waits for a slow source: once the first item is
-  there, pulling stops as soon as the chunk took :data:`FILL_SECONDS`.
+- filling a chunk never waits for a slow source: pulling stops after an
+  item that took longer than :data:`FILL_SECONDS` to come (the next one
+  would likely be as slow), or once the chunk took that long.
 
 :func:`map_chunk` runs on the worker. When ``fn`` raises for some items it
 still maps the others, then raises :class:`ChunkFailed` with the values and
@@ -116,14 +117,14 @@ class ChunkReader(Iterator[list[tuple[Any, Any]]]):
             raise StopIteration
         chunk: list[tuple[Any, Any]] = []
         size = self._sizer.size
-        first_at = 0.0
+        started = time.perf_counter()
         try:
             while len(chunk) < size:
+                pulled_at = time.perf_counter()
                 chunk.append(next(self._items))
-                if len(chunk) == 1:
-                    first_at = time.perf_counter()
-                elif time.perf_counter() - first_at > FILL_SECONDS:
-                    break
+                now = time.perf_counter()
+                if now - pulled_at > FILL_SECONDS or now - started > FILL_SECONDS:
+                    break  # the source is slow: the next item might not come soon either
         except StopIteration:
             if not chunk:
                 raise
