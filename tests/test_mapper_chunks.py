@@ -130,3 +130,18 @@ def test_state_resumes_exactly_inside_large_chunks(two_workers):
         resumed = pipeline()
         resumed.load_state_dict(state)
         assert taken + [x for batch in resumed for x in batch] == expected, f"resuming after {batches} batches"
+
+
+def sleeps_on_1500(x: int) -> int:
+    if x == 1500:
+        time.sleep(1.5)
+    return x
+
+
+@pytest.mark.timeout(90)
+def test_a_chunk_that_times_out_on_every_worker_fails_its_slow_item_only(spawn_workers):
+    workers = spawn_workers(2)
+    seen = outcomes(RPCMapper(SamplerWrapper(range(2000)), workers, sleeps_on_1500, timeout=0.5))
+    [position] = [i for i, value in enumerate(seen) if isinstance(value, Exception)]
+    assert position == 1500 and isinstance(seen[1500], rpcdl.WorkerTimeout)
+    assert seen[:1500] + seen[1501:] == [i for i in range(2000) if i != 1500]
