@@ -32,9 +32,9 @@ from rpcdl.address import check_workers
 from rpcdl.dataloader import RPCDataloader
 from rpcdl.dataset import RPCDataset
 from rpcdl.distributed import rank_and_world_size
-from rpcdl.scheduler import Task
 
-from ._remote_map import RemoteMap, RemotePass, check_fn, check_options
+from ._chunks import DEFAULT_MAX_CHUNK_SIZE
+from ._remote_map import MappedItem, RemoteMap, RemotePass, check_fn, check_options
 
 __all__ = ["RPCIterableDataset", "RPCMapper", "RPCMapperIterDataPipe"]
 
@@ -50,6 +50,7 @@ class _RemoteMapOwner:
     prefetch_factor: int
     timeout: float
     pin_memory: bool
+    max_chunk_size: int
     _remote_map: RemoteMap | None
 
     def _get_remote_map(self) -> RemoteMap:
@@ -57,7 +58,7 @@ class _RemoteMapOwner:
         if remote_map is None or remote_map.pid != os.getpid():
             remote_map = self._remote_map = RemoteMap(
                 self.workers, self.fn, prefetch_factor=self.prefetch_factor, timeout=self.timeout,
-                pin_memory=self.pin_memory,
+                pin_memory=self.pin_memory, max_chunk_size=self.max_chunk_size,
             )  # fmt: skip
         return remote_map
 
@@ -66,7 +67,7 @@ class _RemoteMapOwner:
         """How many items each worker mapped (and this process accepted) so far."""
         if self._remote_map is None or self._remote_map.pid != os.getpid():
             return dict.fromkeys(self.workers, 0)
-        return self._remote_map.pool.served
+        return dict(self._remote_map.items_served)
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state in this process: ``active``, ``down`` or ``probing``."""
@@ -81,14 +82,24 @@ class _RemoteMapOwner:
 class RPCMapper(_RemoteMapOwner, BaseNode[T]):
     """A ``torchdata.nodes`` node that maps each item of ``source`` through ``fn`` on remote workers.
 
-    Items come out in the order of ``source``. Each goes to the worker with the
-    fewest calls in flight, at most ``prefetch_factor`` per worker, and at most
-    ``prefetch_factor`` items per worker are pulled from ``source`` ahead of
-    the one handed out. A worker that dies, disconnects or does not answer
-    within ``timeout``: its items go to the other workers, it is probed in the
-    background and used again when it answers. An exception raised by ``fn``
-    is not retried: it is raised in the item's place (the remote traceback
-    attached) and the next call goes on with the following item. An
+    Items come out in the order of ``source``. They travel in chunks: one call
+    maps a list of items on a worker. A chunk starts at one item and grows
+    while ``fn`` is cheap (aiming at about 2 ms of work per call, at most
+    ``max_chunk_size`` items); filling one never waits for a slow source, it
+    goes with the items there. Each chunk goes to the worker expected to finish
+    it first, at most ``prefetch_factor`` chunks in flight per worker, and at
+    most that many chunks per worker are pulled from ``source`` ahead of the
+    item handed out: up to ``prefetch_factor * max_chunk_size`` items per
+    worker are held in memory (a worker on a link with a long round trip may
+    get up to four times as many calls). A worker that dies, disconnects or
+    does not answer a chunk within ``timeout``: the chunk goes whole to the
+    other workers, the worker is probed in the background and used again when
+    it answers. An exception raised by ``fn`` is not retried: it is raised in
+    the item's place (the remote traceback attached), after the items of its
+    chunk before it, and the next call goes on with the following item. A
+    chunk that fails as a whole otherwise (its answer breaks a message limit
+    or cannot be pickled, or it timed out on every worker) is mapped again one
+    item per call, so its error comes at the item that causes it. An
     exception raised by ``source`` comes out in its place too, after every
     item pulled before it, as with ``Mapper`` and ``ParallelMapper``; the next
     call goes on with what ``source`` gives next (as ``Mapper`` does;
@@ -105,18 +116,21 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         source: the node whose items are mapped.
         workers: worker addresses, ``"host:port"``.
         fn: applied to each item on a worker; anything cloudpickle can send
-            (lambdas and closures too). It is sent with every call: keep what
-            it captures small and build heavy objects on the workers.
-        prefetch_factor: calls in flight per worker.
-        timeout: seconds a worker has to map an item before the item goes to
-            another worker; also how long to wait for a worker to come back
-            when none is left (then :class:`rpcdl.NoWorkersLeft` is raised).
+            (lambdas and closures too). It is sent with every call (chunk):
+            keep what it captures small and build heavy objects on the workers.
+        prefetch_factor: calls (chunks) in flight per worker.
+        timeout: seconds a worker has to map a chunk before the chunk goes to
+            another worker (chunks aim at a twentieth of it at most); also how
+            long to wait for a worker to come back when none is left (then
+            :class:`rpcdl.NoWorkersLeft` is raised).
         pin_memory: receive tensors into pinned memory when CUDA is available.
         snapshot_frequency: record the state of ``source`` every this many
             items (1: every item; 0: only at the start of the epoch, as
             ``ParallelMapper``). Larger values make ``state_dict`` cheaper
             for sources with large states; resuming then skips up to that many
             items of ``source`` again (with 0, every item handed out so far).
+        max_chunk_size: the most items one call maps (1: one call per item,
+            for items so large that a chunk of them would hold too much memory).
 
     Example::
 
@@ -142,6 +156,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         timeout: float = 120.0,
         pin_memory: bool = False,
         snapshot_frequency: int = 1,
+        max_chunk_size: int = DEFAULT_MAX_CHUNK_SIZE,
     ):
         super().__init__()
         if not isinstance(source, BaseNode):
@@ -151,7 +166,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
             )
         self.workers = check_workers(workers)
         check_fn(fn)
-        check_options(prefetch_factor, timeout)
+        check_options(prefetch_factor, timeout, max_chunk_size)
         if isinstance(snapshot_frequency, bool) or not isinstance(snapshot_frequency, int) or snapshot_frequency < 0:
             raise ValueError(
                 f"snapshot_frequency must be a non-negative integer (0: record the source's state only at the "
@@ -162,6 +177,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         self.prefetch_factor = prefetch_factor
         self.timeout = float(timeout)
         self.pin_memory = pin_memory
+        self.max_chunk_size = max_chunk_size
         self.snapshot_frequency = snapshot_frequency
         self._remote_map = None
         self._pass: RemotePass | None = None
@@ -221,7 +237,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         if self._pass is None:
             self._pass = self._get_remote_map().start(self._pull())
         try:
-            task: Task = next(self._pass)
+            task: MappedItem = next(self._pass)
         except StopIteration:
             raise
         except Exception:
@@ -259,9 +275,10 @@ class RPCMapperIterDataPipe(_RemoteMapOwner, IterDataPipe):
         source_datapipe: the DataPipe whose items are mapped.
         workers: worker addresses, ``"host:port"``.
         fn: applied to each item on a worker (lambdas and closures too).
-        prefetch_factor: calls in flight per worker.
-        timeout: seconds a worker has to map an item before it goes to another.
+        prefetch_factor: calls (chunks of items, as :class:`RPCMapper`) in flight per worker.
+        timeout: seconds a worker has to map a chunk before it goes to another.
         pin_memory: receive tensors into pinned memory when CUDA is available.
+        max_chunk_size: the most items one call maps.
 
     Example::
 
@@ -281,18 +298,20 @@ class RPCMapperIterDataPipe(_RemoteMapOwner, IterDataPipe):
         prefetch_factor: int = 2,
         timeout: float = 120.0,
         pin_memory: bool = False,
+        max_chunk_size: int = DEFAULT_MAX_CHUNK_SIZE,
     ):
         super().__init__()
         if not isinstance(source_datapipe, IterDataPipe):
             raise TypeError(f"source_datapipe must be an IterDataPipe, got {type(source_datapipe).__name__}")
         self.workers = check_workers(workers)
         check_fn(fn)
-        check_options(prefetch_factor, timeout)
+        check_options(prefetch_factor, timeout, max_chunk_size)
         self.source_datapipe = source_datapipe
         self.fn = fn
         self.prefetch_factor = prefetch_factor
         self.timeout = float(timeout)
         self.pin_memory = pin_memory
+        self.max_chunk_size = max_chunk_size
         self._remote_map = None
 
     def __iter__(self) -> Iterator[Any]:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from rpcdl.cli.bench.report import NOT_JUDGED, TARGETS, Figure, evaluate_targets, format_table, format_targets
-from rpcdl.cli.bench.workloads import RPCDL, SCENARIOS, SOCKET, TORCH
+from rpcdl.cli.bench.workloads import FRAMED, PARALLEL_MAPPER, RPCDL, SCENARIOS, SOCKET, TORCH
 
 
 def run_bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
@@ -49,7 +49,7 @@ def test_a_quick_run_prints_the_table_and_writes_json_and_plot(two_workers, tmp_
     assert document["machine"]["cpus"] == os.cpu_count()
     figures = {(f["scenario"], f["metric"]): f for f in document["figures"]}
     latency = figures[("latency", "p50")]
-    assert set(latency["systems"]) == {RPCDL, SOCKET}  # torch's DataLoader makes no calls
+    assert set(latency["systems"]) == {RPCDL, SOCKET, FRAMED}  # torch's DataLoader makes no calls
     assert latency["systems"][RPCDL]["median"] > 0 and latency["ratios"][SOCKET] > 0
     for key in [("small", "batches/s"), ("image", "MB/s"), ("straggler", "kept"), ("io", "speedup x2")]:
         assert set(figures[key]["systems"]) >= {RPCDL, TORCH}, key
@@ -61,6 +61,28 @@ def test_a_quick_run_prints_the_table_and_writes_json_and_plot(two_workers, tmp_
     assert len(document["targets"]) == len(TARGETS)
     assert {(target["met"], target["status"]) for target in document["targets"]} == {(None, NOT_JUDGED)}
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_mapper_scenario_and_the_framed_pickle_floor_run_in_quick_mode(two_workers, tmp_path):
+    report = tmp_path / "bench.json"
+    result = run_bench(
+        "--workers", *two_workers, "--quick", "--no-progress", "--scenario", "latency", "pipelined", "mapper",
+        "--json", str(report),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    header = next(line for line in result.stdout.splitlines() if line.startswith("scenario"))
+    for column in (FRAMED, PARALLEL_MAPPER, f"{RPCDL}/{FRAMED}", f"{RPCDL}/{PARALLEL_MAPPER}"):
+        assert column in header
+    figures = {(f["scenario"], f["metric"]): f for f in json.loads(report.read_text())["figures"]}
+    for key in [("latency", "p50"), ("pipelined", "calls/s")]:
+        assert set(figures[key]["systems"]) == {RPCDL, SOCKET, FRAMED}, key
+        assert figures[key]["ratios"][FRAMED] > 0 and figures[key]["ratios"][SOCKET] > 0
+    mapper = figures[("mapper", "items/s")]
+    assert set(mapper["systems"]) == {RPCDL, PARALLEL_MAPPER}
+    assert mapper["systems"][RPCDL]["median"] > 0 and mapper["ratios"][PARALLEL_MAPPER] > 0
+    goals = {target.label for target in TARGETS}
+    assert "mapper items/s vs ParallelMapper(process)" in goals
+    assert "pipelined calls/s vs minimal framed-pickle RPC" in goals
 
 
 def test_ratios_and_targets_from_figures():

@@ -3,9 +3,12 @@
 Every scenario measures each system in turn, round after round (interleaved,
 so a burst of load on the machine hits them all alike), and reports medians
 and the ratio of rpcdl's median to each other system's. The systems here are
-rpcdl, torch's DataLoader (as many local processes as rpcdl has workers) and
-a raw loopback socket; ``benchmarks/compare.py`` adds rpcdataloader and
-torch.distributed.rpc through ``main()``'s ``extra_systems``.
+rpcdl, torch's DataLoader (as many local processes as rpcdl has workers), two
+floors, a raw loopback socket (a ping-pong of bytes) and a minimal
+framed-pickle RPC (length-prefixed pickles, a one-thread server, a reader
+thread), and torchdata's ``ParallelMapper(method="process")``;
+``benchmarks/compare.py`` adds rpcdataloader and torch.distributed.rpc through
+``main()``'s ``extra_systems``.
 
 Scenarios (two workers unless said):
 
@@ -16,7 +19,10 @@ Scenarios (two workers unless said):
 - ``straggler``: one worker 10x slower than the others, against the same run
   with the fast workers only;
 - ``io``: a dataset sleeping 5 ms per item, with 1, 2, 4 and 8 workers;
-- ``memory``: the client's peak RSS in each of 10 epochs of image batches.
+- ``memory``: the client's peak RSS in each of 10 epochs of image batches;
+- ``mapper``: items per second of ``x + 1`` mapped in order by ``RPCMapper``
+  over the workers, and by ``ParallelMapper(method="process")`` with as many
+  local processes.
 """
 
 from __future__ import annotations
@@ -29,16 +35,18 @@ import time
 from collections.abc import Sequence
 
 from ..args import new_file, positive_int, silent_worker, worker_address
+from .floors import FramedPickleSystem, ParallelMapperSystem
 from .report import evaluate_targets, format_table, format_targets, machine_info, plot
 from .scenarios import Bench, Sizes
 from .systems import RpcdlSystem, SocketSystem, System, TorchLoaderSystem
 from .workloads import SCENARIOS
 
-HELP = "measure rpcdl side by side with torch's DataLoader and a raw loopback socket"
+HELP = "measure rpcdl side by side with torch's DataLoader, torchdata's ParallelMapper and transport floors"
 DESCRIPTION = (
     "Run benchmark scenarios against local worker processes (--local N, the default being 2) or running "
     "workers (--workers HOST:PORT ...), each figure beside torch's DataLoader with as many local processes "
-    "and a raw loopback socket where meaningful, interleaved over several rounds. Prints a table of medians "
+    "(and torchdata's ParallelMapper), a raw loopback socket and a minimal framed-pickle RPC where meaningful, "
+    "interleaved over several rounds. Prints a table of medians "
     "and ratios (rpcdl / other); --json and --plot save them. Speeds depend on the machine and its load: "
     "compare ratios from one run, not figures from different runs."
 )
@@ -101,7 +109,10 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     if problem:
         print(f"rpcdl bench: {problem}", file=sys.stderr)
         return 2
-    systems: list[System] = [RpcdlSystem(), TorchLoaderSystem(), SocketSystem(), *extra_systems]
+    systems: list[System] = [
+        RpcdlSystem(), TorchLoaderSystem(), SocketSystem(), FramedPickleSystem(), ParallelMapperSystem(),
+        *extra_systems,
+    ]  # fmt: skip
     names = [system.name for system in systems]
     machine = machine_info()
     bench = Bench(systems, workers=args.workers, local=local, sizes=sizes, progress=not args.no_progress)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .workloads import RPCDL, SOCKET, TORCH
+from .workloads import FRAMED, PARALLEL_MAPPER, RPCDL, SOCKET, TORCH
 
 # ---------------------------------------------------------------------------- figures
 
@@ -85,6 +85,10 @@ TARGETS = (
     Target("no-op rpc_sync p50 latency vs rpcdataloader", "latency", "p50", RPCDATALOADER, "<=", 0.25),
     Target("no-op rpc_sync p50 latency vs torch.distributed.rpc", "latency", "p50", TORCH_RPC, "<=", 1.0),
     Target("pipelined calls/s vs rpcdataloader", "pipelined", "calls/s", RPCDATALOADER, ">=", 5.0),
+    Target("no-op rpc_sync p50 latency vs raw socket ping-pong", "latency", "p50", SOCKET, "<=", 3.0),
+    Target("pipelined calls/s vs minimal framed-pickle RPC", "pipelined", "calls/s", FRAMED, ">=", 0.5),
+    Target("mapper items/s, trivial function (absolute)", "mapper", "items/s", None, ">=", 20000.0),
+    Target("mapper items/s vs ParallelMapper(process)", "mapper", "items/s", PARALLEL_MAPPER, ">=", 2.0),
     Target("small batches/s vs rpcdataloader", "small", "batches/s", RPCDATALOADER, ">=", 2.0),
     Target("small batches/s vs torch DataLoader", "small", "batches/s", TORCH, ">=", 2.0),
     Target("image MB/s vs rpcdataloader", "image", "MB/s", RPCDATALOADER, ">=", 1.5),

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .mapper import scenario_mapper
 from .report import Figure
 from .rss import RssSampler, touch_pages
 from .systems import LoaderSpec, System
@@ -88,6 +89,7 @@ class Sizes:
     straggler_batches: int = 48
     io_batches_per_worker: int = 12
     memory_batches: int = 12
+    mapper_items: int = 20000
     io_workers: tuple[int, ...] = (1, 2, 4, 8)
 
     @classmethod
@@ -95,6 +97,7 @@ class Sizes:
         return cls(
             rounds=1, latency_calls=20, pipelined_calls=40, small_batches=6, image_batches=2,
             straggler_batches=4, io_batches_per_worker=2, memory_batches=2, io_workers=(1, 2),
+            mapper_items=200,
         )  # fmt: skip
 
 
@@ -188,6 +191,7 @@ class Bench:
             "straggler": rounds * loaders * 2,
             "io": rounds * loaders * len(self.io_counts()),
             "memory": loaders,
+            "mapper": rounds * len(self.capable("mapper")),
         }[scenario]
 
     def io_counts(self) -> list[int]:
@@ -467,4 +471,5 @@ _SCENARIO_FUNCTIONS: dict[str, Callable[[Bench], None]] = {
     "straggler": scenario_straggler,
     "io": scenario_io,
     "memory": scenario_memory,
+    "mapper": scenario_mapper,
 }

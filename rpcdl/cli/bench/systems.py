@@ -6,7 +6,7 @@ import collections
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ from .workloads import (
     SLOWDOWN,
     SOCKET,
     TORCH,
+    increment,
     noop,
     recv_exact_into,
     set_slowdown,
@@ -52,9 +53,11 @@ class System:
 
     Capabilities: ``call()`` (one no-op round trip, blocking), ``calls(count,
     window)`` (``count`` no-op calls with ``window`` in flight), ``stream(size,
-    count)`` (receive ``count`` messages of ``size`` bytes) and ``loader(spec)``
-    (an iterable whose iterations are epochs). A system lacking one is left out
-    of the scenarios that need it.
+    count)`` (receive ``count`` messages of ``size`` bytes), ``loader(spec)``
+    (an iterable whose iterations are epochs) and ``mapper(workers)`` (an
+    endless iterator of ``increment`` applied to 0, 1, 2, ... over ``workers``
+    workers, in order; freed by :meth:`release_mapper`). A system lacking one
+    is left out of the scenarios that need it.
     """
 
     name = "system"
@@ -67,6 +70,9 @@ class System:
 
     def release_loader(self, loader: Any) -> None:
         """Free one loader made by :meth:`loader` (its worker processes or remote datasets)."""
+
+    def release_mapper(self, mapper: Any) -> None:
+        """Free one iterator made by :meth:`mapper`."""
 
 
 class RpcdlSystem(System):
@@ -105,6 +111,20 @@ class RpcdlSystem(System):
             rpc_sync(address, set_slowdown, (SLOWDOWN if index == spec.slow_worker else 1.0,))
         dataset = RPCDataset(addresses, spec.dataset, *spec.args)
         return RPCDataloader(dataset, batch_size=spec.batch_size, prefetch_factor=PREFETCH)
+
+    def mapper(self, workers: int) -> Iterator[int]:
+        import itertools
+
+        from torchdata.nodes import IterableWrapper
+
+        from ...integrations.torchdata import RPCMapper
+
+        node = RPCMapper(IterableWrapper(itertools.count()), self.bench.worker_addresses(workers), increment)
+        node.reset()
+        return node
+
+    def release_mapper(self, mapper: Any) -> None:
+        mapper.reset()  # ends its pass: answers still in flight are dropped
 
     def release_loader(self, loader: Any) -> None:
         from ...client import rpc_sync

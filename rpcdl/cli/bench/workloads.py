@@ -8,10 +8,13 @@ import struct
 import time
 from typing import Any
 
-SCENARIOS = ("latency", "pipelined", "small", "memory", "image", "straggler", "io")  # memory before image: a cold start
+# memory before image: a cold start
+SCENARIOS = ("latency", "pipelined", "small", "memory", "image", "straggler", "io", "mapper")
 RPCDL = "rpcdl"
 TORCH = "torch DataLoader"
 SOCKET = "socket"
+FRAMED = "framed pickle RPC"
+PARALLEL_MAPPER = "ParallelMapper"
 
 SMALL_BATCH = 32
 SMALL_FEATURES = 128
@@ -34,6 +37,11 @@ MEMORY_EPOCHS = 10
 
 def noop() -> None:
     """The no-op call of the latency scenarios."""
+
+
+def increment(x: int) -> int:
+    """The trivial function of the mapper scenario."""
+    return x + 1
 
 
 _slowdown = 1.0  # per process: how much slower SleepDataset is here
