@@ -123,8 +123,9 @@ def frozen_function_code(function: types.FunctionType, pickle_by_value: Callable
         in_progress = _pickling.functions = set()
     if function in in_progress:
         return None
-    if _still_frozen(function, set()):
-        return _entries[function].code
+    entry = _still_frozen(function, set())
+    if entry is not None:
+        return entry.code
     values = _values(function)
     if values is None or not _all_frozen(values, {function}):
         return None
@@ -177,19 +178,21 @@ def _values(function: types.FunctionType) -> tuple | None:
     return tuple(_ITSELF if value is function else value for value in found)
 
 
-def _still_frozen(function: types.FunctionType, checked: set) -> bool:
-    """Whether ``function`` has a cached pickle whose frozen values are all the same objects still."""
+def _still_frozen(function: types.FunctionType, checked: set) -> _Entry | None:
+    """The cached entry of ``function`` if its frozen values are all the same objects still, else ``None``."""
     with _entries_lock:
         entry = _entries.get(function)
     if entry is None or entry.values is None:
-        return False
+        return None
     current = _values(function)
     if current is None or len(current) != len(entry.values):
-        return False
+        return None
     if any(now is not then for now, then in zip(current, entry.values, strict=True)):
-        return False
+        return None
     checked.add(function)
-    return all(other in checked or _still_frozen(other, checked) for other in entry.functions)
+    if all(other in checked or _still_frozen(other, checked) is not None for other in entry.functions):
+        return entry
+    return None
 
 
 def _all_frozen(values: tuple, seen: set) -> bool:
