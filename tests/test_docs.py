@@ -49,7 +49,7 @@ DOCTEST_MODULES = [
     "rpcdl.errors", "rpcdl.local", "rpcdl.rref", "rpcdl.samplers", "rpcdl.security", "rpcdl.seeding",
     "rpcdl.scheduling_policy", "rpcdl.serialization", "rpcdl.user_code", "rpcdl.code_cache",
     "rpcdl.handshake", "rpcdl.tls_stream",
-    "rpcdl.wire", "rpcdl.worker", "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
+    "rpcdl.wire", "rpcdl.control", "rpcdl.worker", "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
 ]  # fmt: skip
 
 
