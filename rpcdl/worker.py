@@ -27,7 +27,7 @@ import torch
 from . import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ._lifecycle import ExitPhase, at_exit
 from .address import format_address, is_loopback
-from .checks import check_positive_int, check_timeout
+from .checks import check_int, check_positive_int, check_timeout
 from .control import decode_release, encode_rejected, encode_stats
 from .errors import ConnectionLost, LimitExceeded, ProtocolError
 from .handshake import server_handshake
@@ -94,8 +94,7 @@ class Worker:
     ):
         if not isinstance(host, str):
             raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be an integer in 0..65535 (0 picks a free port), got {port!r}")
+        check_int(port, "port", minimum=0, maximum=65535, meaning="0 picks a free port")
         self.parallel = check_positive_int(parallel, "parallel", "calls run at once")
         self.timeout = check_timeout(timeout)
         self.limits = limits or Limits()
