@@ -25,6 +25,10 @@ keyed by the object:
   call, as before. So a captured list, dict or tensor, or a class defined in
   ``__main__``, always travels with its current contents.
 
+  A worker keeps the function it rebuilt, as it keeps an imported module's:
+  what the function stores on itself there (an attribute) stays on that
+  worker from call to call, and never reaches the caller's copy.
+
 Threading: any thread may pickle; the cache is shared under a lock, and an
 object pickled by two threads at once is pickled twice, the same way.
 """

@@ -186,3 +186,19 @@ def test_a_recursive_and_mutually_recursive_functions_round_trip():
     for _ in range(2):
         even, factorial = loads(*dumps((scope["even"], scope["factorial"])))
         assert even(10) and not even(7) and factorial(5) == 120
+
+
+@pytest.mark.timeout(30)
+def test_the_worker_rebuilds_a_frozen_function_once_and_keeps_it(embedded_worker):
+    worker = embedded_worker().address
+
+    def make():
+        def remembers_its_calls():
+            remembers_its_calls.calls_here = getattr(remembers_its_calls, "calls_here", 0) + 1
+            return remembers_its_calls.calls_here
+
+        return remembers_its_calls
+
+    function = make()
+    assert [rpcdl.rpc_sync(worker, function) for _ in range(3)] == [1, 2, 3]  # the same object on the worker
+    assert not hasattr(function, "calls_here")  # which is not the caller's
