@@ -10,7 +10,6 @@ Each is left out when its package is missing or it cannot start here.
 
 from __future__ import annotations
 
-import collections
 import os
 import socket
 import subprocess
@@ -19,8 +18,10 @@ import warnings
 from typing import Any
 
 from rpcdl.cli.bench.scenarios import Bench
-from rpcdl.cli.bench.systems import LoaderSpec, System
+from rpcdl.cli.bench.systems import LoaderSpec, System, calls_in_a_window
 from rpcdl.cli.bench.workloads import PREFETCH, SLOWDOWN, noop, set_slowdown
+from rpcdl.local import child_environment
+from rpcdl.processes import stop_process, stop_processes
 
 # rpcdataloader's run_worker binds a given port and prints nothing: bind port 0
 # instead (the system picks a free one) and print the address when listening.
@@ -37,22 +38,7 @@ rpc.run_worker("127.0.0.1", 0)
 
 
 def _environment() -> dict[str, str]:
-    environment = dict(os.environ)
-    environment["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, environment.get("PYTHONPATH", "")] if p)
-    environment["PYTHONWARNINGS"] = "ignore"
-    return environment
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    if process.stdout is not None:
-        process.stdout.close()
+    return {**child_environment(), "PYTHONWARNINGS": "ignore"}
 
 
 class RpcdataloaderSystem(System):
@@ -82,8 +68,7 @@ class RpcdataloaderSystem(System):
         return self.addresses[:count]
 
     def stop(self) -> None:
-        for process in self.processes:
-            _stop(process)
+        stop_processes(self.processes)
 
     def call(self) -> None:
         from rpcdataloader import rpc_async
@@ -93,13 +78,7 @@ class RpcdataloaderSystem(System):
     def calls(self, count: int, window: int) -> None:
         from rpcdataloader import rpc_async
 
-        in_flight: collections.deque = collections.deque()
-        for _ in range(count):
-            if len(in_flight) >= window:
-                in_flight.popleft().wait()
-            in_flight.append(rpc_async(self.addresses[0], noop))
-        for future in in_flight:
-            future.wait()
+        calls_in_a_window(count, window, lambda: rpc_async(self.addresses[0], noop))
 
     def loader(self, spec: LoaderSpec) -> Any:
         from rpcdataloader import RPCDataloader, RPCDataset, rpc_async
@@ -166,7 +145,7 @@ class TorchRpcSystem(System):
         if self.ready:
             rpc.shutdown()
         if self.process is not None:
-            _stop(self.process)
+            stop_process(self.process)
 
     def call(self) -> None:
         from torch.distributed import rpc
@@ -176,13 +155,7 @@ class TorchRpcSystem(System):
     def calls(self, count: int, window: int) -> None:
         from torch.distributed import rpc
 
-        in_flight: collections.deque = collections.deque()
-        for _ in range(count):
-            if len(in_flight) >= window:
-                in_flight.popleft().wait()
-            in_flight.append(rpc.rpc_async("worker1", noop))
-        for future in in_flight:
-            future.wait()
+        calls_in_a_window(count, window, lambda: rpc.rpc_async("worker1", noop))
 
 
 def available() -> list[System]:

@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from rpcdl.address import check_workers, parse_address
-from rpcdl.checks import check_loader_timeout, check_positive_int
+from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
 from rpcdl.dataloader import RPCDataloader
 from rpcdl.dataset import RPCDataset
 from rpcdl.distributed import shard_workers
@@ -256,13 +256,9 @@ class RPCDataModule(pl.LightningDataModule):
         check_positive_int(batch_size, "batch_size")
         check_positive_int(prefetch_factor, "prefetch_factor")
         check_positive_int(num_local_workers, "num_local_workers")
-        if eval_batch_size is not None and (
-            isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int) or eval_batch_size < 1
-        ):
-            raise ValueError(f"eval_batch_size must be a positive integer or None, got {eval_batch_size!r}")
+        check_int(eval_batch_size, "eval_batch_size", minimum=1, optional=True)
         check_loader_timeout(timeout)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an integer or None, got {seed!r}")
+        check_int(seed, "seed", optional=True, wrong_type=TypeError)
         if isinstance(collate_fn, str):
             collate_fn = import_object(collate_fn)
         if collate_fn is not None and not callable(collate_fn):

@@ -29,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("rpcdl.integrations.torchdata needs torchdata>=0.9: pip install 'rpcdl[torchdata]'") from exc
 
 from rpcdl.address import check_workers
+from rpcdl.checks import check_int, check_positive_int
 from rpcdl.dataloader import RPCDataloader
 from rpcdl.dataset import RPCDataset
 from rpcdl.distributed import rank_and_world_size
@@ -167,11 +168,10 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         self.workers = check_workers(workers)
         check_fn(fn)
         check_options(prefetch_factor, timeout, max_chunk_size)
-        if isinstance(snapshot_frequency, bool) or not isinstance(snapshot_frequency, int) or snapshot_frequency < 0:
-            raise ValueError(
-                f"snapshot_frequency must be a non-negative integer (0: record the source's state only at the "
-                f"start of an epoch), got {snapshot_frequency!r}"
-            )
+        check_int(
+            snapshot_frequency, "snapshot_frequency", minimum=0,
+            meaning="0: record the source's state only at the start of an epoch",
+        )  # fmt: skip
         self.source = source
         self.fn = fn
         self.prefetch_factor = prefetch_factor
@@ -440,10 +440,8 @@ class RPCIterableDataset(IterableDataset):
                 "rpcdl.RPCDataset(workers, MyDataset, *args, **kwargs)"
             )
         len(dataset)  # a dataset without a length cannot be split: raise its TypeError now
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an integer, got {seed!r}")
+        check_positive_int(batch_size, "batch_size")
+        check_int(seed, "seed", wrong_type=TypeError)
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         if rank is not None and world_size is not None:
@@ -463,9 +461,7 @@ class RPCIterableDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffled order of epoch ``epoch`` in the next iterations."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self.epoch = epoch
+        self.epoch = check_int(epoch, "epoch", minimum=0)
 
     def _rank_indices(self) -> list[int]:
         rank, world_size = rank_and_world_size(self.rank, self.world_size)

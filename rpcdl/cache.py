@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 
 from ._lifecycle import ExitPhase, at_exit
 from .cache_backends import BACKENDS, StoreError
-from .checks import check_positive_int
+from .checks import check_number, check_positive_int
 from .errors import CacheUnavailable
 from .serialization import dumps_inline, loads
 
@@ -128,8 +128,7 @@ class CacheLoader:
         check_positive_int(writer_buffer_size, "writer_buffer_size")
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be 'compute' (fall back to load_fn) or 'raise', got {on_error!r}")
-        if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or retry_interval < 0:
-            raise ValueError(f"retry_interval must be a non-negative number of seconds, got {retry_interval!r}")
+        check_number(retry_interval, "retry_interval", minimum=0, unit="seconds")
         try:
             self._backend = BACKENDS[backend](**kwargs)
         except TypeError as exc:

@@ -14,10 +14,99 @@ def check_timeout(value: Any, name: str = "timeout") -> float:
 
 def check_positive_int(value: Any, name: str, meaning: str = "") -> int:
     """Return ``value``; raise ``ValueError`` unless it is an integer of at least 1 (``meaning`` explains it)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        detail = f" ({meaning})" if meaning else ""
-        raise ValueError(f"{name} must be a positive integer{detail}, got {value!r}")
-    return value
+    return check_int(value, name, minimum=1, meaning=meaning)
+
+
+def check_int(
+    value: Any,
+    name: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    meaning: str = "",
+    optional: bool = False,
+    wrong_type: type[Exception] = ValueError,
+) -> Any:
+    """Return ``value`` if it is an integer (not a bool) in ``minimum..maximum``, else raise saying what it must be.
+
+    Args:
+        value: what the caller gave.
+        name: the argument's name, for the message.
+        minimum, maximum: the bounds, both included; ``None``: unbounded.
+        meaning: what the value means, added in parentheses (``"0 picks a free port"``).
+        optional: ``None`` is accepted (and returned) too.
+        wrong_type: the exception for a value that is no integer at all (torch raises
+            ``TypeError`` there in places); one out of range raises ``ValueError``.
+
+    Returns:
+        ``value``, unchanged.
+
+    Example::
+
+        >>> check_int(8080, "port", minimum=0, maximum=65535)
+        8080
+        >>> check_int(-1, "epoch", minimum=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: epoch must be a non-negative integer, got -1
+    """
+    if value is None and optional:
+        return value
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if is_int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value
+    if minimum is not None and maximum is not None:
+        kind = f"an integer in {minimum}..{maximum}"
+    elif minimum == 0 or minimum == 1:
+        kind = "a non-negative integer" if minimum == 0 else "a positive integer"
+    elif minimum is not None:
+        kind = f"an integer of at least {minimum}"
+    elif maximum is not None:
+        kind = f"an integer of at most {maximum}"
+    else:
+        kind = "an integer"
+    detail = (" or None" if optional else "") + (f" ({meaning})" if meaning else "")
+    raise (ValueError if is_int else wrong_type)(f"{name} must be {kind}{detail}, got {value!r:.100}")
+
+
+def check_number(
+    value: Any, name: str, *, minimum: float | None = None, maximum: float | None = None, unit: str = ""
+) -> float:
+    """Return ``value`` as a float if it is a number (not a bool, not NaN) in ``minimum..maximum``; else ``ValueError``.
+
+    Args:
+        value: what the caller gave.
+        name: the argument's name, for the message.
+        minimum, maximum: the bounds, both included; ``None``: unbounded.
+        unit: what it counts (``"seconds"``), for the message.
+
+    Returns:
+        ``value`` as a float.
+
+    Example::
+
+        >>> check_number(0.5, "random_level", minimum=0, maximum=1)
+        0.5
+        >>> check_number(-2, "retry_interval", minimum=0, unit="seconds")
+        Traceback (most recent call last):
+        ...
+        ValueError: retry_interval must be a non-negative number of seconds, got -2
+    """
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if is_number and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return float(value)
+    of = f" of {unit}" if unit else ""
+    if minimum is not None and maximum is not None:
+        kind = f"a number{of} in [{minimum:g}, {maximum:g}]"
+    elif minimum == 0:
+        kind = f"a non-negative number{of}"
+    elif minimum is not None:
+        kind = f"a number{of} of at least {minimum:g}"
+    elif maximum is not None:
+        kind = f"a number{of} of at most {maximum:g}"
+    else:
+        kind = f"a number{of}"
+    raise ValueError(f"{name} must be {kind}, got {value!r:.100}")
 
 
 #: What ``timeout=0`` ("no timeout", torch's DataLoader default) becomes for the calls of a loader or

@@ -16,12 +16,10 @@ thread. Before a thread waits for answers it sends the calls it holds back
 from __future__ import annotations
 
 import collections
-import json
 import os
 import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +31,7 @@ from . import buffers, held
 from ._lifecycle import in_forked_child
 from .address import parse_address
 from .calls import Call
+from .control import decode_rejected, decode_stats, encode_release
 from .dial import dial
 from .errors import (
     AuthenticationError,
@@ -270,7 +269,7 @@ class Connection:
             except IndexError:
                 break
         if uids:
-            frames = [Frame(Kind.RELEASE, payload=struct.pack(f"!{len(uids)}Q", *uids)), *frames]
+            frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
         if not frames:
             return
         pieces = [piece for frame in frames for piece in encode_frame(frame)]
@@ -369,14 +368,14 @@ class Connection:
                     value = loads(frame.payload, frame.buffers)
                 result = call.transform(value) if call.transform is not None else value
             elif frame.kind == Kind.STATS_REPLY:
-                result = json.loads(frame.payload)
+                result = decode_stats(frame.payload)
             elif frame.kind == Kind.PONG:
                 result = time.monotonic() - call.started
             elif frame.kind == Kind.ERROR:
                 call.future.set_exception(load_exception(frame.payload, self.address))
                 return
             else:
-                reason = bytes(frame.payload).decode("utf-8", "replace") or "the worker is shutting down"
+                reason = decode_rejected(frame.payload)
                 call.future.set_exception(WorkerUnavailable(f"worker {self.address} did not run {call.what}: {reason}"))
                 return
         except Exception as exc:

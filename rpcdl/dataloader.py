@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from .checks import check_loader_timeout, check_positive_int
+from .checks import check_int, check_loader_timeout, check_positive_int
 from .client import ping_async, rpc_async
 from .dataset import RPCDataset
 from .errors import is_transient
@@ -129,8 +129,7 @@ class RPCDataloader:
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
             raise ValueError(f"batch_size should be a positive integer value, but got batch_size={batch_size}")
-        if seed is not None and not isinstance(seed, int):
-            raise TypeError(f"seed must be an integer or None, got {seed!r}")
+        check_int(seed, "seed", optional=True, wrong_type=TypeError)
         # torch.utils.data.DataLoader's rules, with its messages.
         if sampler is not None and shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle")
@@ -224,9 +223,7 @@ class RPCDataloader:
         Otherwise epochs count iterations from 0, or follow the epoch last given
         to the sampler's own ``set_epoch`` when the training loop calls it.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self._explicit_epoch = epoch
+        self._explicit_epoch = check_int(epoch, "epoch", minimum=0)
 
     def __len__(self) -> int:
         if self.batch_sampler is not None:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, RandomSampler
 
 from .address import check_workers
+from .checks import check_int, check_positive_int
 from .dataloader import RPCDataloader
 
 
@@ -18,10 +19,8 @@ def rank_and_world_size(rank: int | None = None, world_size: int | None = None) 
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    check_positive_int(world_size, "world_size")
+    check_int(rank, "rank", minimum=0, maximum=world_size - 1, meaning=f"one of the {world_size} ranks")
     return rank, world_size
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .checks import check_int
+
 #: The fields of a state that determine the batch sequence of an epoch.
 SHAPE_FIELDS = ("batches", "batch_size", "drop_last", "sampler", "batch_sampler", "in_order")
 POSITION_FIELDS = ("epoch", "yielded_prefix", "yielded_extra")
@@ -97,9 +99,4 @@ def check_state(state: Any, shape: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_counter(state: dict[str, Any], name: str) -> int:
-    value = state[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a non-negative integer, got {value!r:.100}")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
+    return check_int(state[name], name, minimum=0, wrong_type=TypeError)

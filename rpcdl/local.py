@@ -11,6 +11,11 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from .checks import check_positive_int
+from .processes import stop_process, stop_processes
+
+__all__ = ["LOG_LEVELS", "LocalWorkers", "child_environment", "local_workers", "read_ready_line", "stop_process"]
+
 #: The logging levels a worker accepts (``rpcdl worker --log-level``).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -86,11 +91,7 @@ class LocalWorkers(list):
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop every worker: SIGTERM, then SIGKILL after ``grace`` seconds."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            stop_process(process, grace)
+        stop_processes(self.processes, grace)
 
 
 def _ping(address: str, timeout: float) -> None:
@@ -111,19 +112,6 @@ def read_ready_line(process: subprocess.Popen, timeout: float) -> str:
                 if line:
                     return line
     raise RuntimeError(f"an rpcdl worker process did not report ready within {timeout:g}s")
-
-
-def stop_process(process: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM ``process``, SIGKILL it after ``grace`` seconds, reap it and close its stdout."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    if process.stdout is not None:
-        process.stdout.close()
 
 
 def child_environment(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -176,8 +164,7 @@ def local_workers(
         ...     for batch in rpcdl.RPCDataloader(dataset, batch_size=32):
         ...         ...
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive number of workers, got {n!r}")
+    check_positive_int(n, "n", "the number of workers")
     level = log_level.upper() if isinstance(log_level, str) else None
     if level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")

@@ -25,6 +25,8 @@ import weakref
 from pathlib import Path
 
 from ._lifecycle import ExitPhase, at_exit
+from .checks import check_int
+from .processes import stop_process
 
 _PR_SET_PDEATHSIG = 1
 
@@ -127,12 +129,10 @@ class RedisServer:
         executable: str | None = None,
         startup_timeout: float = 15.0,
     ):
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-            raise ValueError(f"port must be an integer in 1..65535 or None (a free one), got {port!r}")
+        check_int(port, "port", minimum=1, maximum=65535, optional=True, meaning="None: a free one")
         if host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError(f"a local redis-server binds loopback only ('127.0.0.1' or '::1'), got {host!r}")
-        if maxmemory is not None and (isinstance(maxmemory, bool) or not isinstance(maxmemory, int) or maxmemory < 1):
-            raise ValueError(f"maxmemory must be a positive number of bytes or None, got {maxmemory!r}")
+        check_int(maxmemory, "maxmemory", minimum=1, optional=True, meaning="bytes")
         self.host = "127.0.0.1" if host == "localhost" else host
         self.port = port
         self.maxmemory = maxmemory
@@ -206,13 +206,8 @@ class RedisServer:
     def stop(self, grace: float = 5.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL after ``grace`` seconds) and remove its files."""
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=grace)
+        if process is not None:
+            stop_process(process, grace)
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from .checks import check_int, check_number
 from .client import rpc_sync
 from .dataset import RPCDataset
 from .distributed import rank_and_world_size
@@ -94,10 +95,8 @@ class LoadBalancingDistributedSampler(Sampler[int]):
     ):
         if not callable(complexity_fn):
             raise TypeError(f"complexity_fn must be a callable from a sample to a number, got {complexity_fn!r}")
-        if isinstance(random_level, bool) or not isinstance(random_level, (int, float)) or not 0 <= random_level <= 1:
-            raise ValueError(f"random_level must be a number in [0, 1], got {random_level!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an integer, got {seed!r}")
+        check_number(random_level, "random_level", minimum=0, maximum=1)
+        check_int(seed, "seed", wrong_type=TypeError)
         self.rank, self.num_replicas = rank_and_world_size(rank, num_replicas)
         self.dataset = dataset
         self.shuffle = bool(shuffle)
@@ -146,9 +145,7 @@ class LoadBalancingDistributedSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch: with ``shuffle``, each epoch has its own order, the same on every replica."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
-            raise TypeError(f"epoch must be an integer, got {epoch!r}")
-        self.epoch = epoch
+        self.epoch = check_int(epoch, "epoch", wrong_type=TypeError)
 
 
 class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):

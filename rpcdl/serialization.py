@@ -3,6 +3,8 @@
 Pickle protocol 5 through cloudpickle, so lambdas, closures and functions of
 ``__main__`` travel by value, and the code of the user's own modules travels
 with them (:mod:`rpcdl.user_code`): a worker needs only the installed packages.
+Code that goes by value is pickled once per object while what it captured is
+unchanged (:mod:`rpcdl.code_cache`), and rebuilt once on the worker.
 Tensors and numpy arrays leave their bytes out of the payload as out-of-band
 buffers: the wire layer sends them from their own memory and receives them
 into preallocated memory, which becomes the tensor.
@@ -17,7 +19,6 @@ import pickle
 import threading
 import traceback
 import types
-import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any
@@ -27,8 +28,9 @@ import numpy as np
 import tblib
 import torch
 
+from .code_cache import code_of, found_by_name, frozen_function_code
 from .errors import RemoteError
-from .user_code import import_or_define, is_users_module, lookup
+from .user_code import define, import_or_define, is_users_module, lookup
 
 PROTOCOL = 5
 
@@ -56,6 +58,7 @@ def _reduce_tensor(tensor: torch.Tensor):
 
 class _Pickler(cloudpickle.Pickler):
     _outermost = True  # False in the pickler of a user's object's code, which pickles all of it by value
+    _by_value: Any = None  # the function this pickler pickles by value for the cache
 
     def reducer_override(self, obj):
         kind = type(obj)
@@ -69,7 +72,11 @@ class _Pickler(cloudpickle.Pickler):
             else:
                 module_name, qualname = obj.__module__, obj.__qualname__
             if is_users_module(module_name) and self._outermost and lookup(module_name, qualname) is obj:
-                return import_or_define, (module_name, qualname, _code_of(obj))
+                return import_or_define, (module_name, qualname, code_of(obj, _pickle_code))
+            if kind is types.FunctionType and self._outermost and obj is not self._by_value:
+                code = None if found_by_name(obj) else frozen_function_code(obj, _pickle_function)
+                if code is not None:
+                    return define, (code,)
         return super().reducer_override(obj)
 
 
@@ -77,27 +84,24 @@ class _CodePickler(_Pickler):
     _outermost = False
 
 
-_codes: weakref.WeakKeyDictionary[Any, bytes | str] = weakref.WeakKeyDictionary()
-_codes_lock = threading.Lock()
+def _pickle_code(obj: Any) -> bytes:
+    """``obj`` of a user's module pickled by value with what it refers to (see :mod:`rpcdl.code_cache`)."""
+    stream = io.BytesIO()
+    _CodePickler(stream, protocol=PROTOCOL).dump(obj)
+    return stream.getvalue()
 
 
-def _code_of(obj: Any) -> bytes | str:
-    """``obj`` pickled by value with what it refers to, as first sent from this process; or why it cannot be.
+def _pickle_function(function: types.FunctionType) -> bytes:
+    """A function that cloudpickle pickles by value, pickled alone (see :mod:`rpcdl.code_cache`).
 
-    Pickling code by value costs a millisecond or so: each object's is pickled once.
+    What it refers to is pickled as in a message: the user's modules as
+    their code, other frozen functions as their own cached pickles.
     """
-    with _codes_lock:
-        code = _codes.get(obj)
-    if code is None:
-        stream = io.BytesIO()
-        try:
-            _CodePickler(stream, protocol=PROTOCOL).dump(obj)
-            code = stream.getvalue()
-        except Exception as exc:  # its module's state cannot be pickled (a lock, say): by name only
-            code = f"{type(exc).__name__}: {exc}"
-        with _codes_lock:
-            _codes[obj] = code
-    return code
+    stream = io.BytesIO()
+    pickler = _Pickler(stream, protocol=PROTOCOL)
+    pickler._by_value = function
+    pickler.dump(function)
+    return stream.getvalue()
 
 
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:

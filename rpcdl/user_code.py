@@ -8,7 +8,7 @@ worker can import it (a shared filesystem, :func:`rpcdl.local_workers`), so
 module state and class identity behave as they always did, and from the code
 sent along when it cannot. Everything else is imported by name on the worker.
 
-The sender pickles each object's code once (:mod:`rpcdl.serialization`), so
+The sender pickles each object's code once (:mod:`rpcdl.code_cache`), so
 the same code arrives again for it; a worker rebuilds it once and keeps it
 (the most recent 256), so a rebuilt function keeps its globals between calls
 the way an imported module would.
@@ -191,6 +191,27 @@ def import_or_define(module_name: str, qualname: str, code: bytes | str) -> Any:
             "pickled out of that module's globals",
             name=module_name,
         )
+    return define(code)
+
+
+def define(code: bytes) -> Any:
+    """Rebuild an object from its code pickled by value, once: the same code gives the same object again.
+
+    The code of the user's modules and of frozen functions
+    (:mod:`rpcdl.code_cache`) arrives the same for every call that uses it;
+    the most recent 256 objects rebuilt are kept.
+
+    Args:
+        code: the object pickled by value.
+
+    Returns:
+        the object.
+
+    Example::
+
+        >>> define(pickle.dumps(len)) is len
+        True
+    """
     with _rebuilt_lock:
         found = _rebuilt.get(code)
     if found is None:

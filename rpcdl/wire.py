@@ -6,7 +6,7 @@ exchange frames::
     header   kind u8, flags u8, reserved u16, buffer count u32,
              call id u64, ref u64, payload length u64
     lengths  one u64 per out-of-band buffer
-    payload  pickled by the serialization layer (or raw bytes, for control frames)
+    payload  pickled by the serialization layer; control frames' own (:mod:`rpcdl.control`)
     buffers  out-of-band buffers, each received straight into its final memory
 
 Every length received is checked against :class:`Limits` before anything is
@@ -39,12 +39,12 @@ class Kind(enum.IntEnum):
     CALL = 1  #: client -> worker: run a function; ``ref`` is an RRef id to store the result under
     RESULT = 2  #: worker -> client: the pickled return value
     ERROR = 3  #: worker -> client: the pickled report of an exception
-    REJECTED = 4  #: worker -> client: the call was not run (worker shutting down); UTF-8 reason
-    RELEASE = 5  #: client -> worker: free RRefs; payload is a sequence of u64 ids
+    REJECTED = 4  #: worker -> client: the call was not run (worker shutting down); UTF-8 reason (see rpcdl.control)
+    RELEASE = 5  #: client -> worker: free RRefs; payload is a sequence of u64 ids (see rpcdl.control)
     PING = 6  #: either way: answered by a PONG with the same call id
     PONG = 7
     STATS = 8  #: client -> worker: ask for the counters
-    STATS_REPLY = 9  #: worker -> client: the counters as JSON
+    STATS_REPLY = 9  #: worker -> client: the counters as JSON (see rpcdl.control)
 
 
 MAX_MESSAGE_BYTES_ENV = "RPCDL_MAX_MESSAGE_BYTES"

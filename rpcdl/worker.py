@@ -12,12 +12,10 @@ a connection that misbehaves is logged in one line and closed.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import socket
 import ssl
-import struct
 import threading
 import time
 import weakref
@@ -29,7 +27,8 @@ import torch
 from . import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ._lifecycle import ExitPhase, at_exit
 from .address import format_address, is_loopback
-from .checks import check_positive_int, check_timeout
+from .checks import check_int, check_positive_int, check_timeout
+from .control import decode_release, encode_rejected, encode_stats
 from .errors import ConnectionLost, LimitExceeded, ProtocolError
 from .handshake import server_handshake
 from .rref import RRefStore
@@ -95,8 +94,7 @@ class Worker:
     ):
         if not isinstance(host, str):
             raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be an integer in 0..65535 (0 picks a free port), got {port!r}")
+        check_int(port, "port", minimum=0, maximum=65535, meaning="0 picks a free port")
         self.parallel = check_positive_int(parallel, "parallel", "calls run at once")
         self.timeout = check_timeout(timeout)
         self.limits = limits or Limits()
@@ -276,7 +274,7 @@ class Worker:
         if frame.kind == Kind.CALL:
             if self._draining:
                 self._counters.add(calls_rejected=1)
-                connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=b"the worker is shutting down"))
+                connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()))
                 return False
             if frame.ref:
                 self._store.expect(frame.ref, connection)
@@ -290,13 +288,12 @@ class Worker:
                     self._scheduler.notify()
             return False
         if frame.kind == Kind.RELEASE:
-            count = len(frame.payload) // 8
-            for uid in struct.unpack(f"!{count}Q", frame.payload[: count * 8]):
+            for uid in decode_release(frame.payload):
                 self._store.release(uid)
         elif frame.kind == Kind.PING:
             connection.send(Frame(Kind.PONG, frame.call_id))
         elif frame.kind == Kind.STATS:
-            connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=json.dumps(self.stats()).encode()))
+            connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(self.stats())))
         else:
             raise ProtocolError(f"a client may not send {frame.kind.name} frames")
         return False
@@ -325,7 +322,7 @@ class Worker:
                 if connection.closed:  # nobody to answer: do not run it
                     if frame.ref:
                         self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
-                    answer = Frame(Kind.REJECTED, frame.call_id)
+                    answer = Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
                 else:
                     answer = self._execute(connection, frame)
             finally:

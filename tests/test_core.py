@@ -22,6 +22,7 @@ import rpcdl
 import rpcdl.client
 from rpcdl.errors import RemoteError
 from rpcdl.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.processes import stop_process
 from rpcdl.wire import Frame, FrameReader, Kind, send_frame
 
 TESTS = Path(__file__).resolve().parent
@@ -38,16 +39,6 @@ def start_worker_process(*args: str, env: dict | None = None, code: str | None =
         process.kill()
         raise RuntimeError(f"worker did not start: {process.stderr.read()}")
     return process, address
-
-
-def stop(process: subprocess.Popen) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=30)
-    finally:
-        process.stdout.close()
-        process.stderr.close()
 
 
 def free_port() -> int:
@@ -67,7 +58,7 @@ def do(a):
 def seed_style_worker():
     process, address = start_worker_process(code="import rpcdl; rpcdl.run_worker('127.0.0.1', 0, 10)")
     yield address
-    assert stop(process) == 0
+    assert stop_process(process, grace=30) == 0
 
 
 def test_seed_example_rpc_async_returns_arguments_and_tensor(seed_style_worker):
@@ -266,7 +257,7 @@ def test_client_retries_until_the_worker_listens():
     try:
         assert future.wait() == 3
     finally:
-        assert stop(process) == 0
+        assert stop_process(process, grace=30) == 0
 
 
 # ---------------------------------------------------------------------------- load and size
@@ -378,7 +369,7 @@ def token_worker(tmp_path):
     env = {**os.environ, "RPCDL_TOKEN": "s3cret-token-value"}
     process, address = start_worker_process(env=env)
     yield address
-    assert stop(process) == 0
+    assert stop_process(process, grace=30) == 0
     stderr_path = tmp_path / "unused"
     assert not stderr_path.exists()
 
@@ -478,7 +469,7 @@ def test_sigterm_lets_the_running_call_finish(tmp_path):
         process.kill()
         raise AssertionError(f"the worker did not exit:\n{stacks}\n{process.stderr.read()}") from None
     assert code == 0, process.stderr.read()
-    stop(process)
+    stop_process(process, grace=30)
 
 
 def test_fork_child_uses_its_own_connection(two_workers):

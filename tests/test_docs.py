@@ -47,8 +47,9 @@ PUBLIC_NAMES = {
 DOCTEST_MODULES = [
     "rpcdl.address", "rpcdl.cache", "rpcdl.client", "rpcdl.dataloader", "rpcdl.dataset", "rpcdl.distributed",
     "rpcdl.errors", "rpcdl.local", "rpcdl.rref", "rpcdl.samplers", "rpcdl.security", "rpcdl.seeding",
-    "rpcdl.scheduling_policy", "rpcdl.serialization", "rpcdl.user_code", "rpcdl.handshake", "rpcdl.tls_stream",
-    "rpcdl.wire", "rpcdl.worker", "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
+    "rpcdl.scheduling_policy", "rpcdl.serialization", "rpcdl.user_code", "rpcdl.code_cache", "rpcdl.handshake",
+    "rpcdl.tls_stream", "rpcdl.wire", "rpcdl.control", "rpcdl.checks", "rpcdl.processes", "rpcdl.worker",
+    "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
 ]  # fmt: skip
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import json
 import operator
 import os
 import pickle
@@ -38,6 +37,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import rpcdl
+from rpcdl.control import decode_stats, encode_release
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
 from rpcdl.handshake import MAGIC, VERSION, client_handshake, server_handshake
 from rpcdl.security import Token
@@ -149,8 +149,7 @@ def valid_frames(draw) -> Piece:
     if choice == "stats":
         return Piece(_join(Frame(Kind.STATS, call_id)), "ok", Kind.STATS, call_id)
     uids = draw(st.lists(st.integers(0, 2**64 - 1), max_size=8))
-    payload = struct.pack(f"!{len(uids)}Q", *uids)
-    return Piece(_join(Frame(Kind.RELEASE, call_id, payload=payload)), "ok", Kind.RELEASE, call_id)
+    return Piece(_join(Frame(Kind.RELEASE, call_id, payload=encode_release(uids))), "ok", Kind.RELEASE, call_id)
 
 
 def _sizes(limit: int):
@@ -450,7 +449,7 @@ def _check_answers(stream: Stream, answers: list[Frame]) -> None:
     assert sorted(f.call_id for f in answers if f.kind == Kind.STATS_REPLY) == stats
     for frame in answers:
         if frame.kind == Kind.STATS_REPLY:
-            assert json.loads(frame.payload)["address"]
+            assert decode_stats(frame.payload)["address"]
         elif frame.kind == Kind.RESULT:
             value = loads(frame.payload, frame.buffers)
             assert any(_same(value, piece.expected) for piece in calls[frame.call_id]), value

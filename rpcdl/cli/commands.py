@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from ..processes import stop_processes
 from ..security import (
     TLS_CERT_ENV,
     TLS_KEY_ENV,
@@ -30,6 +31,8 @@ from .args import host_problem, log_level, new_file, port, positive_float, posit
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
 _PLUGGED_COMMANDS: list[str] = ["demo", "bench"]
+
+_CHILD_EXIT_MARGIN = 10.0  # seconds a worker process of --procs gets past its --grace before SIGKILL
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool = False) -> None:
@@ -188,10 +191,7 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     while not stop.wait(0.5):
         if any(child.poll() is not None for child in children):
             break
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    codes = [child.wait() for child in children]
+    codes = stop_processes(children, grace=args.grace + _CHILD_EXIT_MARGIN)
     return 0 if stop.received and all(code == 0 for code in codes) else 1
 
 

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..checks import check_int, check_number
+
 _SPLITS = ("train", "val", "all")
 
 
@@ -67,10 +69,8 @@ class DigitsDataset(Dataset):
             raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction!r}")
-        if isinstance(max_shift, bool) or not isinstance(max_shift, int) or not 0 <= max_shift < 4:
-            raise ValueError(f"max_shift must be an integer in 0..3 pixels, got {max_shift!r}")
-        if not noise_std >= 0:
-            raise ValueError(f"noise_std must be non-negative, got {noise_std!r}")
+        check_int(max_shift, "max_shift", minimum=0, maximum=3, meaning="pixels")
+        check_number(noise_std, "noise_std", minimum=0)
         images, labels = _load_digits()
         order = np.random.default_rng(split_seed).permutation(len(labels))
         n_val = round(len(labels) * val_fraction)

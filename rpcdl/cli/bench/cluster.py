@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ...checks import check_int
 from ...local import child_environment, read_ready_line, stop_process
 
 _NAME_PREFIX = "rpcdl"
@@ -122,8 +123,7 @@ class Cluster:
     """
 
     def __init__(self, hosts: int, rate: str | int | None = "10gbit"):
-        if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= 200:
-            raise ValueError(f"hosts must be an integer from 1 to 200, got {hosts!r}")
+        check_int(hosts, "hosts", minimum=1, maximum=200)
         self.rate = rate
         sequence = next(_clusters_made)
         self.tag = f"{os.getpid()}{chr(ord('a') + sequence % 26)}"  # links' names: at most 15 characters

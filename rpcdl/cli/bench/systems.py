@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...local import child_environment, stop_process
+from ...local import child_environment
+from ...processes import stop_process
 from .workloads import (
     LENGTH,
     PREFETCH,
@@ -27,6 +28,36 @@ from .workloads import (
 )
 
 # ---------------------------------------------------------------------------- systems
+
+
+def calls_in_a_window(count: int, window: int, call_async: Callable[[], Any]) -> None:
+    """Make ``count`` calls with ``call_async()``, at most ``window`` in flight: a sliding window.
+
+    Before each call past the window, the oldest call in flight is waited for;
+    then all are. This is the ``calls(count, window)`` capability of the
+    systems whose calls return futures.
+
+    Args:
+        count: how many calls.
+        window: how many may be in flight at once (at least 1).
+        call_async: starts one call and returns its future (anything with ``wait()``).
+
+    Example::
+
+        >>> import torch
+        >>> def done():
+        ...     future = torch.futures.Future()
+        ...     future.set_result(None)
+        ...     return future
+        >>> calls_in_a_window(10, 3, done)
+    """
+    in_flight: collections.deque = collections.deque()
+    for _ in range(count):
+        if len(in_flight) >= window:
+            in_flight.popleft().wait()
+        in_flight.append(call_async())
+    for future in in_flight:
+        future.wait()
 
 
 @dataclass
@@ -93,13 +124,7 @@ class RpcdlSystem(System):
         from ...client import rpc_async
 
         address = self.bench.worker_addresses(1)[0]
-        in_flight: collections.deque = collections.deque()
-        for _ in range(count):
-            if len(in_flight) >= window:
-                in_flight.popleft().wait()
-            in_flight.append(rpc_async(address, noop))
-        for future in in_flight:
-            future.wait()
+        calls_in_a_window(count, window, lambda: rpc_async(address, noop))
 
     def loader(self, spec: LoaderSpec) -> Any:
         from ...client import rpc_sync
