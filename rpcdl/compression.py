@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -61,7 +62,7 @@ WORTH = 0.8  #: "auto" compresses when that costs less than this share of sendin
 _SAMPLE_BYTES = 256 * 1024
 _SHRINK = 0.9  # a compressed buffer must be smaller than this share of the original
 _BLOCKED = 0.5  # share of a period spent in sends from which the link counts as the bottleneck
-INSTALL_HINT = "install lz4: pip install 'rpcdl[compression]' (or pip install lz4)"
+INSTALL_HINT = "pip install 'rpcdl[compression]' (or pip install lz4)"
 
 
 def lz4_available() -> bool:
@@ -100,8 +101,9 @@ def resolve_mode(mode: str | None = None) -> str:
 
 
 def negotiate(client_mode: str, client_decodes: bool, worker_mode: str) -> str:
-    """The mode a connection uses, from what the client wants and can do and the worker's mode."""
-    if not client_decodes or not lz4_available() or "off" in (client_mode, worker_mode):
+    """The mode a connection uses, from what the client wants and can do and the worker's resolved mode
+    (``"off"`` where the worker has no lz4)."""
+    if not client_decodes or "off" in (client_mode, worker_mode):
         return "off"
     return "on" if "on" in (client_mode, worker_mode) else "auto"
 
@@ -129,9 +131,19 @@ class Compressor:
     Args:
         mode: the negotiated mode, ``"off"``, ``"on"`` or ``"auto"``.
         loopback: whether the peer is on this machine (``"auto"`` then stays off).
+        clock: seconds, monotonic (the periods of ``"auto"``).
+
+    Example::
+
+        >>> compressor = Compressor("on")
+        >>> buffers, decoded_sizes = compressor.prepare([bytes(1 << 20)])
+        >>> decoded_sizes, len(buffers[0]) < 1 << 20
+        ([1048576], True)
     """
 
-    def __init__(self, mode: str, loopback: bool = False):
+    def __init__(self, mode: str, loopback: bool = False, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.negotiated = mode
         self.mode = mode
         self.active = mode == "on"
         self.reason = {"on": "asked for", "off": "off"}.get(mode, "measuring")
@@ -142,7 +154,7 @@ class Compressor:
         self.bytes_after = 0
         self.buffers_compressed = 0
         self.link_rate: float | None = None  # bytes/s, when sending was the bottleneck
-        self._period_start = time.monotonic()
+        self._period_start = clock()
         self._sent_bytes = 0
         self._send_seconds = 0.0
         self._sample_in = self._sample_out = 0
@@ -192,7 +204,7 @@ class Compressor:
         with self._lock:
             self._sent_bytes += wire_bytes
             self._send_seconds += seconds
-            now = time.monotonic()
+            now = self._clock()
             period = now - self._period_start
             if period >= EVALUATE_EVERY:
                 self._evaluate(period)
@@ -201,7 +213,7 @@ class Compressor:
                 self._send_seconds = 0.0
 
     def _sample(self, view: Any) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if self.mode != "auto" or now - self._sampled_at < SAMPLE_EVERY:
             return
         self._sampled_at = now
@@ -237,6 +249,7 @@ class Compressor:
         """What this connection chose and how it went, for :func:`rpcdl.stats`."""
         with self._lock:
             return {
+                "negotiated": self.negotiated,
                 "mode": self.mode,
                 "active": self.active,
                 "reason": self.reason,
