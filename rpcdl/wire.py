@@ -165,7 +165,7 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in frame.buffers]
     lengths = struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
     if frame.flags & COMPRESSED:
-        lengths += struct.pack(f"!{len(views)}Q", *frame.decoded_sizes)
+        lengths += struct.pack(f"!{len(views)}Q", *(frame.decoded_sizes or [0] * len(views)))
     head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(frame.payload))
     if len(frame.payload) <= _INLINE_PAYLOAD:
         return [head + lengths + bytes(frame.payload), *views]
