@@ -288,3 +288,53 @@ def test_a_hostile_worker_cannot_make_the_client_allocate_a_huge_decompressed_bu
         thread.join(10)
         listener.close()
     assert not thread.is_alive()
+
+
+# ---------------------------------------------------------------------------- across a real link
+
+CLUSTER_TOKEN = "compression-cluster-token"
+
+
+class NoiseDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(np.random.default_rng(index).integers(0, 256, 3 * 96 * 96, dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two worker hosts on 1 Gbit/s links: one worker with compression on, one with 'auto'."""
+    from rpcdl.cli.bench.cluster import Cluster, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"no cluster in a box here: {reason}")
+    token_file = tmp_path_factory.mktemp("cluster") / "token"
+    token_file.write_text(CLUSTER_TOKEN)
+    with Cluster(2, rate="1gbit") as box:
+        box.workers = [
+            box.start_worker(i, "--token-file", str(token_file), "--log-level", "WARNING", "--compression", mode)
+            for i, mode in enumerate(("on", "auto"))
+        ]
+        yield box
+    rpcdl.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_compressible_batches_cross_a_1gbit_link_compressed_and_exact(cluster, client_mode, monkeypatch):
+    client_mode("auto")
+    monkeypatch.setenv("RPCDL_TOKEN", CLUSTER_TOKEN)
+    on, auto = cluster.workers
+    loader = rpcdl.RPCDataloader(rpcdl.RPCDataset([on], ImageDataset, 64), batch_size=16)
+    for _ in range(2):
+        assert torch.equal(torch.cat(list(loader)), smooth_images(64))
+    state = rpcdl.stats(on)["compression"]
+    assert state["active"] and state["negotiated"] == "on" and state["ratio"] < 0.7, state
+    noise = rpcdl.RPCDataloader(rpcdl.RPCDataset([auto], NoiseDataset), batch_size=16)
+    expected = torch.stack([NoiseDataset()[i] for i in range(64)])
+    assert torch.equal(torch.cat(list(noise)), expected)
+    state = rpcdl.stats(auto)["compression"]
+    assert (state["negotiated"], state["mode"]) == ("auto", "auto")  # not loopback: auto measures
+    assert not state["active"] and state["buffers_compressed"] == 0, state
