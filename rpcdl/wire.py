@@ -261,6 +261,7 @@ class FrameReader:
     ):
         self._sock = sock
         self._decompress = decompress
+        self._compressed = bytearray()
         self._limits = limits
         self._stall_timeout = stall_timeout
         self._buffer = bytearray(chunk_size)
@@ -327,20 +328,26 @@ class FrameReader:
         buffers = []
         for size, decoded_size in zip(sizes, decoded, strict=True):
             if decoded_size:
-                packed = bytearray(size)
-                self._read_into(memoryview(packed))
+                packed = self._scratch(size)
+                self._read_into(packed)
+                buffer = allocate(call_id, decoded_size)
                 try:
-                    unpacked = compression.decompress(packed, decoded_size)
+                    compression.decompress_into(packed, buffer)
                 except ValueError as exc:
                     raise ProtocolError(str(exc)) from None
-                del packed
-                buffer = allocate(call_id, decoded_size)
-                memoryview(buffer).cast("B")[:] = unpacked
+                finally:
+                    packed.release()
             else:
                 buffer = allocate(call_id, size)
                 self._read_into(memoryview(buffer).cast("B"))
             buffers.append(buffer)
         return Frame(kind, call_id, ref, payload, buffers, flags)
+
+    def _scratch(self, size: int) -> memoryview:
+        """``size`` bytes of memory reused for compressed buffers (decoded into their own memory)."""
+        if len(self._compressed) < size:
+            self._compressed = bytearray(size)
+        return memoryview(self._compressed)[:size]
 
     def _read_u64s(self, count: int) -> tuple[int, ...]:
         raw = bytearray(8 * count)

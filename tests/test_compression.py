@@ -255,7 +255,11 @@ def test_a_compressed_buffer_that_decodes_to_another_size_is_a_protocol_error():
     frame.flags |= COMPRESSED
     frame.decoded_sizes[0] += 1  # a lie about the size
     allocated, outcome = _read_one(b"".join(bytes(piece) for piece in encode_frame(frame)))
-    assert isinstance(outcome, ProtocolError) and allocated == []
+    assert isinstance(outcome, ProtocolError) and "decodes to 1048576 bytes, not the 1048577" in str(outcome)
+    corrupt = bytearray(b"".join(bytes(piece) for piece in encode_frame(frame)))
+    corrupt[-200:] = bytes(200)
+    allocated, outcome = _read_one(bytes(corrupt))
+    assert isinstance(outcome, ProtocolError) and "corrupt" in str(outcome)
     frame.decoded_sizes[0] -= 1
     data = b"".join(bytes(piece) for piece in encode_frame(frame))
     allocated, outcome = _read_one(data, decompress=False)  # compression was not negotiated
@@ -338,3 +342,22 @@ def test_compressible_batches_cross_a_1gbit_link_compressed_and_exact(cluster, c
     state = rpcdl.stats(auto)["compression"]
     assert (state["negotiated"], state["mode"]) == ("auto", "auto")  # not loopback: auto measures
     assert not state["active"] and state["buffers_compressed"] == 0, state
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["into-final-memory", "python-lz4-then-copy"])
+def test_decompress_into_fills_the_final_memory_exactly(monkeypatch, native):
+    from rpcdl import compression
+
+    if not native:
+        monkeypatch.setattr(compression, "_decompress_safe", None)
+    elif compression._decompress_safe is None:
+        pytest.skip("this lz4 build does not export LZ4_decompress_safe")
+    images = smooth_images(8).reshape(-1).numpy()
+    (packed,), (size,) = Compressor("on").prepare([images])
+    target = torch.empty(size, dtype=torch.uint8).numpy()
+    compression.decompress_into(bytearray(packed), target)
+    assert np.array_equal(target, images)
+    with pytest.raises(ValueError, match="not the"):
+        compression.decompress_into(bytearray(packed), np.empty(size + 1, dtype=np.uint8))
+    with pytest.raises(ValueError, match="corrupt"):
+        compression.decompress_into(bytearray(len(packed)), target)
