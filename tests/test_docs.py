@@ -48,7 +48,7 @@ DOCTEST_MODULES = [
     "rpcdl.address", "rpcdl.cache", "rpcdl.client", "rpcdl.dataloader", "rpcdl.dataset", "rpcdl.distributed",
     "rpcdl.errors", "rpcdl.local", "rpcdl.rref", "rpcdl.samplers", "rpcdl.security", "rpcdl.seeding",
     "rpcdl.scheduling_policy", "rpcdl.serialization", "rpcdl.user_code", "rpcdl.handshake", "rpcdl.tls_stream",
-    "rpcdl.wire", "rpcdl.worker", "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
+    "rpcdl.wire", "rpcdl.compression", "rpcdl.worker", "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
 ]  # fmt: skip
 
 
