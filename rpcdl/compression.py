@@ -13,23 +13,25 @@ or a peer that predates compression and so sets neither flag) or either asks for
 ``"off"``; else on when either asks for ``"on"``; else ``"auto"``.
 
 What is compressed: only answers (worker -> client), and of them only
-out-of-band buffers (tensors, arrays) of at least :data:`MIN_BYTES`, each on its
+out-of-band buffers (tensors, arrays) of at least 64 KiB (``MIN_BYTES``), each on its
 own with ``lz4.block``; a buffer that does not shrink by a tenth goes raw. A
 frame flag and a per-buffer decoded size tell the receiver which (see
 :mod:`rpcdl.wire`), whose limits apply to the compressed and to the decoded
-sizes before it allocates.
+sizes before it allocates. The receiver decodes each buffer straight into the
+memory its tensor will live in (lz4's ``LZ4_decompress_safe``, from the lz4
+package's own extension; where that symbol is missing, lz4's Python API and a copy).
 
 ``"auto"`` compresses where it pays, judged from two measurements, re-evaluated
-every :data:`EVALUATE_EVERY` seconds:
+every half second (``EVALUATE_EVERY``):
 
 * the link's rate: bytes sent / seconds spent in sends, counted only over
   periods when sending was the bottleneck (sends blocked most of the time),
   so a fast link whose sends return at once never gets an estimate;
 * lz4's ratio and speed on this data: the compressed buffers themselves when
-  on, else a slice of one buffer every :data:`SAMPLE_EVERY` seconds.
+  on, else a slice of one buffer every 0.1 s (``SAMPLE_EVERY``).
 
 Sending ``n`` bytes costs ``n / rate`` raw and ``n / speed + n * ratio / rate``
-compressed; it compresses when the latter is below :data:`WORTH` times the
+compressed; it compresses when the latter is below 0.8 (``WORTH``) times the
 former. On a loopback connection ``"auto"`` stays off: there is no link to save.
 
 Threading: one :class:`Compressor` per worker connection; any thread sending an
