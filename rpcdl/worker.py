@@ -193,6 +193,8 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """The worker's counters, as :func:`rpcdl.stats` returns them."""
         c = self._counters
+        with self._connections_lock:  # not under the counters' lock: _forget takes this one first
+            compressing = sum(connection.compressor.active for connection in self._connections)
         with c.lock:
             return {
                 "address": self.address,
@@ -213,6 +215,8 @@ class Worker:
                 "draining": self._draining,
                 "tls": self._ssl is not None,
                 "authenticated": self._token is not None,
+                "compression_mode": self.compression,
+                "connections_compressing": compressing,
             }
 
     # ------------------------------------------------------------------ threads

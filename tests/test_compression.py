@@ -151,7 +151,9 @@ def test_a_compressible_batch_round_trips_bit_exact(spawn_workers, client_mode, 
     expected = smooth_images(64)
     batches = list(loader)
     assert torch.equal(torch.cat(batches), expected)
-    state = rpcdl.stats(workers[0])["compression"]
+    stats = rpcdl.stats(workers[0])
+    assert (stats["compression_mode"], stats["connections_compressing"]) == ("on", 1)
+    state = stats["compression"]
     assert state["active"] and state["buffers_compressed"] >= 4
     assert state["ratio"] < 0.7, state
     mixed = {"small": torch.arange(10), "floats": torch.linspace(0, 1, 1 << 17), "noise": random_bytes(1 << 18)}
