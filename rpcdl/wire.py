@@ -324,6 +324,9 @@ class FrameReader:
                     f"is {self._limits.max_message_bytes} ({MAX_MESSAGE_BYTES_ENV})",
                     call_id,
                 )
+        largest = compression.MAX_BYTES
+        if compressed and any(d and max(s, d) > largest for s, d in zip(sizes, decoded, strict=True)):
+            raise ProtocolError(f"a compressed buffer announces more than lz4's largest block ({largest} bytes)")
         payload = self._read_payload(payload_size)
         buffers = []
         for size, decoded_size in zip(sizes, decoded, strict=True):

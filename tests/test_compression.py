@@ -233,7 +233,7 @@ def _read_one(data: bytes, decompress: bool = True) -> tuple[list[int], Frame | 
     try:
         theirs.sendall(data)
         theirs.shutdown(socket.SHUT_WR)
-        reader = FrameReader(ours, Limits(max_message_bytes=1 << 30), stall_timeout=5.0, decompress=decompress)
+        reader = FrameReader(ours, Limits(max_message_bytes=1 << 32), stall_timeout=5.0, decompress=decompress)
         try:
             return allocated, reader.read_frame(allocate)
         except Exception as exc:
@@ -249,6 +249,8 @@ def test_a_compressed_frame_claiming_a_huge_size_is_refused_before_allocating():
     assert "decompressed" in str(outcome) and "RPCDL_MAX_MESSAGE_BYTES" in str(outcome)
     allocated, outcome = _read_one(_compressed_frame_bytes([1 << 40], [100]))  # the compressed length too
     assert isinstance(outcome, FrameTooLarge) and allocated == []
+    allocated, outcome = _read_one(_compressed_frame_bytes([100], [(1 << 31) + 1]))  # within limits, past lz4's
+    assert isinstance(outcome, ProtocolError) and "largest block" in str(outcome) and allocated == []
 
 
 def test_a_compressed_buffer_that_decodes_to_another_size_is_a_protocol_error():
