@@ -7,9 +7,20 @@ each link rate, every system moves the same batches of 64 x uint8[3, 224, 224]
 after round, interleaved; the table gives medians in MB/s and rpcdl's ratio to
 each other system of the same run. Needs root and iproute2.
 
+``--cases compression`` measures lz4 compression (:mod:`rpcdl.compression`):
+compressible batches (:class:`~rpcdl.cli.bench.workloads.SmoothImageDataset`,
+drawn once, about 3x with lz4) at 1 Gbit/s with rpcdl workers started with
+``--compression off``, ``on`` and ``auto``, beside a raw socket moving the same
+number of (uncompressed) bytes, which is the link's raw rate (one worker host,
+one link: on a small machine two would compete for its cores); and the
+incompressible batches at 10 Gbit/s with ``auto`` against ``off``: there
+``auto`` must cost nothing. MB/s count the bytes of the batches delivered,
+decompressed.
+
 Example::
 
     sudo python benchmarks/links.py --rates 10gbit 1gbit --rounds 5 --json links.json
+    sudo python benchmarks/links.py --cases compression --rounds 5
 """
 
 from __future__ import annotations
@@ -30,7 +41,15 @@ from pathlib import Path
 import rpcdl
 from rpcdl.cli.bench.cluster import Cluster, Host, unavailable
 from rpcdl.cli.bench.pki import make_ca, make_certificate
-from rpcdl.cli.bench.workloads import IMAGE_BATCH, IMAGE_BATCH_BYTES, LENGTH, REQUEST, ImageDataset, recv_exact_into
+from rpcdl.cli.bench.workloads import (
+    IMAGE_BATCH,
+    IMAGE_BATCH_BYTES,
+    LENGTH,
+    REQUEST,
+    ImageDataset,
+    SmoothImageDataset,
+    recv_exact_into,
+)
 from rpcdl.local import child_environment, stop_process
 
 TOKEN = "links-benchmark-token"
@@ -139,34 +158,115 @@ class Systems:
         return self._epoch(self.rpcdataloader_loader)
 
     def measure_socket(self) -> float:
-        """One raw TCP stream from each host at once, the same bytes per host as the loaders move."""
-        import socket
+        return socket_rate(self.cluster, self.batches)
 
-        connections = []
-        for host in self.cluster.hosts:
-            port = int(_start(host, [sys.executable, "-c", _SOCKET_PEER, host.address]))
-            connections.append(socket.create_connection((host.address, port), timeout=60))
 
-        def drain(connection: socket.socket) -> None:
-            header = memoryview(bytearray(LENGTH.size))
-            target = memoryview(bytearray(IMAGE_BATCH_BYTES))
-            connection.sendall(REQUEST.pack(b"S", IMAGE_BATCH_BYTES, self.batches))
-            for _ in range(self.batches):
-                recv_exact_into(connection, header)
-                recv_exact_into(connection, target)
+def socket_rate(cluster: Cluster, batches: int) -> float:
+    """One raw TCP stream from each host at once, ``batches`` image batches per host; MB/s."""
+    import socket
 
-        threads = [
-            threading.Thread(target=drain, args=(c,), name=f"links-drain-{i}") for i, c in enumerate(connections)
-        ]
+    connections = []
+    for host in cluster.hosts:
+        port = int(_start(host, [sys.executable, "-c", _SOCKET_PEER, host.address]))
+        connections.append(socket.create_connection((host.address, port), timeout=60))
+
+    def drain(connection: socket.socket) -> None:
+        header = memoryview(bytearray(LENGTH.size))
+        target = memoryview(bytearray(IMAGE_BATCH_BYTES))
+        connection.sendall(REQUEST.pack(b"S", IMAGE_BATCH_BYTES, batches))
+        for _ in range(batches):
+            recv_exact_into(connection, header)
+            recv_exact_into(connection, target)
+
+    threads = [threading.Thread(target=drain, args=(c,), name=f"links-drain-{i}") for i, c in enumerate(connections)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    for connection in connections:
+        connection.close()
+    return len(connections) * batches * IMAGE_BATCH_BYTES / elapsed / 1e6
+
+
+class CompressionRun:
+    """rpcdl workers started with each ``--compression`` mode on every host, and a loader over each."""
+
+    def __init__(self, cluster: Cluster, directory: Path, batches: int, dataset: type, modes: list[str]):
+        token_file = directory / "token"
+        token_file.write_text(TOKEN)
+        options = ["--token-file", str(token_file), "--log-level", "WARNING"]
+        length = batches * IMAGE_BATCH * len(cluster.hosts)
+        self.workers: dict[str, list[str]] = {}
+        self.loaders: dict[str, rpcdl.RPCDataloader] = {}
+        for mode in modes:
+            self.workers[mode] = [cluster.start_worker(h.index, *options, "--compression", mode) for h in cluster.hosts]
+            dataset_here = rpcdl.RPCDataset(self.workers[mode], dataset, length)
+            self.loaders[mode] = rpcdl.RPCDataloader(dataset_here, batch_size=IMAGE_BATCH)
+
+    def measure(self, mode: str) -> float:
         started = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        elapsed = time.perf_counter() - started
-        for connection in connections:
-            connection.close()
-        return len(connections) * self.batches * IMAGE_BATCH_BYTES / elapsed / 1e6
+        count = sum(1 for _ in self.loaders[mode])
+        return count * IMAGE_BATCH_BYTES / (time.perf_counter() - started) / 1e6
+
+    def states(self, mode: str) -> list[dict]:
+        """What each worker's connection to this process chose (``rpcdl.stats(...)["compression"]``)."""
+        return [rpcdl.stats(worker)["compression"] for worker in self.workers[mode]]
+
+    def close(self) -> None:
+        for loader in self.loaders.values():
+            loader.dataset.release()
+        rpcdl.shutdown()
+
+
+COMPRESSION_HOSTS = 1  # one link: on a small machine two hosts' compression and decompression compete for its cores
+COMPRESSION_CASES = (  # (link, dataset, modes)
+    ("1gbit", SmoothImageDataset, ["off", "on", "auto"]),
+    ("10gbit", ImageDataset, ["off", "auto"]),
+)
+
+
+def run_compression(rate: str, dataset: type, modes: list[str], rounds: int, batches: int) -> dict:
+    samples: dict[str, list[float]] = {name: [] for name in [*modes, "socket"]}
+    with tempfile.TemporaryDirectory() as directory, Cluster(COMPRESSION_HOSTS, rate=rate) as cluster:
+        run = CompressionRun(cluster, Path(directory), batches, dataset, modes)
+        measures: dict[str, Callable[[], float]] = {mode: (lambda m=mode: run.measure(m)) for mode in modes}
+        measures["socket"] = lambda: socket_rate(cluster, batches)
+        for measure in measures.values():  # warm-up; 'auto' decides
+            measure()
+        for round_ in range(rounds):
+            for name, measure in measures.items():
+                samples[name].append(measure())
+            print(
+                f"  {rate} {dataset.__name__} round {round_ + 1}: "
+                + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in samples.items())
+            )
+        states = {mode: run.states(mode) for mode in modes}
+        run.close()
+    return {
+        "samples_mb_s": samples,
+        "median_mb_s": {n: statistics.median(v) for n, v in samples.items()},
+        "states": states,
+    }
+
+
+def print_compression(results: dict) -> None:
+    print("\nCompression: MB/s of batches delivered (decompressed), medians; socket = the link's raw rate")
+    columns = [("link", 8), ("data", 18), ("off", 6), ("on", 6), ("auto", 6), ("socket", 6), ("on/socket", 9)]
+    print("  ".join(f"{name:>{width}}" for name, width in [*columns, ("auto/off", 8)]))
+    for key, result in results.items():
+        rate, data = key.split(" ")
+        m = result["median_mb_s"]
+        on = f"{m['on']:>6,.0f}" if "on" in m else f"{'-':>6}"
+        on_socket = f"{m['on'] / m['socket']:>9.2f}" if "on" in m else f"{'-':>9}"
+        print(
+            f"{rate:>8}  {data:>18}  {m['off']:>6,.0f}  {on}  {m['auto']:>6,.0f}  {m['socket']:>6,.0f}  "
+            f"{on_socket}  {m['auto'] / m['off']:>8.2f}"
+        )
+        for mode, states in result["states"].items():
+            chosen = "; ".join(f"{s['mode']} active={s['active']} ratio={s['ratio']} ({s['reason']})" for s in states)
+            print(f"{'':>10}{mode}: {chosen}")
 
 
 def run_rate(rate: str, rounds: int, batches: int) -> dict[str, list[float]]:
@@ -195,13 +295,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per rate (default: %(default)s)")
     parser.add_argument("--batches", type=int, default=12, help="batches per host per round (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="save the samples and medians")
+    parser.add_argument(
+        "--cases", nargs="+", choices=["systems", "compression"], default=["systems", "compression"],
+        help="what to measure: the systems side by side at --rates, and/or compression (default: both)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason is not None:
         print(f"links: cannot make a cluster in a box: {reason}", file=sys.stderr)
         return 2
     os.environ["RPCDL_TOKEN"] = TOKEN  # the trainer's side of the token the workers were given
-    results = {}
+    results: dict = {}
+    if "compression" in args.cases:
+        compression = {}
+        for rate, dataset, modes in COMPRESSION_CASES:
+            compression[f"{rate} {dataset.__name__}"] = run_compression(rate, dataset, modes, args.rounds, args.batches)
+        print_compression(compression)
+        results["compression"] = compression
+    if "systems" not in args.cases:
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     for rate in args.rates:
         samples = run_rate(rate, args.rounds, args.batches)
         medians = {name: statistics.median(values) for name, values in samples.items()}
@@ -210,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'link':>8}  {'rpcdl':>7}  {'TLS':>7}  {'rpcdataloader':>13}  {'socket':>7}  ", end="")
     print(f"{'/socket':>7}  {'/rpcdataloader':>14}  {'TLS/plain':>9}")
     for rate, result in results.items():
+        if rate == "compression":
+            continue
         m = result["median_mb_s"]
         print(
             f"{rate:>8}  {m['rpcdl']:>7,.0f}  {m['rpcdl TLS']:>7,.0f}  {m['rpcdataloader']:>13,.0f}  "

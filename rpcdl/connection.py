@@ -31,6 +31,7 @@ from . import buffers, held
 from ._lifecycle import in_forked_child
 from .address import parse_address
 from .calls import Call
+from .compression import resolve_mode
 from .control import decode_rejected, decode_stats, encode_release
 from .dial import dial
 from .errors import (
@@ -131,6 +132,8 @@ class Connection:
         self._ssl = ssl_context
         self._io_timeout = timeout
         self._limits = Limits()
+        # asked for (RPCDL_COMPRESSION; "on" without lz4 raises here), then, once connected, what the worker chose
+        self.compression = resolve_mode()
         self._cond = threading.Condition(threading.Lock())
         self._send_lock = threading.Lock()
         self._pending: dict[int, Call] = {}
@@ -408,7 +411,7 @@ class Connection:
                     sock.close()
                     return
                 self._sock = sock
-                self._reader = FrameReader(sock, self._limits, stall_timeout=self._io_timeout)
+                self._reader = FrameReader(sock, self._limits, self._io_timeout, decompress=self.compression != "off")
                 self._ready = True
                 queued, self._queued = self._queued, []
                 self._cond.notify_all()
@@ -464,10 +467,10 @@ class Connection:
                 self._read_once()
 
     def _connect(self) -> socket.socket:
-        sock = dial(
+        sock, self.compression = dial(
             self.address, self.host, self.port, self._token, self._ssl,
             handshake_timeout=self._limits.handshake_timeout, grace=self._grace, failed=self._connect_failed,
-            pause=self._pause,
+            pause=self._pause, compression=self.compression,
         )  # fmt: skip
         return io_stream(sock, receive=_IDLE_TICK, send=self._io_timeout)
 

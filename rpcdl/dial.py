@@ -102,7 +102,8 @@ def dial(
     grace: float,
     failed: Callable[[OSError], float],
     pause: Callable[[float], None] = time.sleep,
-) -> socket.socket:
+    compression: str | None = None,
+) -> tuple[socket.socket, str]:
     """Connect to the worker at ``address`` and run the handshake, retrying as the module docstring says.
 
     Args:
@@ -118,9 +119,11 @@ def dial(
             or raises to stop.
         pause: waits that many seconds between attempts (the caller may cut
             the wait short; ``failed`` then stops the retries).
+        compression: the compression mode to ask for (see :mod:`rpcdl.compression`).
 
     Returns:
-        The connected socket, handshake done, TCP_NODELAY set.
+        The connected socket, handshake done, TCP_NODELAY set, and the
+        compression mode the worker chose.
 
     Raises:
         WorkerUnavailable: refused for ``grace`` seconds, or unreachable until
@@ -141,9 +144,10 @@ def dial(
                 in_tls_handshake = True
                 sock = ssl_context.wrap_socket(sock, server_hostname=host)
                 in_tls_handshake = False
-            client_handshake(sock, token, address, answer_timeout=min(HELLO_ANSWER_TIMEOUT, handshake_timeout))
+            answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
+            chosen = client_handshake(sock, token, address, answer_timeout=answer_timeout, compression=compression)
             _warned.discard(address)
-            return sock
+            return sock, chosen
         except ssl.SSLCertVerificationError as exc:
             _close_quietly(sock)
             raise AuthenticationError(

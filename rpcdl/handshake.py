@@ -7,6 +7,12 @@
     client -> worker   proof    HMAC(token, "rpcdl-client" + worker nonce + client nonce)
     worker -> client   verdict  status byte, message
 
+The flags byte of the hello says whether the client has a token, whether it can
+decode lz4 and which compression mode it wants; that of the welcome says whether
+the worker has a token and the compression mode the connection uses (see
+:mod:`rpcdl.compression`). A peer that predates compression leaves those bits
+zero, which means off.
+
 Proofs are HMAC-SHA256 on the shared token, so each side learns whether the other
 holds it without the token ever crossing the wire; without a token they are zeros.
 A peer that answers the hello with anything else is named for what it seems to be
@@ -21,6 +27,7 @@ import os
 import socket
 import struct
 
+from .compression import lz4_available, negotiate, resolve_mode
 from .errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError
 from .security import Token
 
@@ -33,6 +40,14 @@ _WELCOME = struct.Struct("!6sHB32s32s")
 _VERDICT = struct.Struct("!BH")
 _MAX_VERDICT_MESSAGE = 1024
 _HAS_TOKEN = 1
+_DECODES_LZ4 = 2  # hello: the client can decompress lz4
+_MODE_SHIFT = 2  # hello: the mode the client wants; welcome: the mode the connection uses
+_MODE_BITS = {"off": 0, "on": 1, "auto": 2}
+_MODE_NAMES = {bits: name for name, bits in _MODE_BITS.items()}
+
+
+def _mode_of(flags: int) -> str:
+    return _MODE_NAMES.get((flags >> _MODE_SHIFT) & 3, "off")
 
 
 def _recv_exact(sock: socket.socket, size: int, what: str) -> bytes:
@@ -85,7 +100,13 @@ def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) 
     return first
 
 
-def client_handshake(sock: socket.socket, token: Token | None, peer: str, answer_timeout: float | None = None) -> None:
+def client_handshake(
+    sock: socket.socket,
+    token: Token | None,
+    peer: str,
+    answer_timeout: float | None = None,
+    compression: str | None = None,
+) -> str:
     """Run the client side of the handshake on a connected socket.
 
     Args:
@@ -94,6 +115,12 @@ def client_handshake(sock: socket.socket, token: Token | None, peer: str, answer
         peer: ``"host:port"`` of the worker, for messages.
         answer_timeout: seconds the peer may take to start answering the hello
             (rpcdl workers answer at once); ``None``: the socket's timeout.
+        compression: the mode this client asks for (``None``: ``RPCDL_COMPRESSION``,
+            else ``"auto"``; see :mod:`rpcdl.compression`).
+
+    Returns:
+        the compression mode the worker chose for this connection: ``"off"``,
+        ``"on"`` or ``"auto"``.
 
     Raises:
         ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
@@ -103,6 +130,7 @@ def client_handshake(sock: socket.socket, token: Token | None, peer: str, answer
     """
     client_nonce = os.urandom(_NONCE_BYTES)
     flags = _HAS_TOKEN if token is not None else 0
+    flags |= (_DECODES_LZ4 if lz4_available() else 0) | _MODE_BITS[resolve_mode(compression)] << _MODE_SHIFT
     sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
     first = _first_answer(sock, peer, answer_timeout)
     welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
@@ -132,10 +160,21 @@ def client_handshake(sock: socket.socket, token: Token | None, peer: str, answer
         raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
     if status != 0:
         raise AuthenticationError(f"worker {peer} refused the connection: {message}")
+    return _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
 
 
-def server_handshake(sock: socket.socket, token: Token | None, peer: str) -> None:
+def server_handshake(sock: socket.socket, token: Token | None, peer: str, compression: str = "off") -> str:
     """Run the worker side of the handshake on an accepted socket.
+
+    Args:
+        sock: the accepted socket (its timeout bounds each read of the handshake).
+        token: the shared secret, or ``None``.
+        peer: ``"host:port"`` of the client, for messages.
+        compression: the worker's compression mode, resolved (see
+            :func:`rpcdl.compression.resolve_mode`).
+
+    Returns:
+        the compression mode of this connection, as the welcome told the client.
 
     The verdict is sent to the client before an error is raised here, so both
     sides know why a connection was refused.
@@ -148,7 +187,8 @@ def server_handshake(sock: socket.socket, token: Token | None, peer: str) -> Non
     if magic != MAGIC:
         raise ProtocolError(f"{peer} is not an rpcdl client (bad magic bytes)")
     worker_nonce = os.urandom(_NONCE_BYTES)
-    flags = _HAS_TOKEN if token is not None else 0
+    mode = negotiate(_mode_of(client_flags), bool(client_flags & _DECODES_LZ4), compression)
+    flags = (_HAS_TOKEN if token is not None else 0) | _MODE_BITS[mode] << _MODE_SHIFT
     proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
     sock.sendall(_WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
     if version != VERSION:
@@ -167,6 +207,7 @@ def server_handshake(sock: socket.socket, token: Token | None, peer: str) -> Non
     _send_verdict(sock, reason)
     if reason:
         raise AuthenticationError(f"refused {peer}: {reason}")
+    return mode
 
 
 def _send_verdict(sock: socket.socket, reason: str) -> None:

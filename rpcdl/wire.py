@@ -5,12 +5,14 @@ exchange frames::
 
     header   kind u8, flags u8, reserved u16, buffer count u32,
              call id u64, ref u64, payload length u64
-    lengths  one u64 per out-of-band buffer
+    lengths  one u64 per out-of-band buffer: its size on the wire
+    decoded  only with the COMPRESSED flag: one u64 per buffer, its size once
+             decompressed (lz4, see :mod:`rpcdl.compression`), 0 for one sent raw
     payload  pickled by the serialization layer; control frames' own (:mod:`rpcdl.control`)
     buffers  out-of-band buffers, each received straight into its final memory
 
-Every length received is checked against :class:`Limits` before anything is
-allocated; the sender checks its own frames first (:meth:`Limits.check_outgoing`).
+Every length received, compressed and decoded, is checked against :class:`Limits`
+before anything is allocated; the sender checks its own frames first (:meth:`Limits.check_outgoing`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import compression
 from .errors import ConnectionLost, FrameTooLarge, LimitExceeded, ProtocolError
 from .tls_stream import TLSStream
 
 _HEADER = struct.Struct("!BBHIQQQ")
 _INLINE_PAYLOAD = 64 * 1024
 _IOV_MAX = 1024
+COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
 
 
 class Kind(enum.IntEnum):
@@ -147,6 +151,7 @@ class Frame:
     payload: bytes | bytearray | memoryview = b""
     buffers: list[Any] = field(default_factory=list)
     flags: int = 0
+    decoded_sizes: list[int] | None = None  #: with the COMPRESSED flag: each buffer's decoded size, 0 if raw
 
 
 # ---------------------------------------------------------------------------- handshake
@@ -159,6 +164,8 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     """
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in frame.buffers]
     lengths = struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
+    if frame.flags & COMPRESSED:
+        lengths += struct.pack(f"!{len(views)}Q", *(frame.decoded_sizes or [0] * len(views)))
     head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(frame.payload))
     if len(frame.payload) <= _INLINE_PAYLOAD:
         return [head + lengths + bytes(frame.payload), *views]
@@ -240,10 +247,21 @@ class FrameReader:
         stall_timeout: seconds the peer may go without sending a byte in the
             middle of a frame.
         chunk_size: size of the receive buffer.
+        decompress: whether compressed frames are accepted (the connection
+            negotiated compression); otherwise one is a protocol error.
     """
 
-    def __init__(self, sock: socket.socket, limits: Limits, stall_timeout: float, chunk_size: int = 256 * 1024):
+    def __init__(
+        self,
+        sock: socket.socket,
+        limits: Limits,
+        stall_timeout: float,
+        chunk_size: int = 256 * 1024,
+        decompress: bool = False,
+    ):
         self._sock = sock
+        self._decompress = decompress
+        self._compressed = bytearray()
         self._limits = limits
         self._stall_timeout = stall_timeout
         self._buffer = bytearray(chunk_size)
@@ -291,24 +309,53 @@ class FrameReader:
                 f"({MAX_MESSAGE_BYTES_ENV})",
                 call_id,
             )
+        compressed = bool(flags & COMPRESSED)
+        if compressed and not self._decompress:
+            raise ProtocolError("the peer sent a compressed frame on a connection that did not negotiate compression")
         sizes: tuple[int, ...] = ()
+        decoded: tuple[int, ...] = ()
         if count:
-            sizes_raw = bytearray(8 * count)
-            self._read_into(memoryview(sizes_raw))
-            sizes = struct.unpack(f"!{count}Q", sizes_raw)
-        if payload_size + sum(sizes) > self._limits.max_message_bytes:
-            raise FrameTooLarge(
-                f"frame announces {payload_size + sum(sizes)} bytes, the limit is {self._limits.max_message_bytes} "
-                f"({MAX_MESSAGE_BYTES_ENV})",
-                call_id,
-            )
+            sizes = self._read_u64s(count)
+            decoded = self._read_u64s(count) if compressed else (0,) * count
+        for total in (sum(sizes), sum(d or s for s, d in zip(sizes, decoded, strict=True))):
+            if payload_size + total > self._limits.max_message_bytes:
+                raise FrameTooLarge(
+                    f"frame announces {payload_size + total} bytes{' decompressed' if compressed else ''}, the limit "
+                    f"is {self._limits.max_message_bytes} ({MAX_MESSAGE_BYTES_ENV})",
+                    call_id,
+                )
+        largest = compression.MAX_BYTES
+        if compressed and any(d and max(s, d) > largest for s, d in zip(sizes, decoded, strict=True)):
+            raise ProtocolError(f"a compressed buffer announces more than lz4's largest block ({largest} bytes)")
         payload = self._read_payload(payload_size)
         buffers = []
-        for size in sizes:
-            buffer = allocate(call_id, size)
-            self._read_into(memoryview(buffer).cast("B"))
+        for size, decoded_size in zip(sizes, decoded, strict=True):
+            if decoded_size:
+                packed = self._scratch(size)
+                self._read_into(packed)
+                buffer = allocate(call_id, decoded_size)
+                try:
+                    compression.decompress_into(packed, buffer)
+                except ValueError as exc:
+                    raise ProtocolError(str(exc)) from None
+                finally:
+                    packed.release()
+            else:
+                buffer = allocate(call_id, size)
+                self._read_into(memoryview(buffer).cast("B"))
             buffers.append(buffer)
         return Frame(kind, call_id, ref, payload, buffers, flags)
+
+    def _scratch(self, size: int) -> memoryview:
+        """``size`` bytes of memory reused for compressed buffers (decoded into their own memory)."""
+        if len(self._compressed) < size:
+            self._compressed = bytearray(size)
+        return memoryview(self._compressed)[:size]
+
+    def _read_u64s(self, count: int) -> tuple[int, ...]:
+        raw = bytearray(8 * count)
+        self._read_into(memoryview(raw))
+        return struct.unpack(f"!{count}Q", raw)
 
     def _read_payload(self, size: int) -> bytes | bytearray:
         if size <= len(self._buffer) // 2:

@@ -26,8 +26,9 @@ import torch
 
 from . import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ._lifecycle import ExitPhase, at_exit
-from .address import format_address, is_loopback
+from .address import format_address, is_loopback, parse_address
 from .checks import check_int, check_positive_int, check_timeout
+from .compression import Compressor, resolve_mode
 from .control import decode_release, encode_rejected, encode_stats
 from .errors import ConnectionLost, LimitExceeded, ProtocolError
 from .handshake import server_handshake
@@ -67,6 +68,9 @@ class Worker:
             :class:`~rpcdl.errors.LimitExceeded`.
         advertise: the host name clients should use, when it differs from
             ``host`` (by default the machine's name when ``host`` is a wildcard).
+        compression: ``"off"``, ``"on"`` or ``"auto"``: lz4 compression of large
+            answers, negotiated with each client (see :mod:`rpcdl.compression`);
+            default ``RPCDL_COMPRESSION``, else ``"auto"``.
 
     Attributes:
         address: the ``"host:port"`` clients reach this worker at, known as
@@ -91,6 +95,7 @@ class Worker:
         ssl_context: ssl.SSLContext | None = None,
         limits: Limits | None = None,
         advertise: str | None = None,
+        compression: str | None = None,
     ):
         if not isinstance(host, str):
             raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
@@ -98,6 +103,7 @@ class Worker:
         self.parallel = check_positive_int(parallel, "parallel", "calls run at once")
         self.timeout = check_timeout(timeout)
         self.limits = limits or Limits()
+        self.compression = resolve_mode(compression)
         self._token = resolve_token(token)
         if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
             raise PermissionError(
@@ -185,6 +191,8 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """The worker's counters, as :func:`rpcdl.stats` returns them."""
         c = self._counters
+        with self._connections_lock:  # not under the counters' lock: _forget takes this one first
+            compressing = sum(connection.compressor.active for connection in self._connections)
         with c.lock:
             return {
                 "address": self.address,
@@ -205,6 +213,8 @@ class Worker:
                 "draining": self._draining,
                 "tls": self._ssl is not None,
                 "authenticated": self._token is not None,
+                "compression_mode": self.compression,
+                "connections_compressing": compressing,
             }
 
     # ------------------------------------------------------------------ threads
@@ -246,12 +256,12 @@ class Worker:
             sock.settimeout(self.limits.handshake_timeout)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            server_handshake(sock, self._token, peer)
+            mode = server_handshake(sock, self._token, peer, self.compression)
             sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
             self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return
-        connection = ClientConnection(self, sock, peer)
+        connection = ClientConnection(self, sock, peer, Compressor(mode, loopback=is_loopback(parse_address(peer)[0])))
         with self._connections_lock:
             if self._draining:
                 shutdown_socket(sock)
@@ -293,7 +303,8 @@ class Worker:
         elif frame.kind == Kind.PING:
             connection.send(Frame(Kind.PONG, frame.call_id))
         elif frame.kind == Kind.STATS:
-            connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(self.stats())))
+            stats = {**self.stats(), "compression": connection.compressor.state()}
+            connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(stats)))
         else:
             raise ProtocolError(f"a client may not send {frame.kind.name} frames")
         return False
@@ -407,6 +418,7 @@ def run_worker(
     address_file: str | os.PathLike | None = None,
     grace: float = 30.0,
     advertise: str | None = None,
+    compression: str | None = None,
     on_ready: Callable[[Worker], Any] | None = None,
     watch_pid: int | None = None,
 ) -> None:
@@ -423,7 +435,7 @@ def run_worker(
         port: port to bind to; ``0`` picks a free one.
         timeout: seconds a client may stall in the middle of a transfer.
         parallel: how many calls run at once.
-        token, insecure, ssl_context, advertise: as for :class:`Worker`.
+        token, insecure, ssl_context, advertise, compression: as for :class:`Worker`.
         num_threads: ``torch.set_num_threads`` for this process (``None`` leaves it).
         address_file: file to append the address to, under a lock.
         grace: seconds calls in flight get to finish on shutdown.
@@ -440,7 +452,7 @@ def run_worker(
         torch.set_num_threads(num_threads)
     worker = Worker(
         host, port, timeout=timeout, parallel=parallel, token=token, insecure=insecure,
-        ssl_context=ssl_context, advertise=advertise,
+        ssl_context=ssl_context, advertise=advertise, compression=compression,
     ).start()  # fmt: skip
     stop = StopSignals().install()
     try:

@@ -4,7 +4,8 @@ Threading: each connection has ``_SERVICE_THREADS`` service threads; one at a
 time holds the read turn and reads a frame, hands it to the worker
 (:meth:`rpcdl.worker.Worker._dispatch`), and runs the call itself when the
 worker gives it a slot. Answers are sent under the connection's send lock, by
-whichever thread ran the call.
+whichever thread ran the call; that thread compresses its answer's large buffers
+first, outside the lock, when the connection's :class:`~rpcdl.compression.Compressor` says so.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
 
+from .compression import Compressor
 from .errors import ConnectionLost, ProtocolError
 from .rref import StoreView
-from .wire import Frame, FrameReader, send_frame
+from .wire import COMPRESSED, Frame, FrameReader, Kind, send_frame
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -51,10 +54,11 @@ class Counters:
 class ClientConnection:
     """The worker's side of one client connection."""
 
-    def __init__(self, worker: Any, sock: socket.socket, peer: str):
+    def __init__(self, worker: Any, sock: socket.socket, peer: str, compressor: Compressor | None = None):
         self.worker = worker
         self.sock = sock
         self.peer = peer
+        self.compressor = compressor or Compressor("off")
         self.store_view = StoreView(worker._store, self, worker.timeout)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
         self.idle_threads = _SERVICE_THREADS  # guarded by the worker's scheduler lock
@@ -78,9 +82,14 @@ class ClientConnection:
         that cannot take it is closed."""
         sent = 0
         try:
+            if frame.kind == Kind.RESULT and frame.buffers and not self.closed:
+                frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
+                frame.flags |= COMPRESSED if frame.decoded_sizes else 0
             if not self.closed:
                 with self._send_lock:
+                    started = time.perf_counter()
                     sent = send_frame(self.sock, frame)
+                    self.compressor.sent(sent, time.perf_counter() - started)
         except OSError as exc:
             log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
             self.close()

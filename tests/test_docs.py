@@ -48,8 +48,8 @@ DOCTEST_MODULES = [
     "rpcdl.address", "rpcdl.cache", "rpcdl.client", "rpcdl.dataloader", "rpcdl.dataset", "rpcdl.distributed",
     "rpcdl.errors", "rpcdl.local", "rpcdl.rref", "rpcdl.samplers", "rpcdl.security", "rpcdl.seeding",
     "rpcdl.scheduling_policy", "rpcdl.serialization", "rpcdl.user_code", "rpcdl.code_cache", "rpcdl.handshake",
-    "rpcdl.tls_stream", "rpcdl.wire", "rpcdl.control", "rpcdl.checks", "rpcdl.processes", "rpcdl.worker",
-    "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
+    "rpcdl.tls_stream", "rpcdl.wire", "rpcdl.compression", "rpcdl.control", "rpcdl.checks", "rpcdl.processes",
+    "rpcdl.worker", "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
 ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from ..compression import COMPRESSION_ENV, MODES, resolve_mode
 from ..processes import stop_processes
 from ..security import (
     TLS_CERT_ENV,
@@ -74,6 +75,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "--advertise", metavar="HOST",
         help="host name to report in the ready line and address file (default: this machine's name "
         "when listening on a wildcard address, else --host)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compression", choices=MODES, type=str.lower,
+        help=f"lz4 compression of large answers, negotiated with each client; 'auto' turns it on where it pays "
+        f"and never on loopback (default: ${COMPRESSION_ENV}, else auto; needs pip install 'rpcdl[compression]')",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
@@ -156,8 +162,11 @@ def run_worker_command(
         fail(f"--host {problem}")
     try:
         token, ssl_context = _credentials(args)
+        resolve_mode(args.compression)
     except _Mistake as exc:
         fail(str(exc))
+    except (ImportError, ValueError) as exc:
+        fail(str(exc).replace("compression=", "--compression ", 1))
     if args.procs > 1:
         return _run_worker_processes(args, argv)
     from ..worker import run_worker
@@ -166,7 +175,7 @@ def run_worker_command(
         run_worker(
             args.host, args.port, args.timeout, args.parallel, token=token, insecure=args.insecure,
             ssl_context=ssl_context, num_threads=args.threads, address_file=args.address_file,
-            grace=args.grace, advertise=args.advertise, watch_pid=args.watch_pid,
+            grace=args.grace, advertise=args.advertise, watch_pid=args.watch_pid, compression=args.compression,
         )  # fmt: skip
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
