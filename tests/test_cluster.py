@@ -15,6 +15,7 @@ import time
 import helpers
 import pytest
 import torch
+from cluster_box import cluster_of_workers
 
 import rpcdl
 from rpcdl.cli.bench.cluster import Cluster, unavailable
@@ -27,15 +28,8 @@ TOKEN = "cluster-in-a-box-token"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two worker hosts on 1 Gbit/s links, one plain worker on each."""
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(f"no cluster in a box here: {reason}")
-    token_file = tmp_path_factory.mktemp("cluster") / "token"
-    token_file.write_text(TOKEN)
-    with Cluster(2, rate="1gbit") as box:
-        box.workers = [box.start_worker(i, "--token-file", str(token_file), "--log-level", "WARNING") for i in (0, 1)]
+    with cluster_of_workers(tmp_path_factory.mktemp("cluster"), TOKEN, [(), ()]) as box:
         yield box
-    rpcdl.shutdown()
 
 
 @pytest.fixture

@@ -314,20 +314,11 @@ class NoiseDataset(torch.utils.data.Dataset):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two worker hosts on 1 Gbit/s links: one worker with compression on, one with 'auto'."""
-    from rpcdl.cli.bench.cluster import Cluster, unavailable
+    from cluster_box import cluster_of_workers
 
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(f"no cluster in a box here: {reason}")
-    token_file = tmp_path_factory.mktemp("cluster") / "token"
-    token_file.write_text(CLUSTER_TOKEN)
-    with Cluster(2, rate="1gbit") as box:
-        box.workers = [
-            box.start_worker(i, "--token-file", str(token_file), "--log-level", "WARNING", "--compression", mode)
-            for i, mode in enumerate(("on", "auto"))
-        ]
+    options = [("--compression", "on"), ("--compression", "auto")]
+    with cluster_of_workers(tmp_path_factory.mktemp("cluster"), CLUSTER_TOKEN, options) as box:
         yield box
-    rpcdl.shutdown()
 
 
 @pytest.mark.timeout(120)

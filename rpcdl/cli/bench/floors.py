@@ -24,19 +24,14 @@ from typing import Any
 
 from ...local import child_environment, stop_process
 from .systems import Bench, System
-from .workloads import FRAMED, LENGTH, PARALLEL_MAPPER, increment, noop
+from .workloads import FRAMED, LENGTH, PARALLEL_MAPPER, accept_one, increment, noop
 
 # ---------------------------------------------------------------------------- framed-pickle RPC
 
 
 def framed_pickle_server(host: str = "127.0.0.1") -> None:
     """The server of the framed-pickle RPC floor, one thread: prints its port, serves one connection, exits."""
-    listener = socket.create_server((host, 0))
-    print(listener.getsockname()[1], flush=True)
-    connection, _ = listener.accept()
-    listener.close()
-    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    reader = connection.makefile("rb", buffering=1 << 16)
+    connection, reader = accept_one(host)
     while True:
         header = reader.read(LENGTH.size)
         if len(header) < LENGTH.size:

@@ -138,6 +138,16 @@ def slow_torch_worker(slow_index: int | None, worker_id: int) -> None:
 # ---------------------------------------------------------------------------- raw socket peer
 
 
+def accept_one(host: str) -> tuple[socket.socket, Any]:
+    """Listen on a free port of ``host``, print the port, accept one connection: ``(socket, buffered reader)``."""
+    listener = socket.create_server((host, 0))
+    print(listener.getsockname()[1], flush=True)
+    connection, _ = listener.accept()
+    listener.close()
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return connection, connection.makefile("rb", buffering=1 << 16)
+
+
 def socket_server(host: str = "127.0.0.1") -> None:
     """A raw peer for the socket baseline, on ``host``: echoes frames, or streams them on request.
 
@@ -145,12 +155,7 @@ def socket_server(host: str = "127.0.0.1") -> None:
     follow), ``S`` (send ``count`` frames of ``size`` bytes). Each answer is a
     u64 length and the bytes. Prints its port, serves one connection, exits.
     """
-    listener = socket.create_server((host, 0))
-    print(listener.getsockname()[1], flush=True)
-    connection, _ = listener.accept()
-    listener.close()
-    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    reader = connection.makefile("rb", buffering=1 << 16)
+    connection, reader = accept_one(host)
     payload = memoryview(bytearray(0))
     while True:
         request = reader.read(17)
