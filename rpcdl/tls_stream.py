@@ -60,33 +60,29 @@ class TLSStream:
 
     def recv_into(self, buffer, nbytes: int = 0) -> int:
         """Read into ``buffer``; 0 at the end of the stream."""
-        deadline = None
-        while True:
-            with self._lock:
-                try:
-                    return self._tls.recv_into(buffer, nbytes)
-                except ssl.SSLWantReadError:
-                    event = select.POLLIN
-                except ssl.SSLWantWriteError:
-                    event = select.POLLOUT
-            if deadline is None and self.receive_timeout is not None:
-                deadline = time.monotonic() + self.receive_timeout
-            self._wait(event, deadline)
+        return self._retry(lambda: self._tls.recv_into(buffer, nbytes), self.receive_timeout)
 
     def send(self, data) -> int:
-        """Send ``data`` whole (TLS cannot send part of a record); return its length."""
+        """Send ``data`` whole (TLS cannot send part of a record); return its length.
+
+        When the socket is full the same data is offered again, as OpenSSL requires.
+        """
+        return self._retry(lambda: self._tls.send(data), self.send_timeout)
+
+    def _retry(self, operation, timeout: float | None):
+        """Run ``operation`` under the lock until OpenSSL can complete it, waiting outside the lock."""
         deadline = None
         while True:
             with self._lock:
                 try:
-                    return self._tls.send(data)
-                except ssl.SSLWantWriteError:
-                    event = select.POLLOUT
+                    return operation()
                 except ssl.SSLWantReadError:
                     event = select.POLLIN
-            if deadline is None and self.send_timeout is not None:
-                deadline = time.monotonic() + self.send_timeout
-            self._wait(event, deadline)  # then the same data again, as OpenSSL requires
+                except ssl.SSLWantWriteError:
+                    event = select.POLLOUT
+            if deadline is None and timeout is not None:
+                deadline = time.monotonic() + timeout
+            self._wait(event, deadline)
 
     def sendall(self, data) -> None:
         view = memoryview(data).cast("B")
