@@ -17,13 +17,12 @@ import itertools
 import pickle
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ...local import child_environment, stop_process
-from .systems import Bench, System
+from ...local import stop_process
+from .systems import Bench, System, start_peer
 from .workloads import FRAMED, LENGTH, PARALLEL_MAPPER, accept_one, increment, noop
 
 # ---------------------------------------------------------------------------- framed-pickle RPC
@@ -74,13 +73,7 @@ class FramedPickleSystem(System):
         self._reader: threading.Thread | None = None
 
     def start(self, bench: Bench) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from rpcdl.cli.bench.floors import framed_pickle_server; framed_pickle_server()"],
-            stdout=subprocess.PIPE, text=True, env=child_environment(),
-        )  # fmt: skip
-        port = int(self.process.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.process, self.sock = start_peer("rpcdl.cli.bench.floors", "framed_pickle_server")
         self._reader = threading.Thread(target=self._read_answers, name="framed-pickle-reader", daemon=True)
         self._reader.start()
 

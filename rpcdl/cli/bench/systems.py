@@ -185,6 +185,18 @@ class TorchLoaderSystem(System):
             loader._iterator = None
 
 
+def start_peer(module: str, server: str) -> tuple[subprocess.Popen, socket.socket]:
+    """Start ``module.server()`` in a process of its own on loopback (it prints its port) and connect to it."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", f"from {module} import {server}; {server}()"],
+        stdout=subprocess.PIPE, text=True, env=child_environment(),
+    )  # fmt: skip
+    port = int(process.stdout.readline())
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return process, sock
+
+
 class SocketSystem(System):
     """A raw loopback TCP connection to a minimal Python peer: the transport's ceiling."""
 
@@ -196,13 +208,7 @@ class SocketSystem(System):
         self.sock: socket.socket | None = None
 
     def start(self, bench: Bench) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from rpcdl.cli.bench.workloads import socket_server; socket_server()"],
-            stdout=subprocess.PIPE, text=True, env=child_environment(),
-        )  # fmt: skip
-        port = int(self.process.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.process, self.sock = start_peer("rpcdl.cli.bench.workloads", "socket_server")
         self._echo = REQUEST.pack(b"E", self.message, 0) + bytes(self.message)
         self._answer = memoryview(bytearray(LENGTH.size + self.message))
 
