@@ -41,6 +41,7 @@ import collections
 import itertools
 import logging
 import queue
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -104,6 +105,7 @@ class WorkerPool:
         self.forget = forget or (lambda address: None)
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # probes: one may end in a later pass
         self._passes: weakref.WeakSet[Dispatch] = weakref.WeakSet()
+        self._passes_lock = threading.Lock()  # passes open and close on the consumer's thread, probes end on others
 
     @property
     def served(self) -> dict[str, int]:
@@ -141,20 +143,22 @@ class WorkerPool:
         """
         self.policy.probe_all_down_now(self.slots, self.clock())
         dispatch = Dispatch(self, source, call, in_order)
-        self._passes.add(dispatch)
+        with self._passes_lock:
+            self._passes.add(dispatch)
         return dispatch
 
     def probe_done(self, slot: WorkerSlot, future: torch.futures.Future) -> None:
         """A revival ended (any thread): queue it for the pool and wake every open pass to handle it."""
         self.events.put(("revived", slot, future))
-        while True:
-            try:  # the consumer may open or close a pass meanwhile: then copy again
-                open_passes = list(self._passes)
-                break
-            except RuntimeError:
-                continue
+        with self._passes_lock:
+            open_passes = list(self._passes)
         for dispatch in open_passes:
             dispatch.events.put(("wake", None, None))
+
+    def forget_pass(self, dispatch: Dispatch) -> None:
+        """``dispatch`` closed: probes no longer wake it."""
+        with self._passes_lock:
+            self._passes.discard(dispatch)
 
     def release_answered(self, reader: queue.SimpleQueue) -> None:
         """Free the worker slots of calls answered for the other passes than ``reader``'s (its events queue):
@@ -202,8 +206,11 @@ class Dispatch(Iterator[Task]):
 
     def close(self) -> None:
         """End the pass; answers still in flight are dropped when they arrive."""
+        self.pool.forget_pass(self)
+        self._end()
+
+    def _end(self) -> None:
         self.closed = True
-        self.pool._passes.discard(self)
         unread = []
         for task in self._outstanding.values():
             for attempt in task.attempts:
@@ -217,7 +224,7 @@ class Dispatch(Iterator[Task]):
 
     def __del__(self):
         if not self.closed:
-            self.close()
+            self._end()  # the pool's weak set has already dropped this pass (and a finalizer must not take its lock)
 
     def _head(self) -> Task:
         return self._outstanding[min(self._outstanding)]
