@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import Dataset
 
 import rpcdl
-from rpcdl.cache import CachedDataset
-from rpcdl.redis_server import RedisServer
+from rpcdl.data.cache.cached import CachedDataset
+from rpcdl.data.cache.redis_server import RedisServer
 
 
 class SlowDataset(Dataset):

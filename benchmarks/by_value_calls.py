@@ -2,7 +2,7 @@
 small closure, on an embedded Worker (loopback). Run: ``python benchmarks/by_value_calls.py``.
 
 Prints, for each, the best and median microseconds per call over 5 rounds of 2000 calls, and the cost and size
-of serializing the call alone (``rpcdl.serialization.dumps``).
+of serializing the call alone (``rpcdl.serialization.pickling.dumps``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 import rpcdl
-from rpcdl.serialization import dumps
+from rpcdl.serialization.pickling import dumps
 
 OFFSET = 1
 

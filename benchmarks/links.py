@@ -7,7 +7,7 @@ each link rate, every system moves the same batches of 64 x uint8[3, 224, 224]
 after round, interleaved; the table gives medians in MB/s and rpcdl's ratio to
 each other system of the same run. Needs root and iproute2.
 
-``--cases compression`` measures lz4 compression (:mod:`rpcdl.compression`):
+``--cases compression`` measures lz4 compression (:mod:`rpcdl.transport.compression`):
 compressible batches (:class:`~rpcdl.cli.bench.workloads.SmoothImageDataset`,
 drawn once, about 3x with lz4) at 1 Gbit/s with rpcdl workers started with
 ``--compression off``, ``on`` and ``auto``, beside a raw socket moving the same

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rpcdl.serialization import dump_exception
+from rpcdl.serialization.pickling import dump_exception
 
 #: Seconds of work (measured on the worker) a chunk aims at: enough to make a call's overhead small.
 TARGET_CHUNK_SECONDS = 0.002
@@ -41,7 +41,7 @@ class ChunkFailed(Exception):
 
     Args:
         values: one per item of the chunk.
-        errors: index in the chunk -> the error's report (:func:`rpcdl.serialization.dump_exception`).
+        errors: index in the chunk -> the error's report (:func:`rpcdl.serialization.pickling.dump_exception`).
         seconds: how long the chunk took on the worker.
     """
 

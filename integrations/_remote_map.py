@@ -1,7 +1,7 @@
 """Map items through a function on remote workers, results in source order.
 
 The engine of :class:`~rpcdl.integrations.torchdata.RPCMapper` and of the
-``rpc_map`` DataPipe: a :class:`rpcdl.scheduler.WorkerPool` whose tasks are
+``rpc_map`` DataPipe: a :class:`rpcdl.data.scheduler.WorkerPool` whose tasks are
 chunks of items (see :mod:`rpcdl.integrations._chunks`), each mapped by one
 call, so scheduling, failover and revival are the loader's and a chunk is
 retried whole. A pass hands out one :class:`MappedItem` per item, in order.
@@ -15,7 +15,7 @@ An exception raised by the source is held back until every item pulled before
 it has been handed out, then raised in its place in the stream, as torchdata's
 ``Mapper`` and ``ParallelMapper`` do.
 
-Threading: a pass belongs to the thread that advances it (see :mod:`rpcdl.scheduler`).
+Threading: a pass belongs to the thread that advances it (see :mod:`rpcdl.data.scheduler`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 
 from rpcdl import rpc_async
 from rpcdl.checks import check_positive_int, check_timeout
-from rpcdl.scheduler import Dispatch, Task, WorkerPool, WorkerSlot
-from rpcdl.serialization import load_exception
+from rpcdl.data.scheduler import Dispatch, Task, WorkerPool, WorkerSlot
+from rpcdl.serialization.pickling import load_exception
 
 from ._chunks import ChunkFailed, ChunkReader, ChunkSizer, map_chunk
 

@@ -25,9 +25,9 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from rpcdl.address import check_workers, parse_address
 from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
-from rpcdl.dataloader import RPCDataloader
-from rpcdl.dataset import RPCDataset
-from rpcdl.distributed import shard_workers
+from rpcdl.data.dataloader import RPCDataloader
+from rpcdl.data.dataset import RPCDataset
+from rpcdl.data.distributed import shard_workers
 from rpcdl.integrations._recipes import dataset_recipe, import_object
 from rpcdl.local import LocalWorkers, local_workers
 from rpcdl.seeding import derive_seed

@@ -30,9 +30,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from rpcdl.address import check_workers
 from rpcdl.checks import check_int, check_positive_int
-from rpcdl.dataloader import RPCDataloader
-from rpcdl.dataset import RPCDataset
-from rpcdl.distributed import rank_and_world_size
+from rpcdl.data.dataloader import RPCDataloader
+from rpcdl.data.dataset import RPCDataset
+from rpcdl.data.distributed import rank_and_world_size
 
 from ._chunks import DEFAULT_MAX_CHUNK_SIZE
 from ._remote_map import MappedItem, RemoteMap, RemotePass, check_fn, check_options

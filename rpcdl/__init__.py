@@ -23,22 +23,22 @@ _EXPORTS = {
     "RemoteError": "errors",
     "WorkerTimeout": "errors",
     "WorkerUnavailable": "errors",
-    "ping": "client",
-    "remote": "client",
-    "rpc_async": "client",
-    "rpc_sync": "client",
-    "shutdown": "client",
-    "stats": "client",
-    "RRef": "rref",
-    "Worker": "worker",
-    "run_worker": "worker",
-    "RPCDataset": "dataset",
-    "RPCDataloader": "dataloader",
-    "NoWorkersLeft": "scheduler",
+    "ping": "rpc.client",
+    "remote": "rpc.client",
+    "rpc_async": "rpc.client",
+    "rpc_sync": "rpc.client",
+    "shutdown": "rpc.client",
+    "stats": "rpc.client",
+    "RRef": "rpc.rref",
+    "Worker": "server.worker",
+    "run_worker": "server.worker",
+    "RPCDataset": "data.dataset",
+    "RPCDataloader": "data.dataloader",
+    "NoWorkersLeft": "data.scheduler",
     "local_workers": "local",
     "set_random_seeds": "seeding",
-    "CacheLoader": "cache",
-    "CachedDataset": "cache",
+    "CacheLoader": "data.cache.cached",
+    "CachedDataset": "data.cache.cached",
 }
 
 __all__ = [
@@ -86,10 +86,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .cache import CachedDataset, CacheLoader
-    from .client import ping, remote, rpc_async, rpc_sync, shutdown, stats
-    from .dataloader import RPCDataloader
-    from .dataset import RPCDataset
+    from .data.cache.cached import CachedDataset, CacheLoader
+    from .data.dataloader import RPCDataloader
+    from .data.dataset import RPCDataset
+    from .data.scheduler import NoWorkersLeft
     from .errors import (
         AuthenticationError,
         CacheUnavailable,
@@ -104,7 +104,7 @@ if TYPE_CHECKING:
         WorkerUnavailable,
     )
     from .local import local_workers
-    from .rref import RRef
-    from .scheduler import NoWorkersLeft
+    from .rpc.client import ping, remote, rpc_async, rpc_sync, shutdown, stats
+    from .rpc.rref import RRef
     from .seeding import set_random_seeds
-    from .worker import Worker, run_worker
+    from .server.worker import Worker, run_worker

@@ -74,7 +74,7 @@ class WorkerTimeout(RPCDLError, TimeoutError, RuntimeError):
 
 
 class LimitExceeded(RPCDLError, ValueError):
-    """A message would break a frame limit (:class:`rpcdl.wire.Limits`).
+    """A message would break a frame limit (:class:`rpcdl.transport.wire.Limits`).
 
     Raised by the side that would send it: the client for a call's function
     and arguments, the worker for an answer (then re-raised on the client like

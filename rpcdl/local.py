@@ -95,7 +95,7 @@ class LocalWorkers(list):
 
 
 def _ping(address: str, timeout: float) -> None:
-    from .client import ping  # here: the command line imports this module without torch
+    from .rpc.client import ping  # here: the command line imports this module without torch
 
     ping(address, timeout=timeout)
 

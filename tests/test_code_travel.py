@@ -14,9 +14,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 import rpcdl
-import rpcdl.worker
-from rpcdl.serialization import dumps, loads
-from rpcdl.user_code import travels_by_value
+import rpcdl.server.worker
+from rpcdl.serialization.pickling import dumps, loads
+from rpcdl.serialization.user_code import travels_by_value
 
 MODULE = """
     import threading
@@ -150,7 +150,7 @@ def test_installed_packages_go_by_reference_and_the_users_code_by_value(users_co
     _, import_them = users_code
     mydata, package_data = import_them()
     assert travels_by_value(mydata) and travels_by_value(package_data)
-    for installed in (json, torch, torch.utils.data.dataset, rpcdl.worker, pytest):
+    for installed in (json, torch, torch.utils.data.dataset, rpcdl.server.worker, pytest):
         assert not travels_by_value(installed), installed.__name__
     payload, _ = dumps(TensorDataset)
     assert b"torch.utils.data.dataset" in payload and b"import_or_define" not in payload and len(payload) < 200

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import rpcdl
-from rpcdl.client import connection_to
-from rpcdl.compression import Compressor
 from rpcdl.errors import FrameTooLarge, ProtocolError
-from rpcdl.handshake import _HELLO, _WELCOME, MAGIC, VERSION, server_handshake
-from rpcdl.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
+from rpcdl.rpc.client import connection_to
+from rpcdl.transport.compression import Compressor
+from rpcdl.transport.handshake import _HELLO, _WELCOME, MAGIC, VERSION, server_handshake
+from rpcdl.transport.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
 
 pytest.importorskip("lz4.block")
 pytestmark = pytest.mark.timeout(60)
@@ -341,7 +341,7 @@ def test_compressible_batches_cross_a_1gbit_link_compressed_and_exact(cluster, c
 
 @pytest.mark.parametrize("native", [True, False], ids=["into-final-memory", "python-lz4-then-copy"])
 def test_decompress_into_fills_the_final_memory_exactly(monkeypatch, native):
-    from rpcdl import compression
+    from rpcdl.transport import compression
 
     if not native:
         monkeypatch.setattr(compression, "_decompress_safe", None)

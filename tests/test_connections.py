@@ -24,10 +24,10 @@ from torch.utils.data.datapipes.iter import IterableWrapper as IterableWrapperPi
 from torchdata.nodes import BaseNode, IterableWrapper, Loader
 
 import rpcdl
-import rpcdl.dial
+import rpcdl.rpc.dial
 from rpcdl.errors import ProtocolError, WorkerUnavailable
 from rpcdl.integrations.torchdata import RPCMapper
-from rpcdl.security import client_tls_context, server_tls_context
+from rpcdl.transport.security import client_tls_context, server_tls_context
 
 
 def affine(x: int) -> int:
@@ -120,7 +120,7 @@ def refused_address():
 @pytest.mark.timeout(30)
 def test_rpc_sync_to_a_refused_port_warns_then_fails_within_the_grace(monkeypatch, caplog):
     monkeypatch.setenv("RPCDL_CONNECT_GRACE", "2")
-    monkeypatch.setattr(rpcdl.dial, "WARN_AFTER", 0.5)
+    monkeypatch.setattr(rpcdl.rpc.dial, "WARN_AFTER", 0.5)
     caplog.set_level(logging.WARNING, logger="rpcdl.client")
     with refused_address() as address:
         started = time.monotonic()
@@ -205,7 +205,7 @@ def test_an_http_server_is_named_within_seconds():
         started = time.monotonic()
         with pytest.raises(ProtocolError, match=f"{address} is not an rpcdl worker"):
             rpcdl.rpc_sync(address, abs, (-1,), timeout=120)
-        assert time.monotonic() - started < rpcdl.dial.HELLO_ANSWER_TIMEOUT + 5
+        assert time.monotonic() - started < rpcdl.rpc.dial.HELLO_ANSWER_TIMEOUT + 5
 
 
 class _AnswersLikeHTTP(http.server.BaseHTTPRequestHandler):
@@ -235,7 +235,7 @@ def test_a_peer_that_accepts_and_never_speaks_is_named_within_seconds():
         started = time.monotonic()
         with pytest.raises(ProtocolError, match="did not answer rpcdl's hello within 5s"):
             rpcdl.rpc_sync(address, abs, (-1,), timeout=120)
-        assert time.monotonic() - started < rpcdl.dial.HELLO_ANSWER_TIMEOUT + 5
+        assert time.monotonic() - started < rpcdl.rpc.dial.HELLO_ANSWER_TIMEOUT + 5
 
 
 @pytest.mark.timeout(90)
@@ -259,7 +259,7 @@ def test_an_rpcdataloader_worker_is_named_within_seconds():
         started = time.monotonic()
         with pytest.raises(ProtocolError, match=f"127.0.0.1:{port} is not an rpcdl worker"):
             rpcdl.rpc_sync(f"127.0.0.1:{port}", abs, (-1,), timeout=120)
-        assert time.monotonic() - started < rpcdl.dial.HELLO_ANSWER_TIMEOUT + 5  # it reads on, waiting for more
+        assert time.monotonic() - started < rpcdl.rpc.dial.HELLO_ANSWER_TIMEOUT + 5  # it reads on, waiting for more
     finally:
         process.kill()
         process.wait()
@@ -270,7 +270,7 @@ def test_an_rpcdataloader_worker_is_named_within_seconds():
 
 @pytest.mark.timeout(60)
 def test_a_worker_slower_than_the_hello_limit_keeps_the_calls_full_timeout(embedded_worker, monkeypatch):
-    monkeypatch.setattr(rpcdl.dial, "HELLO_ANSWER_TIMEOUT", 0.5)
+    monkeypatch.setattr(rpcdl.rpc.dial, "HELLO_ANSWER_TIMEOUT", 0.5)
     worker = embedded_worker()  # a fresh connection, opened under the short hello limit
     assert rpcdl.rpc_sync(worker.address, helpers.sleep_and_return, (1.5, "late"), timeout=30) == "late"
 

@@ -1,4 +1,4 @@
-"""Control-frame payloads round-trip through rpcdl.control, the one place that encodes and decodes them."""
+"""Control-frame payloads round-trip through rpcdl.transport.control, the one place that encodes and decodes them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rpcdl
-from rpcdl.control import (
+from rpcdl.errors import ProtocolError
+from rpcdl.transport.control import (
     DEFAULT_REJECTION,
     decode_rejected,
     decode_release,
@@ -18,7 +19,6 @@ from rpcdl.control import (
     encode_release,
     encode_stats,
 )
-from rpcdl.errors import ProtocolError
 
 UIDS = st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=200)
 JSON_SCALARS = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False) | st.text()

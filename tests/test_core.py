@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import rpcdl
-import rpcdl.client
+import rpcdl.rpc.client
 from rpcdl.errors import RemoteError
-from rpcdl.handshake import MAGIC, VERSION, client_handshake
 from rpcdl.processes import stop_process
-from rpcdl.wire import Frame, FrameReader, Kind, send_frame
+from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.transport.wire import Frame, FrameReader, Kind, send_frame
 
 TESTS = Path(__file__).resolve().parent
 
@@ -302,7 +302,7 @@ def test_calls_sent_together_leave_at_the_end_of_the_block_in_order(two_workers)
     address = two_workers[0]
     served_before = rpcdl.stats(address)["calls_served"]
     seen_inside = []
-    with rpcdl.client.sent_together():
+    with rpcdl.rpc.client.sent_together():
         futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
         other_thread = threading.Thread(target=lambda: seen_inside.append(rpcdl.stats(address)["calls_served"]))
         other_thread.start()
@@ -312,22 +312,22 @@ def test_calls_sent_together_leave_at_the_end_of_the_block_in_order(two_workers)
     assert seen_inside == [served_before]  # held: the worker had seen none of them
     assert [future.wait() for future in futures] == [2**n for n in range(8)]
     assert float(total) == 3.0
-    with rpcdl.client.sent_together():
+    with rpcdl.rpc.client.sent_together():
         future = rpcdl.rpc_async(address, abs, (-5,))
         assert future.wait() == 5  # waiting in the block sends the call
 
 
 def test_answers_read_here_are_read_by_their_caller_or_after_a_while_by_the_connection(two_workers):
     address = two_workers[1]
-    with rpcdl.client.answers_read_here():
+    with rpcdl.rpc.client.answers_read_here():
         futures = [rpcdl.rpc_async(address, pow, (3, n)) for n in range(6)]
     deadline = time.monotonic() + 10
     while not all(future.done() for future in futures) and time.monotonic() < deadline:
-        assert rpcdl.client.read_answers(futures, timeout=1.0) in (True, False)
+        assert rpcdl.rpc.client.read_answers(futures, timeout=1.0) in (True, False)
     assert [future.wait() for future in futures] == [3**n for n in range(6)]
-    assert rpcdl.client.read_answers(futures, timeout=1.0) is None  # nothing left to read
+    assert rpcdl.rpc.client.read_answers(futures, timeout=1.0) is None  # nothing left to read
 
-    with rpcdl.client.answers_read_here():
+    with rpcdl.rpc.client.answers_read_here():
         unread = [rpcdl.rpc_async(address, pow, (5, n)) for n in range(6)]
     assert not any(future.done() for future in unread)  # the connection's thread leaves them to the caller...
     deadline = time.monotonic() + 10

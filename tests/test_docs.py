@@ -45,12 +45,33 @@ PUBLIC_NAMES = {
     "rpcdl.integrations.torchdata": ["RPCMapper", "RPCIterableDataset", "RPCMapperIterDataPipe"],
 }  # fmt: skip
 DOCTEST_MODULES = [
-    "rpcdl.address", "rpcdl.cache", "rpcdl.client", "rpcdl.dataloader", "rpcdl.dataset", "rpcdl.distributed",
-    "rpcdl.errors", "rpcdl.local", "rpcdl.rref", "rpcdl.samplers", "rpcdl.security", "rpcdl.seeding",
-    "rpcdl.scheduling_policy", "rpcdl.serialization", "rpcdl.user_code", "rpcdl.code_cache", "rpcdl.handshake",
-    "rpcdl.tls_stream", "rpcdl.wire", "rpcdl.compression", "rpcdl.control", "rpcdl.checks", "rpcdl.processes",
-    "rpcdl.worker", "rpcdl.integrations.lightning", "rpcdl.integrations.torchdata",
-]  # fmt: skip
+    "rpcdl.address",
+    "rpcdl.checks",
+    "rpcdl.errors",
+    "rpcdl.local",
+    "rpcdl.processes",
+    "rpcdl.seeding",
+    "rpcdl.transport.compression",
+    "rpcdl.transport.control",
+    "rpcdl.transport.handshake",
+    "rpcdl.transport.security",
+    "rpcdl.transport.tls_stream",
+    "rpcdl.transport.wire",
+    "rpcdl.serialization.code_cache",
+    "rpcdl.serialization.pickling",
+    "rpcdl.serialization.user_code",
+    "rpcdl.rpc.client",
+    "rpcdl.rpc.rref",
+    "rpcdl.server.worker",
+    "rpcdl.data.cache.cached",
+    "rpcdl.data.dataloader",
+    "rpcdl.data.dataset",
+    "rpcdl.data.distributed",
+    "rpcdl.data.samplers",
+    "rpcdl.data.scheduling_policy",
+    "rpcdl.integrations.lightning",
+    "rpcdl.integrations.torchdata",
+]
 
 
 # ---------------------------------------------------------------------------- snippets

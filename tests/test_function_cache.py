@@ -1,5 +1,5 @@
 """A function pickled by value (a lambda, a closure, a function of ``__main__``) is pickled once, not once per call,
-while what it captured stays the same (the rule of :mod:`rpcdl.code_cache`)."""
+while what it captured stays the same (the rule of :mod:`rpcdl.serialization.code_cache`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import cloudpickle
 import pytest
 
 import rpcdl
-from rpcdl.code_cache import found_by_name, frozen_function_code
-from rpcdl.serialization import dumps, loads
+from rpcdl.serialization.code_cache import found_by_name, frozen_function_code
+from rpcdl.serialization.pickling import dumps, loads
 
 
 @pytest.fixture

@@ -37,12 +37,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import rpcdl
-from rpcdl.control import decode_stats, encode_release
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
-from rpcdl.handshake import MAGIC, VERSION, client_handshake, server_handshake
-from rpcdl.security import Token
-from rpcdl.serialization import dumps, loads
-from rpcdl.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.serialization.pickling import dumps, loads
+from rpcdl.transport.control import decode_stats, encode_release
+from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake, server_handshake
+from rpcdl.transport.security import Token
+from rpcdl.transport.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
 EXAMPLES = int(os.environ.get("RPCDL_FUZZ_EXAMPLES", "30"))
 PARSER_EXAMPLES = 2 * EXAMPLES

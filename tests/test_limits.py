@@ -9,7 +9,7 @@ import torch
 
 import rpcdl
 from rpcdl.errors import LimitExceeded, is_transient
-from rpcdl.wire import Limits
+from rpcdl.transport.wire import Limits
 
 MANY = 70_000  # past the default limit of 65,536 buffers in one message
 

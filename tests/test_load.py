@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import rpcdl
-from rpcdl.handshake import MAGIC, VERSION
+from rpcdl.transport.handshake import MAGIC, VERSION
 
 CLIENTS = 32
 CALLS = 500

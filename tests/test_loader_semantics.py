@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, StackDataset, Subset
 
 import rpcdl
+from rpcdl.data.scheduler import NoWorkersLeft
 from rpcdl.errors import RPCDLError, WorkerTimeout
-from rpcdl.scheduler import NoWorkersLeft
 
 
 def as_lists(batches) -> list:

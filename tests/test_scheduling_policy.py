@@ -1,7 +1,7 @@
 """The scheduler's policy, driven by hand: no process, no socket, the time from a clock the test moves.
 
-The policy alone (:mod:`rpcdl.scheduling_policy`) decides on plain records;
-the passes (:class:`rpcdl.scheduler.Dispatch`) are driven with futures that
+The policy alone (:mod:`rpcdl.data.scheduling_policy`) decides on plain records;
+the passes (:class:`rpcdl.data.scheduler.Dispatch`) are driven with futures that
 the test completes, and an injected clock.
 """
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from rpcdl import DatasetMismatch
+from rpcdl.data.scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot, WorkerState
+from rpcdl.data.scheduler_parts import FIRST_PROBE_DELAY, _Attempt
+from rpcdl.data.scheduling_policy import MAX_PROBE_DELAY, AllDownWatch, SchedulingPolicy
 from rpcdl.errors import WorkerTimeout, WorkerUnavailable
-from rpcdl.scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot, WorkerState
-from rpcdl.scheduler_parts import FIRST_PROBE_DELAY, _Attempt
-from rpcdl.scheduling_policy import MAX_PROBE_DELAY, AllDownWatch, SchedulingPolicy
 
 pytestmark = pytest.mark.timeout(20)
 

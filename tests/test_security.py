@@ -28,9 +28,9 @@ from test_faults import TcpProxy
 import rpcdl
 from rpcdl.cli import main as rpcdl_main
 from rpcdl.cli.bench.pki import make_ca, make_certificate
-from rpcdl.handshake import MAGIC, VERSION, client_handshake
-from rpcdl.security import Token, client_tls_context, server_tls_context
-from rpcdl.wire import Frame, Kind, encode_frame
+from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.transport.security import Token, client_tls_context, server_tls_context
+from rpcdl.transport.wire import Frame, Kind, encode_frame
 
 _WELCOME_SIZE = 73
 

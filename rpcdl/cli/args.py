@@ -53,7 +53,7 @@ def worker_address(text: str) -> str:
 
 def silent_worker(addresses: list[str], timeout: float) -> str | None:
     """Ping each worker; return a line naming the first that does not answer, or ``None``."""
-    from ..client import ping  # here: the commands' parsers load without torch
+    from ..rpc.client import ping  # here: the commands' parsers load without torch
 
     for address in addresses:
         try:

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from ..compression import COMPRESSION_ENV, MODES, resolve_mode
 from ..processes import stop_processes
-from ..security import (
+from ..transport.compression import COMPRESSION_ENV, MODES, resolve_mode
+from ..transport.security import (
     TLS_CERT_ENV,
     TLS_KEY_ENV,
     TOKEN_ENV,
@@ -169,7 +169,7 @@ def run_worker_command(
         fail(str(exc).replace("compression=", "--compression ", 1))
     if args.procs > 1:
         return _run_worker_processes(args, argv)
-    from ..worker import run_worker
+    from ..server.worker import run_worker
 
     try:
         run_worker(
@@ -194,7 +194,7 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
         port = args.port + index if args.port else 0
         command = [sys.executable, "-m", "rpcdl", "worker", *_without_option(child_argv, "--port"), "--port", str(port)]
         children.append(subprocess.Popen(command))
-    from ..worker import StopSignals
+    from ..server.worker import StopSignals
 
     stop = StopSignals().install()
     while not stop.wait(0.5):
@@ -217,7 +217,7 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ..client import stats
+    from ..rpc.client import stats
 
     columns = [
         ("worker", "address"), ("pid", "pid"), ("up s", "uptime_s"), ("clients", "clients"),

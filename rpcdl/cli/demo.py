@@ -122,7 +122,7 @@ def _warm_up() -> None:
 
 
 def _worker_counters(workers: list[str]) -> dict[str, dict[str, Any]]:
-    from ..client import stats
+    from ..rpc.client import stats
 
     counters = {}
     for address in workers:
@@ -249,8 +249,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..client import rpc_async
     from ..local import local_workers
+    from ..rpc.client import rpc_async
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
     started = time.perf_counter()

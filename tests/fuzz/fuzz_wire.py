@@ -3,11 +3,11 @@
 Two targets, chosen with ``--target``:
 
 * ``frames``: the bytes are everything a peer sends after the handshake; a
-  :class:`rpcdl.wire.FrameReader` with small limits must return frames within
+  :class:`rpcdl.transport.wire.FrameReader` with small limits must return frames within
   them or raise :class:`~rpcdl.errors.ProtocolError` /
   :class:`~rpcdl.errors.ConnectionLost`, and never allocate a buffer past them.
 * ``handshake``: the bytes are everything a client sends to a worker holding a
-  token; :func:`rpcdl.handshake.server_handshake` must refuse it with one of rpcdl's
+  token; :func:`rpcdl.transport.handshake.server_handshake` must refuse it with one of rpcdl's
   errors.
 
 Any other exception, a hang or a crash is a finding. Usage (see README.md)::
@@ -25,10 +25,10 @@ import struct
 import sys
 
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
-from rpcdl.handshake import MAGIC, VERSION, server_handshake
-from rpcdl.security import Token
-from rpcdl.serialization import dumps
-from rpcdl.wire import Frame, FrameReader, Kind, Limits, encode_frame
+from rpcdl.serialization.pickling import dumps
+from rpcdl.transport.handshake import MAGIC, VERSION, server_handshake
+from rpcdl.transport.security import Token
+from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
 
 LIMITS = Limits(max_message_bytes=4096, max_buffers=4, handshake_timeout=1.0)
 TOKEN = Token(b"fuzz-token")
@@ -115,13 +115,11 @@ def main(argv: list[str]) -> None:
 
     import atheris  # the fuzz extra: pip install 'rpcdl[fuzz]'
 
-    import rpcdl.handshake
-    import rpcdl.wire
+    from rpcdl.transport import handshake, wire
 
     for function in (
-        rpcdl.wire.FrameReader.read_frame, rpcdl.wire.FrameReader._read_payload, rpcdl.wire.FrameReader._read_into,
-        rpcdl.wire.FrameReader._fill, rpcdl.wire.FrameReader._recv_into, rpcdl.handshake.server_handshake,
-        rpcdl.handshake._recv_exact,
+        wire.FrameReader.read_frame, wire.FrameReader._read_payload, wire.FrameReader._read_into,
+        wire.FrameReader._fill, wire.FrameReader._recv_into, handshake.server_handshake, handshake._recv_exact,
     ):  # fmt: skip
         atheris.instrument_func(function)
     atheris.Setup([argv[0], *libfuzzer_args], TARGETS[options.target])

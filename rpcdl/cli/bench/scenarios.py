@@ -173,7 +173,7 @@ class Bench:
                 with contextlib.suppress(Exception):
                     system.stop()
         if self._local_context is not None:
-            from ...client import shutdown
+            from ...rpc.client import shutdown
 
             shutdown()
             self._local_context.__exit__(None, None, None)

@@ -116,20 +116,20 @@ class RpcdlSystem(System):
         self.bench = bench
 
     def call(self) -> None:
-        from ...client import rpc_sync
+        from ...rpc.client import rpc_sync
 
         rpc_sync(self.bench.worker_addresses(1)[0], noop)
 
     def calls(self, count: int, window: int) -> None:
-        from ...client import rpc_async
+        from ...rpc.client import rpc_async
 
         address = self.bench.worker_addresses(1)[0]
         calls_in_a_window(count, window, lambda: rpc_async(address, noop))
 
     def loader(self, spec: LoaderSpec) -> Any:
-        from ...client import rpc_sync
-        from ...dataloader import RPCDataloader
-        from ...dataset import RPCDataset
+        from ...data.dataloader import RPCDataloader
+        from ...data.dataset import RPCDataset
+        from ...rpc.client import rpc_sync
 
         addresses = self.bench.worker_addresses(spec.workers)
         for index, address in enumerate(addresses):
@@ -142,7 +142,7 @@ class RpcdlSystem(System):
 
         from torchdata.nodes import IterableWrapper
 
-        from ...integrations.torchdata import RPCMapper
+        from rpcdl.integrations.torchdata import RPCMapper
 
         node = RPCMapper(IterableWrapper(itertools.count()), self.bench.worker_addresses(workers), increment)
         node.reset()
@@ -152,7 +152,7 @@ class RpcdlSystem(System):
         mapper.reset()  # ends its pass: answers still in flight are dropped
 
     def release_loader(self, loader: Any) -> None:
-        from ...client import rpc_sync
+        from ...rpc.client import rpc_sync
 
         for address in loader.workers:
             rpc_sync(address, set_slowdown, (1.0,))

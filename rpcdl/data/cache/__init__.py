@@ -1,0 +1,1 @@
+"""Caching a dataset's samples: in process memory or in redis."""

@@ -1,0 +1,217 @@
+"""RPCDataset: a dataset built on every worker, addressed through remote references."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from ..address import check_workers
+from ..checks import check_loader_timeout
+from ..errors import DatasetMismatch, WorkerTimeout, is_transient
+from ..rpc.client import rpc_async
+from ..rpc.rref import RRef
+
+log = logging.getLogger("rpcdl.dataset")
+
+
+def _iterable_dataset_error(name: str) -> TypeError:
+    return TypeError(
+        f"RPCDataset needs a map-style dataset (__getitem__ and __len__), but {name} is an IterableDataset. "
+        "To process the items of an iterable on the workers, use rpcdl.integrations.torchdata.RPCMapper "
+        "(torchdata.nodes) or the DataPipe form .rpc_map(workers, fn); rpcdl.integrations.torchdata."
+        "RPCIterableDataset streams remote batches into a plain torch DataLoader"
+    )
+
+
+def _build(factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef, int | None]:
+    """Runs on a worker: build the dataset, keep it there, return a reference and its length."""
+    dataset = factory(*args, **kwargs)
+    if isinstance(dataset, IterableDataset):
+        raise _iterable_dataset_error(f"{getattr(factory, '__qualname__', factory)!s}(...)")
+    try:
+        length = len(dataset)
+    except TypeError:
+        length = None
+    return RRef(dataset), length
+
+
+def _length(dataset: Any) -> int:
+    return len(dataset)
+
+
+def _get_item(dataset: Any, index: Any) -> Any:
+    return dataset[index]
+
+
+class RPCDataset(Dataset):
+    """A dataset built on remote workers: each worker holds its own copy.
+
+    ``dataset(*args, **kwargs)`` runs on every worker; only a reference comes
+    back. The recipe is kept, so a worker that restarts is given the dataset
+    again, and its length is checked against the others'.
+
+    Args:
+        workers: worker addresses, ``"host:port"``.
+        dataset: a dataset class, or any callable returning a map-style
+            dataset (lambdas included).
+        args: positional arguments for ``dataset``.
+        kwargs: keyword arguments for ``dataset``.
+        rpcdl_timeout: seconds each worker has to build the dataset (default
+            120; ``0``: no limit). Keyword-only, and named so that it cannot
+            clash with the dataset's own arguments. It is also the timeout of
+            rebuilds on a restarted worker and of ``dataset[i]`` here. A build
+            that times out goes on running on the worker: with ``--parallel 1``
+            its next calls wait behind it.
+
+    Raises:
+        DatasetMismatch: workers built datasets of different lengths.
+        WorkerUnavailable: no worker could build it.
+        WorkerTimeout: no worker finished building it within ``rpcdl_timeout``
+            (the message names the workers and how to allow more).
+        TypeError: ``dataset`` is (or built) an ``IterableDataset``.
+        Exception: whatever ``dataset(...)`` raised on a worker, with its traceback.
+
+    .. note::
+        In a distributed job, give each trainer its own workers
+        (``workers[rank::world_size]``, see :func:`rpcdl.distributed.shard_workers`).
+
+    Example::
+
+        >>> dataset = rpcdl.RPCDataset(["node01:6543", "node02:6543"], torchvision.datasets.MNIST,
+        ...                            root="/data", transform=ToTensor())  # doctest: +SKIP
+        >>> len(dataset)  # doctest: +SKIP
+        60000
+    """
+
+    timeout: float = 120.0
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        dataset: Callable[..., Dataset],
+        *args: Any,
+        rpcdl_timeout: float = 120.0,
+        **kwargs: Any,
+    ):
+        workers = check_workers(workers)
+        if not callable(dataset):
+            raise TypeError(f"dataset must be a dataset class or a callable returning one, got {dataset!r}")
+        if isinstance(dataset, type) and issubclass(dataset, IterableDataset):
+            raise _iterable_dataset_error(dataset.__qualname__)
+        self.timeout = check_loader_timeout(rpcdl_timeout, "rpcdl_timeout")
+        self._timeout_given = float(rpcdl_timeout)
+        self.workers: list[str] = workers
+        self.factory = dataset
+        self.args = args
+        self.kwargs = kwargs
+        self._lock = threading.Lock()
+        self._rrefs: dict[str, RRef | None] = dict.fromkeys(self.workers)
+        self._failures: dict[str, BaseException] = {}
+        self._length: int | None = None
+        futures = {address: self.build_async(address) for address in self.workers}
+        for address, future in futures.items():
+            try:
+                self._accept(address, *future.wait())
+            except DatasetMismatch:
+                raise
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                if isinstance(exc, WorkerTimeout):
+                    exc = self._build_timed_out(address, exc)
+                self._failures[address] = exc
+                log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
+        if not any(self._rrefs.values()):
+            failures = "; ".join(f"{a}: {e}" for a, e in self._failures.items())
+            raise type(next(iter(self._failures.values())))(f"no worker could build the dataset: {failures}")
+
+    def _build_timed_out(self, address: str, exc: WorkerTimeout) -> WorkerTimeout:
+        name = getattr(self.factory, "__qualname__", "dataset")
+        return WorkerTimeout(
+            f"worker {address} did not build {name} within rpcdl_timeout={self._timeout_given:g}s. It is still "
+            "building it (a call is not cancelled when the client stops waiting), and with --parallel 1 its "
+            "next calls wait until the build ends. Allow more time with "
+            f"rpcdl.RPCDataset(workers, {name}, ..., rpcdl_timeout=SECONDS) (0: no limit)"
+        )
+
+    @property
+    def rrefs(self) -> list[RRef | None]:
+        """The remote references, one per worker (``None`` where not built)."""
+        return [self._rrefs[address] for address in self.workers]
+
+    def rref(self, address: str) -> RRef | None:
+        """The reference to the dataset on ``address``, or ``None`` if it is not built there."""
+        return self._rrefs.get(address)
+
+    def build_async(self, address: str) -> torch.futures.Future:
+        """Build the dataset on ``address``; the future gives ``(rref, length)``."""
+        return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
+
+    def _accept(self, address: str, rref: RRef, length: int | None) -> None:
+        """Record a copy built on ``address`` after checking its length."""
+        with self._lock:
+            if self._length is None:
+                self._length = length
+            elif length != self._length:
+                self._rrefs[address] = None
+                raise DatasetMismatch(
+                    f"worker {address} built a dataset of length {length}, the others have {self._length}: "
+                    "it is kept out; check that every worker sees the same data"
+                )
+            self._rrefs[address] = rref
+            self._failures.pop(address, None)
+
+    def accept(self, address: str, rref: RRef, length: int | None) -> None:
+        """Install a copy rebuilt on ``address`` (by :meth:`build_async`), checking its length.
+
+        Raises:
+            DatasetMismatch: its length differs from the others'.
+        """
+        self._accept(address, rref, length)
+
+    def forget(self, address: str) -> None:
+        """Drop the reference to the copy on ``address`` (lost with a restart, say)."""
+        with self._lock:
+            self._rrefs[address] = None
+
+    def release(self) -> None:
+        """Free the copies on every worker now rather than when this object is collected."""
+        with self._lock:
+            self._rrefs = dict.fromkeys(self.workers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_failures"] = {}
+        state["factory"], state["args"], state["kwargs"] = None, None, None
+        state["_recipe"] = cloudpickle.dumps((self.factory, self.args, self.kwargs))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.factory, self.args, self.kwargs = cloudpickle.loads(state.pop("_recipe"))
+        state = {k: v for k, v in state.items() if k not in ("factory", "args", "kwargs")}
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this RPCDataset has no length (its dataset defines no __len__)")
+        return self._length
+
+    def __getitem__(self, index: Any) -> Any:
+        """Fetch one sample from the first worker holding the dataset (for inspection)."""
+        for address in self.workers:
+            rref = self._rrefs[address]
+            if rref is not None:
+                return rpc_async(address, _get_item, (rref, index), timeout=self.timeout).wait()
+        raise RuntimeError("no worker holds this dataset")
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__qualname__", repr(self.factory))
+        return f"RPCDataset({name}, workers={self.workers}, length={self._length})"

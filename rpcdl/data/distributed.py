@@ -1,0 +1,103 @@
+"""Helpers for data-parallel training: split workers and data across ranks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, RandomSampler
+
+from ..address import check_workers
+from ..checks import check_int, check_positive_int
+from .dataloader import RPCDataloader
+
+
+def rank_and_world_size(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """``(rank, world_size)``: those given, else the initialized torch.distributed group's, else ``(0, 1)``."""
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    check_positive_int(world_size, "world_size")
+    check_int(rank, "rank", minimum=0, maximum=world_size - 1, meaning=f"one of the {world_size} ranks")
+    return rank, world_size
+
+
+def shard_workers(workers: Sequence[str], rank: int | None = None, world_size: int | None = None) -> list[str]:
+    """The workers rank ``rank`` of ``world_size`` uses: ``workers[rank::world_size]``.
+
+    With fewer workers than ranks, ranks share them (rank ``r`` uses worker
+    ``r % len(workers)``) and a warning says so. ``rank`` and ``world_size``
+    default to those of the initialized ``torch.distributed`` group, else 0 and 1.
+
+    Example::
+
+        >>> shard_workers(["a:1", "b:1", "c:1", "d:1"], rank=1, world_size=2)
+        ['b:1', 'd:1']
+    """
+    workers = check_workers(workers)
+    rank, world_size = rank_and_world_size(rank, world_size)
+    if len(workers) < world_size:
+        warnings.warn(
+            f"{len(workers)} workers for {world_size} ranks: ranks share workers; start at least one per rank",
+            stacklevel=2,
+        )
+        return [workers[rank % len(workers)]]
+    return list(workers[rank::world_size])
+
+
+def distributed_loader(
+    loader: RPCDataloader,
+    world_size: int | None = None,
+    rank: int | None = None,
+    shuffle: bool | None = None,
+    *,
+    seed: int = 0,
+    drop_last: bool | None = None,
+) -> RPCDataloader:
+    """A copy of ``loader`` that reads only this rank's share of the dataset.
+
+    The copy draws indices from a :class:`~torch.utils.data.DistributedSampler`
+    (every rank sees a disjoint shard, padded to equal length unless
+    ``drop_last``) and keeps the other settings of ``loader``. Like
+    aitoolbox's ``DDPHandler.build_loader_sampler`` for rpcdl loaders.
+
+    Args:
+        loader: the single-process loader.
+        world_size, rank: default to the initialized ``torch.distributed`` group's.
+        shuffle: shuffle the shard; defaults to whether ``loader`` shuffles.
+        seed: seed of the sampler's shuffling, the same on every rank.
+        drop_last: defaults to ``loader.drop_last``.
+
+    Returns:
+        the new loader; its sampler is ``new_loader.sampler`` (call ``set_epoch``
+        on the loader or the sampler each epoch).
+
+    Example::
+
+        >>> train = distributed_loader(RPCDataloader(dataset, batch_size=32, shuffle=True))  # doctest: +SKIP
+    """
+    if not isinstance(loader, RPCDataloader):
+        raise TypeError(f"loader must be an RPCDataloader, got {type(loader).__name__}")
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        raise ValueError("distributed_loader needs a loader built with batch_size, not with a custom batch_sampler")
+    rank, world_size = rank_and_world_size(rank, world_size)
+    if shuffle is None:
+        shuffle = isinstance(loader.sampler, RandomSampler)
+    drop_last = loader.drop_last if drop_last is None else drop_last
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
+    return RPCDataloader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        prefetch_factor=loader.prefetch_factor,
+        in_order=loader.in_order,
+        seed=loader.seed,
+    )

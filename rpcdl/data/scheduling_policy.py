@@ -1,0 +1,322 @@
+"""The scheduler's decisions, as plain functions of the workers' and tasks' records and the time.
+
+:class:`~rpcdl.data.scheduler.Dispatch` and :class:`~rpcdl.data.scheduler.WorkerPool`
+do the I/O (calls, futures, queues, logging); they ask a
+:class:`SchedulingPolicy` what to do. Nothing here reads a clock, sleeps,
+sends or waits: the time is an argument (``now``, from the pool's injected
+clock), so the policy can be driven by hand. The policy updates the records it
+is given (:class:`~rpcdl.data.scheduler_parts.WorkerSlot` holds a worker's state,
+estimates and probe schedule) and returns decisions: which worker, which task
+to copy where, which calls to retry, which probes are due, whether no worker
+is left and what to report. Threading: it is called by the thread advancing a
+pass (see :mod:`rpcdl.data.scheduler`), holds no lock and starts no thread.
+
+Invariants, between any two steps of the thread advancing a pass:
+
+1. A worker is in exactly one :class:`~rpcdl.data.scheduler_parts.WorkerState`;
+   only an ``ACTIVE`` worker is given tasks.
+2. A worker is sent a call only while it has fewer than its
+   :meth:`SchedulingPolicy.window` in flight, and
+   ``prefetch_factor <= window <= max_window`` (1 until its first answer).
+3. A pass pulls a task from its source only while it holds fewer than
+   :meth:`SchedulingPolicy.pass_window` pulled and not handed out (the active
+   workers' windows together), so the client holds at most
+   ``max_window`` answers per worker: the memory bound.
+4. A task has at most two live calls (one and a copy; a failed call is
+   retried only when none is live); one answer is accepted, later ones are
+   dropped.
+5. A ``DOWN`` worker has a probe time; each failed probe doubles its delay, up
+   to ``MAX_PROBE_DELAY`` (5 s); rejoining resets it and the worker's estimates.
+6. An ``EXCLUDED`` worker (a deterministic failure) never comes back.
+7. "No worker left" is decided only when none is active, and either none can
+   come back or ``timeout`` seconds have passed since one was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import is_transient
+from ..rpc.rref import RRefNotFound
+from .scheduler_parts import FIRST_PROBE_DELAY, Task, WorkerSlot, WorkerState, _Attempt
+
+__all__ = [
+    "HEDGE_FACTOR",
+    "MAX_PROBE_DELAY",
+    "MAX_WINDOW_FACTOR",
+    "SLOW_FACTOR",
+    "AllDownWatch",
+    "SchedulingPolicy",
+    "is_worker_failure",
+]
+
+HEDGE_FACTOR = 3.0  # a head task older than this many service times gets a copy elsewhere
+SLOW_FACTOR = 2.0  # a worker expected to finish later than this times the best is passed over
+MIN_HEDGE_AGE = 0.05
+MAX_PROBE_DELAY = 5.0
+IDLE_WAIT = 0.5
+MAX_WINDOW_FACTOR = 4  # the adaptive window grows to at most this times prefetch_factor
+_SERVICE_WEIGHT = 0.5  # weight of a new sample in the service-time average (it follows changes fast)
+_GROW_BELOW = 0.5  # calls waiting at a worker whose window was full: fewer, and the window grows by one
+_LEAVE_FLOOR_BELOW = 0.25  # the same, to grow past prefetch_factor: round trips on loopback are noisy
+_SHRINK_ABOVE = 1.5  # more, and it shrinks by one
+
+
+def is_worker_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the worker failed (it is taken out) rather than the user's code (the task's result)."""
+    return is_transient(exc) or isinstance(exc, RRefNotFound)
+
+
+def _average(previous: float | None, sample: float, weight: float) -> float:
+    return sample if previous is None else (1.0 - weight) * previous + weight * sample
+
+
+class SchedulingPolicy:
+    """Where tasks go, when to copy them, and how workers leave and rejoin.
+
+    Args:
+        prefetch_factor: calls in flight per worker at least (and the least
+            window of a worker whose link is not measured yet).
+        timeout: how long to wait for a worker to come back when none is left.
+        max_window: calls in flight per worker at most, however long its link's
+            round trip (default: ``4 * prefetch_factor``).
+
+    Example::
+
+        >>> policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
+        >>> slots = [WorkerSlot("127.0.0.1:1", 0), WorkerSlot("127.0.0.1:2", 1)]
+        >>> policy.pick(slots, now=0.0).address
+        '127.0.0.1:1'
+    """
+
+    def __init__(self, *, prefetch_factor: int, timeout: float, max_window: int | None = None):
+        self.prefetch_factor = prefetch_factor
+        self.timeout = float(timeout)
+        self.max_window = max(max_window or MAX_WINDOW_FACTOR * prefetch_factor, prefetch_factor)
+
+    # ------------------------------------------------------------------ windows
+
+    def window(self, slot: WorkerSlot) -> int:
+        """How many calls ``slot`` may have in flight now (see :meth:`observe` for how it adapts).
+
+        One until its first answer since it (re)joined: that answer pays for
+        setting up the connection, and the next call finds the worker idle,
+        which measures the round trip with no wait.
+        """
+        if slot.service_time is None:
+            return 1
+        return min(max(slot.window or self.prefetch_factor, self.prefetch_factor), self.max_window)
+
+    def pass_window(self, slots: Sequence[WorkerSlot]) -> int:
+        """How many tasks a pass may hold pulled and not handed out: the active workers' windows together."""
+        return sum(self.window(slot) for slot in active(slots)) or self.prefetch_factor
+
+    def sent(self, slot: WorkerSlot, attempt: _Attempt) -> None:
+        """Record a call sent to ``slot``."""
+        slot.in_flight.add(attempt)
+        slot.last_sent = attempt.sent_at
+        if len(slot.in_flight) >= self.window(slot):
+            slot.window_filled = True
+
+    def observe(self, slot: WorkerSlot, attempt: _Attempt, now: float, *, measure_link: bool = True) -> None:
+        """Learn from an answer to ``attempt`` seen at ``now``: the service time, and the window.
+
+        The window follows the bandwidth-delay product of the worker and its
+        link, as TCP Vegas does: ``rtt`` is the shortest round trip seen (the
+        link's latency and the work, with no wait at the worker). Once per
+        window of answers, the average round trip tells how many calls waited
+        at the worker: ``window * (1 - rtt / average)``. Under half a call
+        (and the window was full, so it was what limited the worker), the
+        window grows by one; over one and a half, it shrinks by one. To grow
+        past ``prefetch_factor`` it takes under a quarter of a call: round
+        trips on loopback are noisy, and the client's memory bound stays
+        ``prefetch_factor`` per worker there. A loopback worker that runs one
+        call at a time keeps one call waiting: its window stays at
+        ``prefetch_factor`` (2 by default); a link with a long round trip, or
+        a worker running calls in parallel, gets more calls in flight. A link
+        that slows down makes calls wait: its window shrinks back.
+
+        Args:
+            measure_link: whether ``now`` is when the answer arrived. An answer
+                that waited for a busy consumer says nothing of the link: it
+                updates the service time only. The first answer since the
+                worker (re)joined is not measured either: it paid for setting
+                up the connection.
+        """
+        first = slot.service_time is None
+        service = now - max(attempt.sent_at, slot.last_done)
+        slot.last_done = now
+        slot.service_time = _average(slot.service_time, service, _SERVICE_WEIGHT)
+        if not measure_link or first:
+            return
+        round_trip = now - attempt.sent_at
+        slot.rtt = round_trip if slot.rtt is None else min(slot.rtt, round_trip)
+        slot.round_trips += round_trip
+        slot.answers += 1
+        window = self.window(slot)
+        if slot.answers < window:
+            return
+        slot.round_trip = slot.round_trips / slot.answers
+        waiting = window * (1.0 - slot.rtt / slot.round_trip) if slot.round_trip > 0 else 0.0
+        if slot.window_filled and waiting < (_GROW_BELOW if window > self.prefetch_factor else _LEAVE_FLOOR_BELOW):
+            window += 1
+        elif waiting > _SHRINK_ABOVE:
+            window -= 1
+        slot.window = min(max(window, self.prefetch_factor), self.max_window)
+        slot.round_trips, slot.answers = 0.0, 0
+        slot.window_filled = len(slot.in_flight) >= slot.window
+
+    # ------------------------------------------------------------------ choosing a worker
+
+    def default_service_time(self, slots: Sequence[WorkerSlot]) -> float:
+        """The service time assumed for a worker not measured yet: the best measured one (1 s if none)."""
+        times = [slot.service_time for slot in slots if slot.service_time is not None]
+        return min(times) if times else 1.0
+
+    def due_for_trial(self, slot: WorkerSlot, now: float) -> bool:
+        """An idle worker passed over as slow gets a task again after idling one service time."""
+        return not slot.in_flight and now - max(slot.last_done, slot.last_sent) > (slot.service_time or 0.0)
+
+    def pick(self, slots: Sequence[WorkerSlot], now: float, exclude: WorkerSlot | None = None) -> WorkerSlot | None:
+        """The active worker expected to finish a new task first, with room in its window; ``None`` when
+        none has room, or when the one with room is much slower than the best could be (better wait),
+        unless it is due for a trial."""
+        candidates = [slot for slot in active(slots) if slot is not exclude]
+        if not candidates:
+            return None
+        default = self.default_service_time(slots)
+        best_possible = min(slot.expected_done(default) for slot in candidates)
+        free = [slot for slot in candidates if len(slot.in_flight) < self.window(slot)]
+        if not free:
+            return None
+        chosen = min(free, key=lambda slot: (slot.expected_done(default), len(slot.in_flight), slot.index))
+        if chosen.expected_done(default) > SLOW_FACTOR * best_possible and not self.due_for_trial(chosen, now):
+            return None
+        return chosen
+
+    def hedge(self, head: Task, slots: Sequence[WorkerSlot], now: float) -> WorkerSlot | None:
+        """Another worker to send a copy of ``head`` (the task the consumer waits for) to: when it is late
+        on its worker, or another is expected to finish it much sooner (a slow worker's trial task)."""
+        live = [attempt for attempt in head.attempts if attempt.live]
+        if head.done or len(live) != 1 or len(head.attempts) > 2:
+            return None
+        attempt = live[0]
+        default = self.default_service_time(slots)
+        age = now - attempt.sent_at
+        late = age >= max(HEDGE_FACTOR * default, MIN_HEDGE_AGE)
+        remaining_here = (attempt.slot.service_time or default) - age
+        if not late and remaining_here <= SLOW_FACTOR * default:
+            return None
+        slot = self.pick(slots, now, exclude=attempt.slot)
+        if slot is not None and (late or remaining_here > SLOW_FACTOR * slot.expected_done(default)):
+            return slot
+        return None
+
+    # ------------------------------------------------------------------ failover
+
+    def take_down(self, slot: WorkerSlot, failure: BaseException, now: float) -> list[_Attempt]:
+        """Take a failed worker out and schedule its first probe.
+
+        Returns:
+            its calls that were in flight, no longer live: their tasks are to
+            be retried elsewhere (nothing, for an excluded worker).
+        """
+        if slot.state == WorkerState.EXCLUDED:
+            return []
+        slot.state = WorkerState.DOWN
+        slot.failure = failure
+        self._schedule_probe(slot, now)
+        orphans = list(slot.in_flight)
+        for attempt in orphans:
+            attempt.live = False
+        slot.in_flight.clear()
+        return orphans
+
+    def gives_up(self, task: Task, slots: Sequence[WorkerSlot]) -> bool:
+        """Whether ``task`` timed out on as many workers as could serve it: its timeout is its result."""
+        return task.timeouts >= sum(slot.state != WorkerState.EXCLUDED for slot in slots)
+
+    def probe_all_down_now(self, slots: Sequence[WorkerSlot], now: float) -> None:
+        """A new pass begins: the workers that are down are probed at once."""
+        for slot in slots:
+            if slot.state == WorkerState.DOWN:
+                slot.probe_at = now
+
+    def probes_due(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
+        """The down workers whose probe is due; they are ``PROBING`` from now on."""
+        due = [slot for slot in slots if slot.state == WorkerState.DOWN and slot.probe_at <= now]
+        for slot in due:
+            slot.state = WorkerState.PROBING
+        return due
+
+    def probe_ended(self, slot: WorkerSlot, failure: BaseException | None, now: float) -> WorkerState | None:
+        """A probe of ``slot`` ended (``failure`` is ``None`` when it answered).
+
+        Returns:
+            the worker's new state: ``ACTIVE`` (it rejoins, measured afresh),
+            ``DOWN`` (a transient failure: probed again later, after a longer
+            delay) or ``EXCLUDED`` (a deterministic failure); ``None`` when the
+            worker was not being probed (the answer is stale).
+        """
+        if slot.state != WorkerState.PROBING:
+            return None
+        if failure is None:
+            slot.state = WorkerState.ACTIVE
+            slot.probe_delay = FIRST_PROBE_DELAY
+            slot.last_done = 0.0
+            slot.service_time = slot.rtt = slot.round_trip = slot.window = None
+            slot.round_trips, slot.answers, slot.window_filled = 0.0, 0, False
+        else:
+            slot.failure = failure
+            if is_transient(failure):
+                slot.state = WorkerState.DOWN
+                self._schedule_probe(slot, now)
+            else:
+                slot.state = WorkerState.EXCLUDED
+        return slot.state
+
+    def _schedule_probe(self, slot: WorkerSlot, now: float) -> None:
+        slot.probe_at = now + slot.probe_delay
+        slot.probe_delay = min(slot.probe_delay * 2, MAX_PROBE_DELAY)
+
+    def wait_time(self, slots: Sequence[WorkerSlot], now: float, awaiting_head: bool) -> float:
+        """How long the pass may wait for an answer before it must act: a probe falls due, or the task the
+        consumer waits for (``awaiting_head``) may need a copy."""
+        deadline = now + IDLE_WAIT
+        probes = [slot.probe_at for slot in slots if slot.state == WorkerState.DOWN]
+        if probes:
+            deadline = min(deadline, min(probes))
+        if awaiting_head:
+            deadline = min(deadline, now + max(MIN_HEDGE_AGE, self.default_service_time(slots)))
+        return max(0.0, deadline - now)
+
+
+class AllDownWatch:
+    """Decides when a pass must give up because no worker is left (one per pass).
+
+    Args:
+        timeout: seconds to wait for a worker to come back once none is active.
+    """
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.all_down_since: float | None = None
+
+    def check(self, slots: Sequence[WorkerSlot], now: float) -> str | None:
+        """``None`` while a worker is active or may still come back in time; else the error to raise,
+        naming every worker, its state and its last failure."""
+        if active(slots):
+            self.all_down_since = None
+            return None
+        if self.all_down_since is None:
+            self.all_down_since = now
+        recoverable = any(slot.state != WorkerState.EXCLUDED for slot in slots)
+        if recoverable and now - self.all_down_since < self.timeout:
+            return None
+        details = "; ".join(f"{slot.address} ({slot.state.value}: {slot.failure})" for slot in slots)
+        return f"no worker is left (waited {self.timeout:g}s for one to come back): {details}"
+
+
+def active(slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
+    """The workers that may be given tasks."""
+    return [slot for slot in slots if slot.state == WorkerState.ACTIVE]

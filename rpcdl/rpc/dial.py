@@ -1,0 +1,208 @@
+"""Opening a connection to a worker: waiting a while for one not yet there, and naming what else answers.
+
+Threading model: :func:`dial` runs in the thread of the connection it opens
+(``rpcdl-connection-HOST:PORT``) and blocks it; the caller's threads wait for
+their calls meanwhile, each up to its own timeout. The one state shared by
+those threads is the set of workers already warned about (single set
+operations, atomic under the GIL).
+
+What happens to each kind of failure:
+
+* **Refused** (connection refused, no route to the host, a host name that does
+  not resolve yet): the worker may simply not be started yet, so the attempt is
+  retried for a grace period, ``RPCDL_CONNECT_GRACE`` seconds (default
+  :data:`DEFAULT_CONNECT_GRACE`). After :data:`WARN_AFTER` seconds a warning on
+  the ``rpcdl.rpc.client`` logger says which worker is awaited and why (it reaches
+  stderr even when the program configured no logging; once per worker until it
+  accepts a connection, so revival probes repeat nothing); when the grace is over,
+  :class:`~rpcdl.errors.WorkerUnavailable` names the address, the grace, how to
+  raise it and the last error.
+* **Not an rpcdl worker**: a peer that answers the hello with other bytes (an
+  HTTP server, a TLS server), that says nothing for :data:`HELLO_ANSWER_TIMEOUT`
+  seconds, or that closes the connection after the hello three times in a
+  row (an rpcdataloader worker) raises :class:`~rpcdl.errors.ProtocolError`:
+  it is never retried. So does a TLS handshake that fails (or is cut three
+  times in a row: a worker without TLS) and another protocol version; a token
+  mismatch or a certificate that fails verification raises
+  :class:`~rpcdl.errors.AuthenticationError`.
+* Anything else (a reset, a connect timeout) is retried until the calls
+  waiting for the connection time out. Once connected, calls keep their full
+  timeout: :data:`HELLO_ANSWER_TIMEOUT` bounds the handshake only.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Callable
+
+from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerUnavailable
+from ..transport.handshake import client_handshake
+from ..transport.security import Token
+
+log = logging.getLogger("rpcdl.client")
+
+CONNECT_GRACE_ENV = "RPCDL_CONNECT_GRACE"
+#: Seconds a worker may refuse connections before calls to it fail (``RPCDL_CONNECT_GRACE`` overrides).
+DEFAULT_CONNECT_GRACE = 20.0
+#: Seconds of refused connections after which a warning says which worker is awaited.
+WARN_AFTER = 3.0
+#: Seconds a peer may take to start answering the hello; rpcdl workers answer at once.
+HELLO_ANSWER_TIMEOUT = 5.0
+_MAX_UNANSWERED = 3
+_MAX_RETRY_DELAY = 1.0
+_warned: set[str] = set()  # addresses awaited with a warning since they last accepted (revival probes repeat)
+_REFUSALS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
+
+
+def connect_grace() -> float:
+    """Seconds to keep retrying a worker that refuses connections: ``RPCDL_CONNECT_GRACE``, else 20.
+
+    Raises:
+        ValueError: ``RPCDL_CONNECT_GRACE`` is not a number of seconds >= 0.
+    """
+    value = os.environ.get(CONNECT_GRACE_ENV, "").strip()
+    if not value:
+        return DEFAULT_CONNECT_GRACE
+    try:
+        grace = float(value)
+    except ValueError:
+        grace = -1.0
+    if not grace >= 0 or grace == float("inf"):
+        raise ValueError(
+            f"{CONNECT_GRACE_ENV} must be a number of seconds >= 0 (how long to wait for a worker that "
+            f"refuses connections), got {value!r}"
+        )
+    return grace
+
+
+def refusal(exc: BaseException) -> str | None:
+    """Why ``exc`` means the worker is not there (yet), or ``None`` if it means something else."""
+    if isinstance(exc, socket.gaierror):
+        return f"its host name does not resolve ({exc.strerror or exc})"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, OSError) and exc.errno in _REFUSALS:
+        return os.strerror(exc.errno).lower()
+    return None
+
+
+def dial(
+    address: str,
+    host: str,
+    port: int,
+    token: Token | None,
+    ssl_context: ssl.SSLContext | None,
+    *,
+    handshake_timeout: float,
+    grace: float,
+    failed: Callable[[OSError], float],
+    pause: Callable[[float], None] = time.sleep,
+    compression: str | None = None,
+) -> tuple[socket.socket, str]:
+    """Connect to the worker at ``address`` and run the handshake, retrying as the module docstring says.
+
+    Args:
+        address: ``"host:port"``, for messages.
+        host: the host to connect to.
+        port: its port.
+        token: the shared secret, or ``None``.
+        ssl_context: TLS context, or ``None`` for plain TCP.
+        handshake_timeout: seconds each connect and each handshake read may take.
+        grace: seconds to keep retrying a worker that refuses connections.
+        failed: called with the error of each failed attempt; returns the
+            time (``time.monotonic()``) until which retrying is still wanted,
+            or raises to stop.
+        pause: waits that many seconds between attempts (the caller may cut
+            the wait short; ``failed`` then stops the retries).
+        compression: the compression mode to ask for (see :mod:`rpcdl.transport.compression`).
+
+    Returns:
+        The connected socket, handshake done, TCP_NODELAY set, and the
+        compression mode the worker chose.
+
+    Raises:
+        WorkerUnavailable: refused for ``grace`` seconds, or unreachable until
+            the time ``failed`` allows.
+        ProtocolError: the peer is not an rpcdl worker, or speaks another version.
+        AuthenticationError: the tokens differ, or the TLS certificate fails verification.
+    """
+    started = time.monotonic()
+    delay = 0.02
+    unanswered = 0
+    while True:
+        sock = None
+        in_tls_handshake = False
+        try:
+            sock = socket.create_connection((host, port), timeout=handshake_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ssl_context is not None:
+                in_tls_handshake = True
+                sock = ssl_context.wrap_socket(sock, server_hostname=host)
+                in_tls_handshake = False
+            answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
+            chosen = client_handshake(sock, token, address, answer_timeout=answer_timeout, compression=compression)
+            _warned.discard(address)
+            return sock, chosen
+        except ssl.SSLCertVerificationError as exc:
+            _close_quietly(sock)
+            raise AuthenticationError(
+                f"TLS: the certificate of worker {address} failed verification: {exc.verify_message}"
+            ) from None
+        except (AuthenticationError, ProtocolError):
+            _close_quietly(sock)
+            raise
+        except OSError as exc:
+            _close_quietly(sock)
+            error = exc
+        closed_early = isinstance(error, HelloUnanswered) or (
+            in_tls_handshake and isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError))
+        )
+        if in_tls_handshake and isinstance(error, ssl.SSLError) and not closed_early:
+            raise ProtocolError(
+                f"{address} did not complete a TLS handshake ({error.reason or error}): it is not an rpcdl "
+                "worker with TLS; if it runs without TLS, unset RPCDL_TLS_CA (or pass no ssl_context)"
+            )
+        unanswered = unanswered + 1 if closed_early else 0
+        if unanswered >= _MAX_UNANSWERED:
+            if in_tls_handshake:
+                raise ProtocolError(
+                    f"{address} is not an rpcdl worker with TLS (it closed the connection during the TLS "
+                    f"handshake, {unanswered} times in a row; an rpcdl worker without TLS does that): if it runs "
+                    "without TLS, unset RPCDL_TLS_CA (or pass no ssl_context)"
+                )
+            raise ProtocolError(
+                f"{address} is not an rpcdl worker (it closed the connection after rpcdl's hello without "
+                f"answering, {unanswered} times in a row: an rpcdataloader worker does that, and an rpcdl worker "
+                "with TLS when the client has none (then set RPCDL_TLS_CA))"
+            )
+        deadline = failed(error)
+        now = time.monotonic()
+        why = refusal(error)
+        if why is not None and now - started >= grace:
+            raise WorkerUnavailable(
+                f"rpcdl worker {address} is not reachable: {why} for {grace:g}s, the grace for workers that "
+                f"start after their trainer; set {CONNECT_GRACE_ENV} to a number of seconds to wait longer "
+                f"(last error: {error})"
+            )
+        if why is not None and now - started >= WARN_AFTER and address not in _warned:
+            _warned.add(address)
+            log.warning(
+                "waiting for rpcdl worker %s: %s (for %.0fs; giving up after %gs, set %s to wait longer)",
+                address, why, now - started, grace, CONNECT_GRACE_ENV,
+            )  # fmt: skip
+        if now + delay > deadline:
+            raise WorkerUnavailable(
+                f"could not connect to rpcdl worker {address} within its timeout: {error}"
+            ) from None
+        pause(min(delay, started + grace - now) if why is not None else delay)
+        delay = min(delay * 2, _MAX_RETRY_DELAY)
+
+
+def _close_quietly(sock: socket.socket | None) -> None:
+    if sock is not None:
+        sock.close()

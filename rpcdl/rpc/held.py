@@ -1,0 +1,165 @@
+"""What a thread holds back: calls sent together, and answers its caller reads itself.
+
+Threading model: all state here is per thread (a ``threading.local``); no
+thread ever sees, sends or reads what another thread holds.
+
+Stages compose (a remote map over a remote map, in any depth, or over a data
+loader) because of two rules:
+
+1. **A block holds only the calls of the code that opened it.** Code a block
+   calls out to, such as a stage's source (which may be another stage) or user
+   code, runs under :func:`outside_held_blocks`: its calls are sent or read as
+   if no block were open (or as its own blocks say), never held for the outer
+   block.
+2. **Nothing waits for answers while holding calls.** A thread about to wait
+   (:meth:`torch.futures.Future.wait` on an rpcdl future, :func:`rpcdl.rpc.client.read_answers`,
+   a synchronous call) first sends every call it holds, those of the enclosing
+   blocks suspended by rule 1 included.
+
+So a call held by a thread always leaves before that thread waits for
+anything rpcdl can see, whatever the depth of the stages; and a plain source
+(a list, a sampler) that never waits costs no extra system call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+
+class _Sender(Protocol):
+    def _send(self, frames: list) -> None: ...
+
+
+_state = threading.local()
+
+
+def _frames() -> dict[_Sender, list] | None:
+    return getattr(_state, "frames", None)
+
+
+def _suspended() -> list[dict[_Sender, list]]:
+    suspended = getattr(_state, "suspended", None)
+    if suspended is None:
+        suspended = _state.suspended = []
+    return suspended
+
+
+def reads_here() -> bool:
+    """Whether the answers of calls this thread makes now are left to it (see :func:`answers_read_here`)."""
+    return getattr(_state, "read_here", False)
+
+
+def hold(connection: _Sender, frame: Any) -> bool:
+    """Hold ``frame`` for ``connection`` if this thread is in a :func:`sent_together` block.
+
+    Returns:
+        ``True`` if held (sent when the block ends or the thread waits), ``False`` if the caller sends it.
+    """
+    frames = _frames()
+    if frames is None:
+        return False
+    frames.setdefault(connection, []).append(frame)
+    return True
+
+
+def send_held() -> None:
+    """Send every call this thread holds, those of suspended enclosing blocks first (they were made first)."""
+    for frames in [*_suspended(), _frames()]:
+        if frames:
+            held = list(frames.items())
+            frames.clear()
+            for connection, pending in held:
+                connection._send(pending)
+
+
+@contextlib.contextmanager
+def sent_together() -> Iterator[None]:
+    """Hold back the calls this thread makes in the block and send them together as it ends.
+
+    The calls to one worker then leave in one system call, which costs about
+    what sending a single one does, and the worker reads them in one go: worth
+    it when a thread sends several calls at once (the data loader does, as it
+    fills its prefetch window). Order is kept: waiting for a future in the
+    block, or making a synchronous call (:func:`rpcdl.rpc_sync`, :func:`rpcdl.ping`,
+    :func:`rpcdl.stats`), first sends what the thread holds. Other threads' calls are
+    not held, nor are those made under :func:`outside_held_blocks`.
+
+    Example::
+
+        >>> with rpcdl.rpc.client.sent_together():  # doctest: +SKIP
+        ...     futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
+        >>> [future.wait() for future in futures]  # doctest: +SKIP
+        [1, 2, 4, 8, 16, 32, 64, 128]
+    """
+    if _frames() is not None:  # nested: the outer block sends
+        yield
+        return
+    _state.frames = {}
+    try:
+        yield
+    finally:
+        try:
+            send_held()
+        finally:
+            _state.frames = None
+
+
+@contextlib.contextmanager
+def answers_read_here() -> Iterator[None]:
+    """Leave the answers to the calls this thread makes in the block to this thread.
+
+    Their connections' own threads do not read them: the thread reads them when
+    it waits for their futures or calls :func:`rpcdl.rpc.client.read_answers`, which saves two
+    thread switches per answer. Meant for one thread driving many calls, as the
+    data loader does. Answers it leaves unread for 0.1 s are read by their
+    connections' threads after all, so a worker never blocks sending them; so
+    are the answers of a connection whose last answer was large (1 MiB or
+    more), which arrive faster read in parallel, one thread per connection.
+
+    Example::
+
+        >>> with rpcdl.rpc.client.answers_read_here():  # doctest: +SKIP
+        ...     futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
+        >>> while not all(future.done() for future in futures):  # doctest: +SKIP
+        ...     rpcdl.rpc.client.read_answers(futures, timeout=1.0)
+    """
+    previous = reads_here()
+    _state.read_here = True
+    try:
+        yield
+    finally:
+        _state.read_here = previous
+
+
+@contextlib.contextmanager
+def outside_held_blocks() -> Iterator[None]:
+    """Run the block as if this thread were in no :func:`sent_together` or :func:`answers_read_here` block.
+
+    For code a block calls out to and does not control: a stage's source
+    (which may be another stage that waits for its own answers) or user code.
+    The calls held so far stay held, unless the block waits for answers, which
+    sends them first; calls made in the block are not held for the enclosing
+    block, and their answers are read as outside any block.
+
+    Example::
+
+        >>> with rpcdl.rpc.client.sent_together(), rpcdl.rpc.client.answers_read_here():  # doctest: +SKIP
+        ...     for item in items:
+        ...         with rpcdl.rpc.client.outside_held_blocks():
+        ...             item = preprocess(item)  # may call workers and wait for them
+        ...         futures.append(rpcdl.rpc_async(address, fn, (item,)))
+    """
+    frames, read_here = _frames(), reads_here()
+    suspended = _suspended()
+    if frames is not None:
+        suspended.append(frames)
+    _state.frames, _state.read_here = None, False
+    try:
+        yield
+    finally:
+        if frames is not None:
+            suspended.pop()
+        _state.frames, _state.read_here = frames, read_here

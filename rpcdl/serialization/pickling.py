@@ -1,0 +1,228 @@
+"""Objects to ``(payload, buffers)`` and back.
+
+Pickle protocol 5 through cloudpickle, so lambdas, closures and functions of
+``__main__`` travel by value, and the code of the user's own modules travels
+with them (:mod:`rpcdl.serialization.user_code`): a worker needs only the installed packages.
+Code that goes by value is pickled once per object while what it captured is
+unchanged (:mod:`rpcdl.serialization.code_cache`), and rebuilt once on the worker.
+Tensors and numpy arrays leave their bytes out of the payload as out-of-band
+buffers: the wire layer sends them from their own memory and receives them
+into preallocated memory, which becomes the tensor.
+Exceptions travel as reports that rebuild them on the other side with their
+type, their traceback and the worker they came from.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import traceback
+import types
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import tblib
+import torch
+
+from ..errors import RemoteError
+from .code_cache import code_of, found_by_name, frozen_function_code
+from .user_code import define, import_or_define, is_users_module, lookup
+
+PROTOCOL = 5
+
+
+def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+    if not memoryview(buffer).nbytes:
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        flat = (
+            torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else torch.frombuffer(buffer, dtype=torch.uint8)
+        )
+        tensor = flat.view(dtype).view(shape)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _reduce_tensor(tensor: torch.Tensor):
+    if tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.is_quantized:
+        return None
+    data = tensor.detach().contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy()
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), data.dtype, tuple(data.shape), tensor.requires_grad)
+
+
+class _Pickler(cloudpickle.Pickler):
+    _outermost = True  # False in the pickler of a user's object's code, which pickles all of it by value
+    _by_value: Any = None  # the function this pickler pickles by value for the cache
+
+    def reducer_override(self, obj):
+        kind = type(obj)
+        if kind is torch.Tensor:
+            reduced = _reduce_tensor(obj)
+            if reduced is not None:
+                return reduced
+        elif kind is types.FunctionType or kind is types.ModuleType or isinstance(obj, type):
+            if kind is types.ModuleType:
+                module_name, qualname = obj.__name__, ""
+            else:
+                module_name, qualname = obj.__module__, obj.__qualname__
+            if is_users_module(module_name) and self._outermost and lookup(module_name, qualname) is obj:
+                return import_or_define, (module_name, qualname, code_of(obj, _pickle_code))
+            if kind is types.FunctionType and self._outermost and obj is not self._by_value:
+                code = None if found_by_name(obj) else frozen_function_code(obj, _pickle_function)
+                if code is not None:
+                    return define, (code,)
+        return super().reducer_override(obj)
+
+
+class _CodePickler(_Pickler):
+    _outermost = False
+
+
+def _pickle_code(obj: Any) -> bytes:
+    """``obj`` of a user's module pickled by value with what it refers to (see :mod:`.code_cache`)."""
+    stream = io.BytesIO()
+    _CodePickler(stream, protocol=PROTOCOL).dump(obj)
+    return stream.getvalue()
+
+
+def _pickle_function(function: types.FunctionType) -> bytes:
+    """A function that cloudpickle pickles by value, pickled alone (see :mod:`rpcdl.serialization.code_cache`).
+
+    What it refers to is pickled as in a message: the user's modules as
+    their code, other frozen functions as their own cached pickles.
+    """
+    stream = io.BytesIO()
+    pickler = _Pickler(stream, protocol=PROTOCOL)
+    pickler._by_value = function
+    pickler.dump(function)
+    return stream.getvalue()
+
+
+def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """Serialize ``obj`` into a pickle payload and its out-of-band buffers.
+
+    Returns:
+        ``(payload, buffers)``: the buffers are views of the original memory,
+        so the objects must not change until they have been sent.
+    """
+    buffers: list[memoryview] = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=PROTOCOL, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+    return stream.getvalue(), buffers
+
+
+def loads(payload: bytes | bytearray | memoryview, buffers: Iterable[Any] = ()) -> Any:
+    """Rebuild an object from :func:`dumps`'s payload and (received) buffers."""
+    return pickle.loads(payload, buffers=buffers)
+
+
+def dumps_inline(obj: Any) -> bytes:
+    """Serialize ``obj`` into one bytes object, buffers included (for storage)."""
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=PROTOCOL).dump(obj)
+    return stream.getvalue()
+
+
+# ---------------------------------------------------------------------------- peer context
+
+_context = threading.local()
+
+
+_NO_PEER = (None, None, None)
+
+
+@contextmanager
+def peer_context(peer: str, local_store: Any = None, connection: Any = None):
+    """Tell objects being (un)pickled in this thread whom the message is for or from.
+
+    Args:
+        peer: the address of the other side, as this process names it.
+        local_store: the RRef store of this process when it is a worker.
+        connection: the client connection carrying the message, if any.
+    """
+    previous = getattr(_context, "value", _NO_PEER)
+    _context.value = (peer, local_store, connection)
+    try:
+        yield
+    finally:
+        _context.value = previous
+
+
+def current_peer() -> tuple[str | None, Any]:
+    """Return ``(peer, local_store)`` of the message being (un)pickled, or ``(None, None)``."""
+    return getattr(_context, "value", _NO_PEER)[:2]
+
+
+def current_connection() -> Any:
+    """Return the client connection carrying the message being unpickled, or ``None``."""
+    return getattr(_context, "value", _NO_PEER)[2]
+
+
+# ---------------------------------------------------------------------------- exceptions
+
+
+def _user_traceback(exc: BaseException):
+    """Drop the leading frames that belong to rpcdl's own call machinery."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("rpcdl.") and tb.tb_next:
+        tb = tb.tb_next
+    return tb
+
+
+def dump_exception(exc: BaseException) -> bytes:
+    """Serialize ``exc`` as a report that :func:`load_exception` turns back into it."""
+    tb = _user_traceback(exc)
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    report: dict[str, Any] = {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": text,
+        "frames": None,
+        "exception": None,
+    }
+    try:
+        report["frames"] = tblib.Traceback(tb).as_dict() if tb is not None else None
+    except Exception:
+        pass
+    try:
+        report["exception"] = cloudpickle.dumps(exc.with_traceback(None), protocol=PROTOCOL)
+    except Exception:
+        pass
+    finally:
+        exc.with_traceback(tb)
+    return pickle.dumps(report, protocol=PROTOCOL)
+
+
+def load_exception(payload: bytes | bytearray, worker: str) -> BaseException:
+    """Rebuild the exception of a report from :func:`dump_exception`.
+
+    The exception keeps its own type when that type can be unpickled here,
+    otherwise it becomes a :class:`~rpcdl.errors.RemoteError`. Either way it
+    carries ``rpcdl_worker`` (the worker's address), ``remote_traceback`` (the
+    traceback as formatted on the worker) and a note naming the worker.
+    """
+    report = pickle.loads(payload)
+    exc: BaseException | None = None
+    if report["exception"] is not None:
+        try:
+            exc = pickle.loads(report["exception"])
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(report["type"], report["message"], report["traceback"])
+    exc.rpcdl_worker = worker
+    exc.remote_traceback = report["traceback"]
+    note = f"raised on rpcdl worker {worker}"
+    if report["frames"] is not None:
+        try:
+            exc = exc.with_traceback(tblib.Traceback.from_dict(report["frames"]).as_traceback())
+        except Exception:
+            note += "; remote traceback:\n" + report["traceback"]
+    exc.add_note(note)
+    return exc

@@ -1,0 +1,475 @@
+"""The worker: a server that runs the functions clients send it.
+
+Each client connection has two service threads that take turns reading it.
+The one that reads a call runs it at once when a slot is free (``parallel``
+slots in all) and the other thread can go on reading; otherwise the call waits
+in a queue for one of ``parallel`` executor threads. Whoever runs a call sends
+its answer, then runs the next queued call in the same slot if there is one
+(no thread switch per call) or frees the slot. No client can stop the worker:
+a connection that misbehaves is logged in one line and closed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._lifecycle import ExitPhase, at_exit
+from ..address import format_address, is_loopback, parse_address
+from ..checks import check_int, check_positive_int, check_timeout
+from ..errors import ConnectionLost, LimitExceeded, ProtocolError
+from ..rpc import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
+from ..rpc.rref import RRefStore
+from ..serialization.pickling import dump_exception, dumps, loads, peer_context
+from ..transport.compression import Compressor, resolve_mode
+from ..transport.control import decode_release, encode_rejected, encode_stats
+from ..transport.handshake import server_handshake
+from ..transport.security import Token, default_server_tls, resolve_token
+from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream
+from .process import StopSignals, append_address, process_exists
+from .session import ClientConnection, Counters, shutdown_socket
+
+log = logging.getLogger("rpcdl.worker")
+
+_WILDCARDS = {"", "0.0.0.0", "::"}
+_IDLE_TICK = 1.0
+_MAX_HANDSHAKES = 256  # connections in their handshake at once, each with a thread for up to handshake_timeout
+
+
+class Worker:
+    """An rpcdl worker to embed in a process: serves calls from background threads.
+
+    Args:
+        host: interface to listen on. Loopback by default; listening elsewhere
+            requires a token unless ``insecure=True``.
+        port: port to listen on; ``0`` lets the system pick a free one.
+        timeout: seconds a client may stall in the middle of a message, and
+            that a call may wait for the RRef it uses.
+        parallel: how many calls run at once.
+        token: shared secret clients must prove they hold; defaults to
+            ``RPCDL_TOKEN`` / ``RPCDL_TOKEN_FILE``; ``""`` for none.
+        insecure: allow a non-loopback ``host`` without a token.
+        ssl_context: serve TLS with this context (see
+            :func:`rpcdl.transport.security.server_tls_context`); defaults to one from
+            ``RPCDL_TLS_CERT`` / ``RPCDL_TLS_KEY`` when set.
+        limits: bounds on one message, received or sent (default
+            :class:`~rpcdl.transport.wire.Limits` from ``RPCDL_MAX_MESSAGE_BYTES`` and
+            ``RPCDL_MAX_BUFFERS``). A result past them fails its call with
+            :class:`~rpcdl.errors.LimitExceeded`.
+        advertise: the host name clients should use, when it differs from
+            ``host`` (by default the machine's name when ``host`` is a wildcard).
+        compression: ``"off"``, ``"on"`` or ``"auto"``: lz4 compression of large
+            answers, negotiated with each client (see :mod:`rpcdl.transport.compression`);
+            default ``RPCDL_COMPRESSION``, else ``"auto"``.
+
+    Attributes:
+        address: the ``"host:port"`` clients reach this worker at, known as
+            soon as it is constructed (the port chosen with ``port=0`` included).
+
+    Example::
+
+        >>> with rpcdl.Worker() as worker:  # doctest: +SKIP
+        ...     rpcdl.rpc_sync(worker.address, sum, ([1, 2, 3],))
+        6
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout: float = 120.0,
+        parallel: int = 1,
+        token: str | bytes | Token | None = None,
+        insecure: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
+        limits: Limits | None = None,
+        advertise: str | None = None,
+        compression: str | None = None,
+    ):
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
+        check_int(port, "port", minimum=0, maximum=65535, meaning="0 picks a free port")
+        self.parallel = check_positive_int(parallel, "parallel", "calls run at once")
+        self.timeout = check_timeout(timeout)
+        self.limits = limits or Limits()
+        self.compression = resolve_mode(compression)
+        self._token = resolve_token(token)
+        if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
+            raise PermissionError(
+                f"refusing to listen on {host or '0.0.0.0'} without a token: anyone who can reach this port "
+                "could run code as this user. Set RPCDL_TOKEN (or RPCDL_TOKEN_FILE, or --token-file) on the "
+                "workers and the trainers, or pass insecure=True (--insecure) on a network you trust"
+            )
+        self._ssl = ssl_context if ssl_context is not None else default_server_tls()
+        self._listener = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=512
+        )
+        bound_port = self._listener.getsockname()[1]
+        if advertise is None:
+            advertise = socket.gethostname() if host in _WILDCARDS else host
+        self.address = format_address(advertise, bound_port)
+        self._store = RRefStore()
+        self._counters = Counters()
+        self._scheduler = threading.Condition(threading.Lock())
+        self._queue: collections.deque[tuple[ClientConnection, Frame]] = collections.deque()
+        self._running = 0
+        self._connections: set[ClientConnection] = set()
+        self._connections_lock = threading.Lock()
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self._threads: list[threading.Thread] = []
+        self._draining = False
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._started_at = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Worker:
+        """Start serving from background threads; return ``self``."""
+        if self._threads:
+            return self
+        _running_workers.add(self)
+        self._threads = [threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._execute_queued, name=f"rpcdl-executor-{i}", daemon=True)
+            for i in range(self.parallel)
+        ]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self, grace: float = 30.0) -> bool:
+        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, close.
+
+        Calls arriving meanwhile are rejected, so clients retry them elsewhere.
+
+        Returns:
+            whether every call in flight finished within ``grace``.
+        """
+        if self._stopped.is_set():
+            return True
+        self._draining = True
+        shutdown_socket(self._listener)
+        deadline = time.monotonic() + grace
+        while self._counters.outstanding > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished = self._counters.outstanding <= 0
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            connection.close()
+        with self._scheduler:
+            self._stopping = True
+            self._scheduler.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        self._stopped.set()
+        _running_workers.discard(self)
+        return finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the worker has stopped; return whether it has."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """The worker's counters, as :func:`rpcdl.stats` returns them."""
+        c = self._counters
+        with self._connections_lock:  # not under the counters' lock: _forget takes this one first
+            compressing = sum(connection.compressor.active for connection in self._connections)
+        with c.lock:
+            return {
+                "address": self.address,
+                "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self._started_at, 3),
+                "parallel": self.parallel,
+                "calls_served": c.calls_served,
+                "calls_failed": c.calls_failed,
+                "calls_rejected": c.calls_rejected,
+                "calls_in_flight": c.outstanding,
+                "busy_s": round(c.busy_seconds, 6),
+                "bytes_in": c.bytes_in,
+                "bytes_out": c.bytes_out,
+                "clients": c.clients,
+                "connections_total": c.connections_total,
+                "connections_refused": c.connections_refused,
+                "rrefs": len(self._store),
+                "draining": self._draining,
+                "tls": self._ssl is not None,
+                "authenticated": self._token is not None,
+                "compression_mode": self.compression,
+                "connections_compressing": compressing,
+            }
+
+    # ------------------------------------------------------------------ threads
+
+    def _accept(self) -> None:
+        while not self._draining:
+            try:
+                sock, address = self._listener.accept()
+            except OSError:
+                if self._draining:
+                    return
+                time.sleep(0.05)  # out of descriptors, say: try again shortly
+                continue
+            peer = format_address(address[0], address[1])
+            if not self._handshakes.acquire(blocking=False):
+                self._refuse(sock, peer, f"more than {_MAX_HANDSHAKES} connections are in their handshake")
+                continue
+            thread = threading.Thread(target=self._serve, args=(sock, peer), name=f"rpcdl-peer-{peer}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no more threads: refuse this one, keep accepting
+                self._handshakes.release()
+                self._refuse(sock, peer, str(exc))
+
+    def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
+        self._counters.add(connections_refused=1)
+        log.warning("refused connection from %s: %s", peer, reason)
+        shutdown_socket(sock)
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            self._handshake(sock, peer)
+        finally:
+            self._handshakes.release()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.limits.handshake_timeout)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_side=True)
+            mode = server_handshake(sock, self._token, peer, self.compression)
+            sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
+        except Exception as exc:
+            self._refuse(sock, peer, str(exc) or type(exc).__name__)
+            return
+        connection = ClientConnection(self, sock, peer, Compressor(mode, loopback=is_loopback(parse_address(peer)[0])))
+        with self._connections_lock:
+            if self._draining:
+                shutdown_socket(sock)
+                return
+            self._connections.add(connection)
+        self._counters.add(clients=1, connections_total=1)
+        connection.start()
+
+    def _forget(self, connection: ClientConnection) -> None:
+        with self._connections_lock:
+            if connection not in self._connections:
+                return
+            self._connections.discard(connection)
+        self._store.release_holder(connection)
+        self._counters.add(clients=-1)
+
+    def _dispatch(self, connection: ClientConnection, frame: Frame, bytes_in: int) -> bool:
+        """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now."""
+        self._counters.add(bytes_in=bytes_in, outstanding=int(frame.kind == Kind.CALL))
+        if frame.kind == Kind.CALL:
+            if self._draining:
+                self._counters.add(calls_rejected=1)
+                connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()))
+                return False
+            if frame.ref:
+                self._store.expect(frame.ref, connection)
+            with self._scheduler:
+                if self._running < self.parallel and not self._queue and connection.idle_threads > 1:
+                    self._running += 1
+                    connection.idle_threads -= 1
+                    return True
+                self._queue.append((connection, frame))
+                if self._running < self.parallel:  # else whoever frees a slot takes it
+                    self._scheduler.notify()
+            return False
+        if frame.kind == Kind.RELEASE:
+            for uid in decode_release(frame.payload):
+                self._store.release(uid)
+        elif frame.kind == Kind.PING:
+            connection.send(Frame(Kind.PONG, frame.call_id))
+        elif frame.kind == Kind.STATS:
+            stats = {**self.stats(), "compression": connection.compressor.state()}
+            connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(stats)))
+        else:
+            raise ProtocolError(f"a client may not send {frame.kind.name} frames")
+        return False
+
+    def _execute_queued(self) -> None:
+        while True:
+            with self._scheduler:
+                while not self._stopping and not (self._queue and self._running < self.parallel):
+                    self._scheduler.wait()
+                if self._stopping:
+                    return
+                connection, frame = self._queue.popleft()
+                self._running += 1
+            self._run(connection, frame, from_service_thread=False)
+
+    def _run(self, connection: ClientConnection, frame: Frame, from_service_thread: bool) -> None:
+        """Run a call in a slot already taken, then the queued calls while there are any; answer each.
+
+        Going on with the queue in the same thread, slot kept, saves waking an
+        executor (a thread switch) per call.
+        """
+        own_connection = connection
+        while True:
+            queued = None
+            try:
+                if connection.closed:  # nobody to answer: do not run it
+                    if frame.ref:
+                        self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
+                    answer = Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
+                else:
+                    answer = self._execute(connection, frame)
+            finally:
+                with self._scheduler:
+                    if self._queue and not self._stopping:
+                        queued = self._queue.popleft()
+                    else:
+                        self._running -= 1
+                        own_connection.idle_threads += from_service_thread
+            connection.answer(answer)
+            if queued is None:
+                return
+            connection, frame = queued
+
+    def _error_report(self, exc: BaseException) -> bytes:
+        """The report of ``exc`` for the client; a shorter one if it would break the message limit."""
+        report = dump_exception(exc)
+        if len(report) <= self.limits.max_message_bytes:
+            return report
+        began = f"{type(exc).__qualname__}: {exc}"[:200]
+        return dump_exception(
+            LimitExceeded(
+                f"the exception a call raised is {len(report)} bytes with its traceback, more than the limit of "
+                f"{self.limits.max_message_bytes} bytes in one message ({MAX_MESSAGE_BYTES_ENV}); it began: {began}"
+            )
+        )
+
+    def _execute(self, connection: ClientConnection, frame: Frame) -> Frame:
+        started = time.perf_counter()
+        failed = True
+        try:
+            with peer_context(connection.peer, connection.store_view):
+                func, args, kwargs = loads(frame.payload, frame.buffers)
+                value = func(*args, **kwargs)
+                if frame.ref:
+                    self._store.complete(frame.ref, value)
+                    value = None
+                try:
+                    payload, buffers = dumps(value)
+                except Exception as exc:
+                    raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
+                self.limits.check_outgoing(len(payload), [b.nbytes for b in buffers], f"the result of {_name(func)}")
+            failed = False
+            return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
+        except BaseException as exc:
+            if frame.ref:
+                self._store.complete(frame.ref, error=exc)
+            log.debug("call from %s raised %s", connection.peer, type(exc).__name__)
+            return Frame(Kind.ERROR, frame.call_id, payload=self._error_report(exc))
+        finally:
+            self._counters.add(
+                busy_seconds=time.perf_counter() - started, calls_failed=int(failed), calls_served=int(not failed)
+            )
+
+
+_running_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def _stop_running_workers() -> None:
+    """Embedded workers stop before the interpreter finalizes under their threads."""
+    for worker in list(_running_workers):
+        worker.stop(grace=1.0)
+
+
+at_exit(ExitPhase.WORKERS, _stop_running_workers)
+
+
+def _name(func: Any) -> str:
+    return f"{getattr(func, '__qualname__', type(func).__name__)}()"
+
+
+def run_worker(
+    host: str,
+    port: int,
+    timeout: float = 120,
+    parallel: int = 1,
+    *,
+    token: str | bytes | None = None,
+    insecure: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
+    num_threads: int | None = 1,
+    address_file: str | os.PathLike | None = None,
+    grace: float = 30.0,
+    advertise: str | None = None,
+    compression: str | None = None,
+    on_ready: Callable[[Worker], Any] | None = None,
+    watch_pid: int | None = None,
+) -> None:
+    """Listen and serve calls until SIGTERM or SIGINT (blocks).
+
+    When ready, prints the worker's ``host:port`` on one line of standard
+    output and appends it to ``address_file`` if given. On SIGTERM or SIGINT it
+    stops accepting, lets calls in flight finish for up to ``grace`` seconds
+    and returns.
+
+    Args:
+        host: interface to bind to (``"0.0.0.0"`` for all; requires a token or
+            ``insecure=True``).
+        port: port to bind to; ``0`` picks a free one.
+        timeout: seconds a client may stall in the middle of a transfer.
+        parallel: how many calls run at once.
+        token, insecure, ssl_context, advertise, compression: as for :class:`Worker`.
+        num_threads: ``torch.set_num_threads`` for this process (``None`` leaves it).
+        address_file: file to append the address to, under a lock.
+        grace: seconds calls in flight get to finish on shutdown.
+        on_ready: called with the started worker instead of printing the address.
+        watch_pid: stop as SIGTERM would when the process with this pid is gone
+            (local workers follow the process that started them).
+
+    Example::
+
+        $ python -c "import rpcdl; rpcdl.run_worker('127.0.0.1', 6543)"
+        127.0.0.1:6543
+    """
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    worker = Worker(
+        host, port, timeout=timeout, parallel=parallel, token=token, insecure=insecure,
+        ssl_context=ssl_context, advertise=advertise, compression=compression,
+    ).start()  # fmt: skip
+    stop = StopSignals().install()
+    try:
+        if address_file is not None:
+            append_address(address_file, worker.address)
+        if on_ready is not None:
+            on_ready(worker)
+        else:
+            print(worker.address, flush=True)
+        log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), parallel)
+        while not stop.wait(0.5):
+            if watch_pid is not None and not process_exists(watch_pid):
+                log.info("process %d is gone", watch_pid)
+                break
+        log.info("rpcdl worker %s stopping", worker.address)
+    finally:
+        finished = worker.stop(grace)
+        stop.restore()
+    if not finished:
+        log.warning("rpcdl worker %s stopped with calls still running after %gs", worker.address, grace)

@@ -1,0 +1,218 @@
+"""The handshake that opens every connection, before any frame. Nothing here unpickles.
+
+::
+
+    client -> worker   hello    magic, version, flags, client nonce
+    worker -> client   welcome  magic, version, flags, worker nonce, worker proof
+    client -> worker   proof    HMAC(token, "rpcdl-client" + worker nonce + client nonce)
+    worker -> client   verdict  status byte, message
+
+The flags byte of the hello says whether the client has a token, whether it can
+decode lz4 and which compression mode it wants; that of the welcome says whether
+the worker has a token and the compression mode the connection uses (see
+:mod:`rpcdl.transport.compression`). A peer that predates compression leaves those bits
+zero, which means off.
+
+Proofs are HMAC-SHA256 on the shared token, so each side learns whether the other
+holds it without the token ever crossing the wire; without a token they are zeros.
+A peer that answers the hello with anything else is named for what it seems to be
+(an HTTP server, a TLS endpoint, silence) instead of being retried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError
+from .compression import lz4_available, negotiate, resolve_mode
+from .security import Token
+
+MAGIC = b"RPCDL\x00"
+VERSION = 1
+
+_NONCE_BYTES = 32
+_HELLO = struct.Struct("!6sHB32s")
+_WELCOME = struct.Struct("!6sHB32s32s")
+_VERDICT = struct.Struct("!BH")
+_MAX_VERDICT_MESSAGE = 1024
+_HAS_TOKEN = 1
+_DECODES_LZ4 = 2  # hello: the client can decompress lz4
+_MODE_SHIFT = 2  # hello: the mode the client wants; welcome: the mode the connection uses
+_MODE_BITS = {"off": 0, "on": 1, "auto": 2}
+_MODE_NAMES = {bits: name for name, bits in _MODE_BITS.items()}
+
+
+def _mode_of(flags: int) -> str:
+    return _MODE_NAMES.get((flags >> _MODE_SHIFT) & 3, "off")
+
+
+def _recv_exact(sock: socket.socket, size: int, what: str) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionLost(f"peer closed the connection during the handshake ({what})")
+        data += chunk
+    return bytes(data)
+
+
+def _proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> bytes:
+    if token is None:
+        return bytes(32)
+    return hmac.new(token.secret, label + first + second, hashlib.sha256).digest()
+
+
+def _describe_answer(first: bytes) -> str:
+    if first.startswith(b"HTTP/"):
+        status_line = first.split(b"\r\n", 1)[0].decode("ascii", "replace")
+        return f"it answered {status_line!r}: an HTTP server"
+    if len(first) >= 2 and first[0] in (0x15, 0x16) and first[1] == 0x03:
+        return (
+            "it answered with a TLS record: it expects TLS; set RPCDL_TLS_CA (or pass ssl_context=) to connect with TLS"
+        )
+    return f"it answered {first[:16]!r}, not rpcdl's magic bytes {MAGIC!r}"
+
+
+def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) -> bytes:
+    """The first bytes the peer sends after the hello, checked to start like rpcdl's welcome."""
+    previous = sock.gettimeout()
+    if answer_timeout is not None:
+        sock.settimeout(answer_timeout)
+    try:
+        first = sock.recv(_WELCOME.size)
+    except TimeoutError:
+        raise ProtocolError(
+            f"{peer} is not an rpcdl worker (it accepted the connection but did not answer rpcdl's hello "
+            f"within {answer_timeout:g}s; rpcdl workers answer at once)"
+        ) from None
+    except ConnectionResetError:
+        first = b""
+    finally:
+        sock.settimeout(previous)
+    if not first:
+        raise HelloUnanswered(f"{peer} closed the connection after rpcdl's hello without answering")
+    if not MAGIC.startswith(first[: len(MAGIC)]):
+        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(first)})")
+    return first
+
+
+def client_handshake(
+    sock: socket.socket,
+    token: Token | None,
+    peer: str,
+    answer_timeout: float | None = None,
+    compression: str | None = None,
+) -> str:
+    """Run the client side of the handshake on a connected socket.
+
+    Args:
+        sock: the connected socket (its timeout bounds each read of the handshake).
+        token: the shared secret, or ``None``.
+        peer: ``"host:port"`` of the worker, for messages.
+        answer_timeout: seconds the peer may take to start answering the hello
+            (rpcdl workers answer at once); ``None``: the socket's timeout.
+        compression: the mode this client asks for (``None``: ``RPCDL_COMPRESSION``,
+            else ``"auto"``; see :mod:`rpcdl.transport.compression`).
+
+    Returns:
+        the compression mode the worker chose for this connection: ``"off"``,
+        ``"on"`` or ``"auto"``.
+
+    Raises:
+        ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
+            or nothing within ``answer_timeout``), or speaks another version.
+        HelloUnanswered: ``peer`` closed the connection after the hello without a byte.
+        AuthenticationError: the tokens differ, or only one side has one.
+    """
+    client_nonce = os.urandom(_NONCE_BYTES)
+    flags = _HAS_TOKEN if token is not None else 0
+    flags |= (_DECODES_LZ4 if lz4_available() else 0) | _MODE_BITS[resolve_mode(compression)] << _MODE_SHIFT
+    sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
+    first = _first_answer(sock, peer, answer_timeout)
+    welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
+    magic, version, worker_flags, worker_nonce, worker_proof = _WELCOME.unpack(welcome)
+    if magic != MAGIC:
+        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(welcome)})")
+    if version != VERSION:
+        raise ProtocolError(
+            f"{peer} speaks rpcdl protocol version {version}, this client speaks {VERSION}: "
+            "install the same rpcdl version on both sides"
+        )
+    sock.sendall(_proof(token, b"rpcdl-client", worker_nonce, client_nonce))
+    status, length = _VERDICT.unpack(_recv_exact(sock, _VERDICT.size, "verdict"))
+    message = _recv_exact(sock, min(length, _MAX_VERDICT_MESSAGE), "verdict").decode("utf-8", "replace")
+    worker_has_token = bool(worker_flags & _HAS_TOKEN)
+    if worker_has_token and token is None:
+        raise AuthenticationError(
+            f"worker {peer} requires a token: set RPCDL_TOKEN or RPCDL_TOKEN_FILE, or pass token=, "
+            "to the token the worker was started with"
+        )
+    if token is not None and not worker_has_token:
+        raise AuthenticationError(
+            f"worker {peer} runs without a token but this client has one: refusing to trust an "
+            "unauthenticated worker; start it with the same RPCDL_TOKEN, or unset the client's token"
+        )
+    if not hmac.compare_digest(worker_proof, _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)):
+        raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
+    if status != 0:
+        raise AuthenticationError(f"worker {peer} refused the connection: {message}")
+    return _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
+
+
+def server_handshake(sock: socket.socket, token: Token | None, peer: str, compression: str = "off") -> str:
+    """Run the worker side of the handshake on an accepted socket.
+
+    Args:
+        sock: the accepted socket (its timeout bounds each read of the handshake).
+        token: the shared secret, or ``None``.
+        peer: ``"host:port"`` of the client, for messages.
+        compression: the worker's compression mode, resolved (see
+            :func:`rpcdl.transport.compression.resolve_mode`).
+
+    Returns:
+        the compression mode of this connection, as the welcome told the client.
+
+    The verdict is sent to the client before an error is raised here, so both
+    sides know why a connection was refused.
+
+    Raises:
+        ProtocolError: the peer is not an rpcdl client or speaks another version.
+        AuthenticationError: the peer does not prove it holds the worker's token.
+    """
+    magic, version, client_flags, client_nonce = _HELLO.unpack(_recv_exact(sock, _HELLO.size, "hello"))
+    if magic != MAGIC:
+        raise ProtocolError(f"{peer} is not an rpcdl client (bad magic bytes)")
+    worker_nonce = os.urandom(_NONCE_BYTES)
+    mode = negotiate(_mode_of(client_flags), bool(client_flags & _DECODES_LZ4), compression)
+    flags = (_HAS_TOKEN if token is not None else 0) | _MODE_BITS[mode] << _MODE_SHIFT
+    proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
+    sock.sendall(_WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
+    if version != VERSION:
+        reason = f"client {peer} speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
+        _send_verdict(sock, reason)
+        raise ProtocolError(reason)
+    client_proof = _recv_exact(sock, 32, "proof")
+    client_has_token = bool(client_flags & _HAS_TOKEN)
+    reason = ""
+    if token is not None and not client_has_token:
+        reason = "this worker requires a token (RPCDL_TOKEN) and the client sent none"
+    elif token is None and client_has_token:
+        reason = "this worker has no token but the client sent one"
+    elif not hmac.compare_digest(client_proof, _proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
+        reason = "token mismatch: the client holds a different token"
+    _send_verdict(sock, reason)
+    if reason:
+        raise AuthenticationError(f"refused {peer}: {reason}")
+    return mode
+
+
+def _send_verdict(sock: socket.socket, reason: str) -> None:
+    message = reason.encode()[:_MAX_VERDICT_MESSAGE]
+    sock.sendall(_VERDICT.pack(1 if reason else 0, len(message)) + message)
+
+
+# ---------------------------------------------------------------------------- frames
