@@ -38,6 +38,7 @@ from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream
 from .process import StopSignals, append_address, process_exists
 from .session import ClientConnection, Counters, shutdown_socket
+from .streaming import stream
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -305,6 +306,8 @@ class Worker:
         elif frame.kind == Kind.STATS:
             stats = {**self.stats(), "compression": connection.compressor.state()}
             connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(stats)))
+        elif frame.kind == Kind.STREAM:
+            stream(connection, frame, self.limits)
         else:
             raise ProtocolError(f"a client may not send {frame.kind.name} frames")
         return False
