@@ -221,6 +221,8 @@ def socket_rate(cluster: Cluster, batches: int, peer_cpu: list[float] | None = N
             recv_exact_into(connection, target)
 
     threads = [threading.Thread(target=drain, args=(c,), name=f"links-drain-{i}") for i, c in enumerate(connections)]
+    peers = [host.processes[-1] for host in cluster.hosts]
+    peers_started = _cpu_seconds(peers)  # ready and connected: their start-up does not count
     started = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -228,7 +230,7 @@ def socket_rate(cluster: Cluster, batches: int, peer_cpu: list[float] | None = N
         thread.join()
     elapsed = time.perf_counter() - started
     if peer_cpu is not None:  # the peers exit when their connection closes: count their CPU first
-        peer_cpu.append(_cpu_seconds([host.processes[-1] for host in cluster.hosts]))
+        peer_cpu.append(_cpu_seconds(peers) - peers_started)
     for connection in connections:
         connection.close()
     return len(connections) * batches * IMAGE_BATCH_BYTES / elapsed / 1e6
