@@ -99,11 +99,12 @@ class Meter:
 
     def measure(self, name: str, run: Callable[[], float], extra_cpu: Callable[[], float] = lambda: 0.0) -> float:
         """Run ``run`` (returns MB/s); record CPU s/GB under ``name``; return the MB/s."""
-        before = time.process_time() + _cpu_seconds(self.processes())
+        processes = self.processes()  # those started meanwhile (raw peers) report through ``extra_cpu``
+        before = time.process_time() + _cpu_seconds(processes)
         started = time.perf_counter()
         mb_s = run()
         elapsed = time.perf_counter() - started
-        after = time.process_time() + _cpu_seconds(self.processes()) + extra_cpu()
+        after = time.process_time() + _cpu_seconds(processes) + extra_cpu()
         self.samples.setdefault(name, []).append((after - before) / (mb_s * elapsed / 1e3))
         return mb_s
 
