@@ -128,12 +128,12 @@ class Systems:
     certificates for the hosts' addresses from a CA made for the run).
     """
 
-    def __init__(self, cluster: Cluster, directory: Path, batches: int):
+    def __init__(self, cluster: Cluster, directory: Path, batches: int, parallel: int = 1):
         self.cluster = cluster
         self.batches = batches
         token_file = directory / "token"
         token_file.write_text(TOKEN)
-        worker_options = ["--token-file", str(token_file), "--log-level", "WARNING"]
+        worker_options = ["--token-file", str(token_file), "--log-level", "WARNING", "--parallel", str(parallel)]
         self.rpcdl_workers = [cluster.start_worker(host.index, *worker_options) for host in cluster.hosts]
         make_ca(directory, "ca")
         self.ca = str(directory / "ca.pem")
@@ -316,11 +316,13 @@ def print_compression(results: dict) -> None:
             print(f"{'':>10}{mode}: {chosen}")
 
 
-def run_rate(rate: str, rounds: int, batches: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def run_rate(
+    rate: str, rounds: int, batches: int, parallel: int = 1
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """MB/s of each system over ``rounds`` rounds, and the CPU seconds per GB each spent (all processes)."""
     samples: dict[str, list[float]] = {"rpcdl": [], "rpcdl TLS": [], "rpcdataloader": [], "socket": []}
     with tempfile.TemporaryDirectory() as directory, Cluster(2, rate=rate) as cluster:
-        systems = Systems(cluster, Path(directory), batches)
+        systems = Systems(cluster, Path(directory), batches, parallel)
         meter = Meter(cluster)
         peer_cpu: list[float] = []
         measures: dict[str, Callable[[], float]] = {
@@ -350,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=12, help="batches per host per round (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="save the samples and medians")
     parser.add_argument(
+        "--parallel", type=int, default=1, help="rpcdl workers' --parallel: calls run at once (default: %(default)s)"
+    )
+    parser.add_argument(
         "--cases", nargs="+", choices=["systems", "compression"], default=["systems", "compression"],
         help="what to measure: the systems side by side at --rates, and/or compression (default: both)",
     )  # fmt: skip
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return 0
     for rate in args.rates:
-        samples, cpu = run_rate(rate, args.rounds, args.batches)
+        samples, cpu = run_rate(rate, args.rounds, args.batches, args.parallel)
         medians = {name: statistics.median(values) for name, values in samples.items()}
         cpu_medians = {name: round(statistics.median(values), 3) for name, values in cpu.items()}
         results[rate] = {"samples_mb_s": samples, "median_mb_s": medians, "cpu_s_per_gb": cpu_medians}
