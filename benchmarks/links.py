@@ -90,8 +90,9 @@ class Meter:
     kernel's work on the links counts where it runs in their context.
     """
 
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster: Cluster, gigabytes: float):
         self.cluster = cluster
+        self.gigabytes = gigabytes  # what each measurement moves
         self.samples: dict[str, list[float]] = {}
 
     def processes(self) -> list:
@@ -101,11 +102,9 @@ class Meter:
         """Run ``run`` (returns MB/s); record CPU s/GB under ``name``; return the MB/s."""
         processes = self.processes()  # those started meanwhile (raw peers) report through ``extra_cpu``
         before = time.process_time() + _cpu_seconds(processes)
-        started = time.perf_counter()
         mb_s = run()
-        elapsed = time.perf_counter() - started
         after = time.process_time() + _cpu_seconds(processes) + extra_cpu()
-        self.samples.setdefault(name, []).append((after - before) / (mb_s * elapsed / 1e3))
+        self.samples.setdefault(name, []).append((after - before) / self.gigabytes)
         return mb_s
 
 
@@ -323,7 +322,7 @@ def run_rate(
     samples: dict[str, list[float]] = {"rpcdl": [], "rpcdl TLS": [], "rpcdataloader": [], "socket": []}
     with tempfile.TemporaryDirectory() as directory, Cluster(2, rate=rate) as cluster:
         systems = Systems(cluster, Path(directory), batches, parallel)
-        meter = Meter(cluster)
+        meter = Meter(cluster, len(cluster.hosts) * batches * IMAGE_BATCH_BYTES / 1e9)
         peer_cpu: list[float] = []
         measures: dict[str, Callable[[], float]] = {
             "rpcdl": lambda: meter.measure("rpcdl", systems.measure_rpcdl),
