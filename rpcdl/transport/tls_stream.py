@@ -46,9 +46,6 @@ class TLSStream:
     def __init__(self, sock: ssl.SSLSocket, receive_timeout: float | None, send_timeout: float | None):
         sock.setblocking(False)
         self._tls = sock
-        # The C object's read(n, buffer) under ssl.SSLSocket.recv_into, without its two Python frames per record.
-        sslobj = getattr(sock, "_sslobj", None)
-        self._read = sslobj.read if sslobj is not None and hasattr(sslobj, "read") else self._socket_read
         self._lock = threading.Lock()
         self.receive_timeout = receive_timeout
         self.send_timeout = send_timeout
@@ -89,8 +86,17 @@ class TLSStream:
             read += more
         return read
 
-    def _socket_read(self, size: int, view: memoryview) -> int:
-        return self._tls.recv_into(view, size)
+    def _read(self, size: int, view: memoryview) -> int:
+        """One record, through the C object under :meth:`ssl.SSLSocket.recv_into` (two Python frames fewer)."""
+        sslobj = getattr(self._tls, "_sslobj", None)
+        if sslobj is None:  # closed (or another Python): the socket's own method, which says so
+            return self._tls.recv_into(view, size)
+        try:
+            return sslobj.read(size, view)
+        except ssl.SSLEOFError:  # the peer closed without a TLS close_notify: an end, as SSLSocket has it
+            if self._tls.suppress_ragged_eofs:
+                return 0
+            raise
 
     def send(self, data) -> int:
         """Send ``data`` whole (TLS cannot send part of a record); return its length.
