@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...errors import ConnectionLost
 from ...rpc.dial import dial
 from ...transport.compression import COMPRESSION_ENV
 from ...transport.control import decode_rejected, encode_stream
@@ -131,9 +132,10 @@ class RawStream:
         host, port = parse_address(address)
         self.address = address
         self.ssl_context = default_client_tls()
+        deadline = time.monotonic() + 10.0
         sock, _ = dial(
             address, host, port, resolve_token(), self.ssl_context, handshake_timeout=10.0, grace=5.0,
-            failed=lambda error: time.monotonic() + 10.0, compression="off",
+            failed=lambda error: deadline, compression="off",
         )  # fmt: skip
         self.tls = {"version": sock.version(), "cipher": sock.cipher()[0]} if self.ssl_context else None
         self._sock = io_stream(sock, receive=_TIMEOUT, send=_TIMEOUT)
@@ -147,7 +149,13 @@ class RawStream:
         send_frame(self._sock, Frame(Kind.STREAM, self._call_id, payload=encode_stream(STREAM_FRAME_BYTES, count)))
         moved = 0
         for _ in range(count):
-            frame = self._reader.read_frame(lambda call_id, size: self._target[:size])
+            try:
+                frame = self._reader.read_frame(lambda call_id, size: self._target[:size])
+            except ConnectionLost:
+                raise RuntimeError(
+                    f"worker {self.address} closed the connection during a raw stream request (an rpcdl worker "
+                    "older than this client does that: it lacks STREAM; install the same rpcdl version on both sides)"
+                ) from None
             if frame is None:
                 raise TimeoutError(f"worker {self.address} sent nothing for {_TIMEOUT:g}s of a raw stream")
             if frame.kind == Kind.REJECTED:
