@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
+
 import rpcdl
 from rpcdl.cli.bench.cluster import Cluster, Host, unavailable
 from rpcdl.cli.bench.pki import make_ca, make_certificate
@@ -69,6 +71,43 @@ rpc.run_worker(sys.argv[1], 0)
 _SOCKET_PEER = "import sys; from rpcdl.cli.bench.workloads import socket_server; socket_server(sys.argv[1])"
 
 
+def _cpu_seconds(processes) -> float:
+    """User and system CPU seconds of ``processes`` (``subprocess.Popen``) still alive."""
+    total = 0.0
+    for process in processes:
+        try:
+            times = psutil.Process(process.pid).cpu_times()
+        except psutil.Error:  # exited
+            continue
+        total += times.user + times.system
+    return total
+
+
+class Meter:
+    """CPU seconds per GB of a measurement: this process's and the hosts' processes' together.
+
+    Every process on the path counts (the trainer, the workers or peers); the
+    kernel's work on the links counts where it runs in their context.
+    """
+
+    def __init__(self, cluster: Cluster, gigabytes: float):
+        self.cluster = cluster
+        self.gigabytes = gigabytes  # what each measurement moves
+        self.samples: dict[str, list[float]] = {}
+
+    def processes(self) -> list:
+        return [process for host in self.cluster.hosts for process in host.processes]
+
+    def measure(self, name: str, run: Callable[[], float], extra_cpu: Callable[[], float] = lambda: 0.0) -> float:
+        """Run ``run`` (returns MB/s); record CPU s/GB under ``name``; return the MB/s."""
+        processes = self.processes()  # those started meanwhile (raw peers) report through ``extra_cpu``
+        before = time.process_time() + _cpu_seconds(processes)
+        mb_s = run()
+        after = time.process_time() + _cpu_seconds(processes) + extra_cpu()
+        self.samples.setdefault(name, []).append((after - before) / self.gigabytes)
+        return mb_s
+
+
 def _start(host: Host, command: list[str]) -> str:
     """Start ``command`` on ``host``; return the first line it prints (an address or a port)."""
     import subprocess
@@ -88,12 +127,12 @@ class Systems:
     certificates for the hosts' addresses from a CA made for the run).
     """
 
-    def __init__(self, cluster: Cluster, directory: Path, batches: int):
+    def __init__(self, cluster: Cluster, directory: Path, batches: int, parallel: int = 1):
         self.cluster = cluster
         self.batches = batches
         token_file = directory / "token"
         token_file.write_text(TOKEN)
-        worker_options = ["--token-file", str(token_file), "--log-level", "WARNING"]
+        worker_options = ["--token-file", str(token_file), "--log-level", "WARNING", "--parallel", str(parallel)]
         self.rpcdl_workers = [cluster.start_worker(host.index, *worker_options) for host in cluster.hosts]
         make_ca(directory, "ca")
         self.ca = str(directory / "ca.pem")
@@ -157,12 +196,15 @@ class Systems:
     def measure_rpcdataloader(self) -> float:
         return self._epoch(self.rpcdataloader_loader)
 
-    def measure_socket(self) -> float:
-        return socket_rate(self.cluster, self.batches)
+    def measure_socket(self, peer_cpu: list[float] | None = None) -> float:
+        return socket_rate(self.cluster, self.batches, peer_cpu)
 
 
-def socket_rate(cluster: Cluster, batches: int) -> float:
-    """One raw TCP stream from each host at once, ``batches`` image batches per host; MB/s."""
+def socket_rate(cluster: Cluster, batches: int, peer_cpu: list[float] | None = None) -> float:
+    """One raw TCP stream from each host at once, ``batches`` image batches per host; MB/s.
+
+    ``peer_cpu`` gets the CPU seconds the peers spent.
+    """
     import socket
 
     connections = []
@@ -179,12 +221,16 @@ def socket_rate(cluster: Cluster, batches: int) -> float:
             recv_exact_into(connection, target)
 
     threads = [threading.Thread(target=drain, args=(c,), name=f"links-drain-{i}") for i, c in enumerate(connections)]
+    peers = [host.processes[-1] for host in cluster.hosts]
+    peers_started = _cpu_seconds(peers)  # ready and connected: their start-up does not count
     started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
+    if peer_cpu is not None:  # the peers exit when their connection closes: count their CPU first
+        peer_cpu.append(_cpu_seconds(peers) - peers_started)
     for connection in connections:
         connection.close()
     return len(connections) * batches * IMAGE_BATCH_BYTES / elapsed / 1e6
@@ -269,24 +315,33 @@ def print_compression(results: dict) -> None:
             print(f"{'':>10}{mode}: {chosen}")
 
 
-def run_rate(rate: str, rounds: int, batches: int) -> dict[str, list[float]]:
+def run_rate(
+    rate: str, rounds: int, batches: int, parallel: int = 1
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """MB/s of each system over ``rounds`` rounds, and the CPU seconds per GB each spent (all processes)."""
     samples: dict[str, list[float]] = {"rpcdl": [], "rpcdl TLS": [], "rpcdataloader": [], "socket": []}
     with tempfile.TemporaryDirectory() as directory, Cluster(2, rate=rate) as cluster:
-        systems = Systems(cluster, Path(directory), batches)
+        systems = Systems(cluster, Path(directory), batches, parallel)
+        meter = Meter(cluster, len(cluster.hosts) * batches * IMAGE_BATCH_BYTES / 1e9)
+        peer_cpu: list[float] = []
         measures: dict[str, Callable[[], float]] = {
-            "rpcdl": systems.measure_rpcdl,
-            "rpcdl TLS": systems.measure_rpcdl_tls,
-            "rpcdataloader": systems.measure_rpcdataloader,
-            "socket": systems.measure_socket,
+            "rpcdl": lambda: meter.measure("rpcdl", systems.measure_rpcdl),
+            "rpcdl TLS": lambda: meter.measure("rpcdl TLS", systems.measure_rpcdl_tls),
+            "rpcdataloader": lambda: meter.measure("rpcdataloader", systems.measure_rpcdataloader),
+            "socket": lambda: meter.measure("socket", lambda: systems.measure_socket(peer_cpu), lambda: peer_cpu[-1]),
         }
         for measure in measures.values():  # warm-up: connections, datasets, heaps
             measure()
+        meter.samples.clear()
         for round_ in range(rounds):
             for name, measure in measures.items():
                 samples[name].append(measure())
-            print(f"  {rate} round {round_ + 1}: " + ", ".join(f"{n} {s[-1]:,.0f}" for n, s in samples.items()))
+            print(
+                f"  {rate} round {round_ + 1}: "
+                + ", ".join(f"{n} {s[-1]:,.0f} ({meter.samples[n][-1]:.2f} CPU s/GB)" for n, s in samples.items())
+            )
         systems.close()
-    return samples
+    return samples, meter.samples
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per rate (default: %(default)s)")
     parser.add_argument("--batches", type=int, default=12, help="batches per host per round (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="save the samples and medians")
+    parser.add_argument(
+        "--parallel", type=int, default=1, help="rpcdl workers' --parallel: calls run at once (default: %(default)s)"
+    )
     parser.add_argument(
         "--cases", nargs="+", choices=["systems", "compression"], default=["systems", "compression"],
         help="what to measure: the systems side by side at --rates, and/or compression (default: both)",
@@ -317,9 +375,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return 0
     for rate in args.rates:
-        samples = run_rate(rate, args.rounds, args.batches)
+        samples, cpu = run_rate(rate, args.rounds, args.batches, args.parallel)
         medians = {name: statistics.median(values) for name, values in samples.items()}
-        results[rate] = {"samples_mb_s": samples, "median_mb_s": medians}
+        cpu_medians = {name: round(statistics.median(values), 3) for name, values in cpu.items()}
+        results[rate] = {"samples_mb_s": samples, "median_mb_s": medians, "cpu_s_per_gb": cpu_medians}
     print("\nMB/s, medians; ratios are rpcdl's (or rpcdl TLS's) to the other system in the same run")
     print(f"{'link':>8}  {'rpcdl':>7}  {'TLS':>7}  {'rpcdataloader':>13}  {'socket':>7}  ", end="")
     print(f"{'/socket':>7}  {'/rpcdataloader':>14}  {'TLS/plain':>9}")
@@ -332,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{m['socket']:>7,.0f}  {m['rpcdl'] / m['socket']:>7.2f}  {m['rpcdl'] / m['rpcdataloader']:>14.2f}  "
             f"{m['rpcdl TLS'] / m['rpcdl']:>9.2f}"
         )
+        cpu = result["cpu_s_per_gb"]
+        print(f"{'':>8}  CPU s per GB, all processes: " + ", ".join(f"{n} {v:.2f}" for n, v in cpu.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

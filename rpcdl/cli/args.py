@@ -51,6 +51,11 @@ def worker_address(text: str) -> str:
     return text
 
 
+def worker_addresses(text: str) -> list[str]:
+    """One or more worker addresses, ``HOST:PORT[,HOST:PORT...]``."""
+    return [worker_address(part.strip()) for part in text.split(",") if part.strip()]
+
+
 def silent_worker(addresses: list[str], timeout: float) -> str | None:
     """Ping each worker; return a line naming the first that does not answer, or ``None``."""
     from ..rpc.client import ping  # here: the commands' parsers load without torch

@@ -38,11 +38,13 @@ from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream
 from .process import StopSignals, append_address, process_exists
 from .session import ClientConnection, Counters, shutdown_socket
+from .streaming import stream
 
 log = logging.getLogger("rpcdl.worker")
 
 _WILDCARDS = {"", "0.0.0.0", "::"}
 _IDLE_TICK = 1.0
+_LARGE_ANSWER = 1 << 20  # bytes of buffers from which an answer is sent outside the call's slot
 _MAX_HANDSHAKES = 256  # connections in their handshake at once, each with a thread for up to handshake_timeout
 
 
@@ -305,6 +307,8 @@ class Worker:
         elif frame.kind == Kind.STATS:
             stats = {**self.stats(), "compression": connection.compressor.state()}
             connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(stats)))
+        elif frame.kind == Kind.STREAM:
+            stream(connection, frame, self.limits)
         else:
             raise ProtocolError(f"a client may not send {frame.kind.name} frames")
         return False
@@ -329,6 +333,7 @@ class Worker:
         own_connection = connection
         while True:
             queued = None
+            answer = None
             try:
                 if connection.closed:  # nobody to answer: do not run it
                     if frame.ref:
@@ -337,13 +342,20 @@ class Worker:
                 else:
                     answer = self._execute(connection, frame)
             finally:
+                # A large answer takes a while to send: its slot goes to the next call now, which runs meanwhile.
+                large = answer is not None and sum(memoryview(b).nbytes for b in answer.buffers) >= _LARGE_ANSWER
                 with self._scheduler:
-                    if self._queue and not self._stopping:
+                    if self._queue and not self._stopping and not large:
                         queued = self._queue.popleft()
                     else:
                         self._running -= 1
-                        own_connection.idle_threads += from_service_thread
+                        own_connection.idle_threads += from_service_thread and not large
+                        if large and self._queue:
+                            self._scheduler.notify()
             connection.answer(answer)
+            if large and from_service_thread:
+                with self._scheduler:
+                    own_connection.idle_threads += 1
             if queued is None:
                 return
             connection, frame = queued

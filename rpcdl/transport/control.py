@@ -3,7 +3,11 @@
 - ``RELEASE`` (client -> worker): the RRef ids to free, one big-endian u64 each;
 - ``STATS_REPLY`` (worker -> client): the worker's counters, a JSON object in UTF-8;
 - ``REJECTED`` (worker -> client): why the call was not run, UTF-8 text;
-- ``PING``, ``PONG`` and ``STATS``: empty.
+- ``STREAM`` (client -> worker): the marker ``rpcdl-stream`` (so that no stray payload starts a
+  stream), then a frame size and a count, u64 and u32, big-endian: the worker
+  answers with that many ``STREAM_DATA`` frames, each one out-of-band buffer of that many
+  incompressible bytes and no payload (a link's raw rate; ``REJECTED`` with the reason if out of bounds);
+- ``PING``, ``PONG``, ``STATS`` and ``STREAM_DATA``: empty.
 
 A payload that breaks this format raises :class:`~rpcdl.errors.ProtocolError`
 (a broken peer): a worker closes that client's connection, a client fails
@@ -20,6 +24,10 @@ from typing import Any
 from ..errors import ProtocolError
 
 _UID = struct.Struct("!Q")
+_STREAM = struct.Struct("!12sQI")
+_STREAM_MARKER = b"rpcdl-stream"
+MAX_STREAM_FRAME_BYTES = 256 << 20  #: largest frame a STREAM request may ask for
+MAX_STREAM_BYTES = 64 << 30  #: most bytes one STREAM request may ask for
 _MAX_UID = 2**64 - 1
 DEFAULT_REJECTION = "the worker is shutting down"
 
@@ -114,3 +122,58 @@ def decode_rejected(payload: bytes | bytearray | memoryview) -> str:
         'the worker is shutting down'
     """
     return bytes(payload).decode("utf-8", "replace") or DEFAULT_REJECTION
+
+
+def encode_stream(size: int, count: int) -> bytes:
+    """Encode the payload of a ``STREAM`` frame: ``count`` frames of ``size`` bytes, please.
+
+    Raises:
+        ValueError: ``size`` or ``count`` is out of bounds (see :func:`stream_problem`).
+
+    Example::
+
+        >>> encode_stream(1024, 2)[12:].hex()
+        '000000000000040000000002'
+    """
+    problem = stream_problem(size, count)
+    if problem:
+        raise ValueError(problem)
+    return _STREAM.pack(_STREAM_MARKER, size, count)
+
+
+def decode_stream(payload: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """Decode the payload of a ``STREAM`` frame into ``(size, count)``, not yet checked against bounds.
+
+    Raises:
+        ProtocolError: it is not a marker, a u64 and a u32.
+
+    Example::
+
+        >>> decode_stream(encode_stream(1024, 2))
+        (1024, 2)
+    """
+    if len(payload) != _STREAM.size or bytes(payload[: len(_STREAM_MARKER)]) != _STREAM_MARKER:
+        raise ProtocolError(
+            f"a STREAM payload is {_STREAM.size} bytes ({_STREAM_MARKER!r}, a u64 size, a u32 count), got "
+            f"{len(payload)} bytes that are not"
+        )
+    _, size, count = _STREAM.unpack(payload)
+    return size, count
+
+
+def stream_problem(size: int, count: int, max_message_bytes: int = MAX_STREAM_FRAME_BYTES) -> str | None:
+    """Why a ``STREAM`` request of ``count`` frames of ``size`` bytes cannot be served, or ``None``.
+
+    Example::
+
+        >>> stream_problem(0, 1)
+        'a STREAM frame size must be 1..268435456 bytes, got 0'
+    """
+    largest = min(MAX_STREAM_FRAME_BYTES, max_message_bytes)
+    if not 1 <= size <= largest:
+        return f"a STREAM frame size must be 1..{largest} bytes, got {size}"
+    if not 1 <= count <= 2**32 - 1:
+        return f"a STREAM count must be 1..{2**32 - 1}, got {count}"
+    if size * count > MAX_STREAM_BYTES:
+        return f"a STREAM request may ask for {MAX_STREAM_BYTES} bytes at most, got {size} x {count}"
+    return None

@@ -49,6 +49,8 @@ class Kind(enum.IntEnum):
     PONG = 7
     STATS = 8  #: client -> worker: ask for the counters
     STATS_REPLY = 9  #: worker -> client: the counters as JSON (see rpcdl.transport.control)
+    STREAM = 10  #: client -> worker: send incompressible bytes back, a link's raw rate (see rpcdl.transport.control)
+    STREAM_DATA = 11  #: worker -> client: one out-of-band buffer of those bytes and no payload
 
 
 MAX_MESSAGE_BYTES_ENV = "RPCDL_MAX_MESSAGE_BYTES"

@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..args import new_file, positive_int, silent_worker, worker_address
+from ..args import existing_file, new_file, positive_float, positive_int, silent_worker, worker_addresses
 from .floors import FramedPickleSystem, ParallelMapperSystem
 from .report import evaluate_targets, format_table, format_targets, machine_info, plot
 from .scenarios import Bench, Sizes
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl bench``."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
-        "--workers", nargs="+", type=worker_address, metavar="HOST:PORT",
+        "--workers", nargs="+", type=worker_addresses, metavar="HOST:PORT[,HOST:PORT...]",
         help="benchmark these running workers (rpcdl worker); the local baselines use as many processes",
     )  # fmt: skip
     where.add_argument(
@@ -89,10 +89,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="FILE.png", type=new_file, help="draw the figures into FILE.png (needs matplotlib)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    link = parser.add_argument_group("the link to your own workers (--link)")
+    link.add_argument(
+        "--link", action="store_true",
+        help="measure the link to the --workers instead of the scenarios: ping p50/p99, the raw rate the workers "
+        "stream at, rpcdl image batches and compressible batches (compression off/on/auto) as ratios of it",
+    )  # fmt: skip
+    link.add_argument("--token-file", type=existing_file, help="file holding the workers' token (else RPCDL_TOKEN)")
+    link.add_argument("--tls-ca", type=existing_file, help="CA file to verify TLS workers with (else RPCDL_TLS_CA)")
+    link.add_argument(
+        "--link-seconds", type=positive_float, default=2.0, help="seconds per rate measured (default: %(default)s)"
+    )
 
 
 def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     """Run ``rpcdl bench`` with parsed arguments; return the exit code."""
+    if args.workers:
+        args.workers = [address for listed in args.workers for address in listed]
     sizes = Sizes.quick() if args.quick else Sizes()
     if args.rounds:
         sizes.rounds = args.rounds
@@ -104,6 +117,10 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
         except ImportError:
             print("rpcdl bench: --plot needs matplotlib: pip install 'rpcdl[bench]'", file=sys.stderr)
             return 2
+    if args.link:
+        from .link_command import run_link
+
+        return run_link(args)
     local = args.local or 2
     problem = silent_worker(args.workers, timeout=10.0) if args.workers else None
     if problem:
