@@ -38,10 +38,11 @@ from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps, peer_context
 from ..transport.security import Token, default_client_tls, resolve_token
 from ..transport.wire import Kind, Limits
-from .calls import Call, CallFuture
-from .connection import _IDLE_TICK, Connection, _Closed, join_connection_threads
+from .calls import Call, CallFuture, ReadBy
+from .connection import _IDLE_TICK, Connection, _Closed
 from .dial import connect_grace
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
+from .live_threads import join_connection_threads
 from .rref import RRef, holding_handle, install_rpc_sync, new_uid
 
 __all__ = [
@@ -78,7 +79,9 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
     """
     send_held()  # this thread waits now: what it holds must not wait with it
     calls = [future._call() for future in futures if isinstance(future, CallFuture)]
-    connections = {call.future._connection for call in calls if call is not None and not call.background}
+    connections = {
+        call.future._connection for call in calls if call is not None and call.read_by is not ReadBy.BACKGROUND
+    }
     if not connections:
         return None  # no answer for this thread to read: their connections' threads read them
     deadline = time.monotonic() + timeout
@@ -99,8 +102,9 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
         poller = select.poll()
         try:
             for connection in waiting:
-                if connection._ready:
-                    poller.register(connection._sock, select.POLLIN)
+                sock = connection.readable_socket()
+                if sock is not None:
+                    poller.register(sock, select.POLLIN)
         except (OSError, ValueError):  # closed meanwhile: its futures have failed
             return None
         poller.poll(min(remaining, _IDLE_TICK) * 1000)
