@@ -22,6 +22,7 @@ thread that made them (:func:`sent_together`, :func:`answers_read_here`):
 from __future__ import annotations
 
 import logging
+import os
 import select
 import ssl
 import threading
@@ -37,7 +38,7 @@ from ..checks import check_timeout
 from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps, peer_context
 from ..transport.security import Token, default_client_tls, resolve_token
-from ..transport.wire import Kind, Limits
+from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, Kind, Limits
 from .calls import Call, CallFuture, ReadBy
 from .connection import _IDLE_TICK, Connection, _Closed
 from .dial import connect_grace
@@ -189,8 +190,26 @@ at_exit(ExitPhase.CONNECTIONS, _shutdown_at_exit)
 # ---------------------------------------------------------------------------- calls
 
 
+_addresses: dict[str, str] = {}  # each address as given -> as checked (a few per process)
+_limits: dict[tuple[str | None, str | None], Limits] = {}  # by the environment variables they come from
+
+
 def _check_address(host: Any) -> str:
-    return format_address(*parse_address(host))
+    address = _addresses.get(host) if isinstance(host, str) else None
+    if address is None:
+        address = format_address(*parse_address(host))
+        if len(_addresses) < 4096:
+            _addresses[host] = address
+    return address
+
+
+def _outgoing_limits() -> Limits:
+    """The limits of the environment, built again only when ``RPCDL_MAX_*`` change."""
+    key = (os.environ.get(MAX_MESSAGE_BYTES_ENV), os.environ.get(MAX_BUFFERS_ENV))
+    limits = _limits.get(key)
+    if limits is None:
+        limits = _limits[key] = Limits()
+    return limits
 
 
 def _describe(func: Callable) -> str:
@@ -243,7 +262,7 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
             payload, buffers = dumps((func, tuple(args), dict(kwargs)))
     except Exception as exc:
         raise TypeError(f"cannot send {_describe(func)} and its arguments to worker {host}: {exc}") from exc
-    Limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {_describe(func)}")
+    _outgoing_limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {_describe(func)}")
     return payload, buffers
 
 

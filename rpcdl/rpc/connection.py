@@ -162,7 +162,7 @@ class Connection:
             if self._serve_wakes_at and (
                 (call.read_by is ReadBy.BACKGROUND and self._role.free) or call.deadline < self._serve_wakes_at
             ):
-                self._serve_cond.notify()  # it has an answer to read, or sleeps past this call's deadline
+                self._wake_serve()  # it has an answer to read, or sleeps past this call's deadline
             if self._state is ConnectionState.CONNECTING:
                 self._queued.append(frame)
                 return
@@ -223,8 +223,8 @@ class Connection:
     def read_in_background(self, call: Call) -> None:
         """Let this connection's thread read the answer to ``call``."""
         with self._cond:
-            if self._calls.adopt([call]) and self._serve_wakes_at:
-                self._serve_cond.notify()
+            if self._calls.adopt([call]):
+                self._wake_serve()
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker (safe to call from a finalizer)."""
@@ -320,8 +320,8 @@ class Connection:
                 self._calls.answers_are_large = size >= buffers.MIN_BYTES
             if self._role.waiters:
                 self._cond.notify_all()
-            if self._serve_wakes_at and self._calls.background:
-                self._serve_cond.notify()  # waking the idle connection thread for nothing costs a thread switch
+            if self._calls.background:
+                self._wake_serve()  # not for nothing: waking the idle connection thread costs a thread switch
         for frame, call in answered:
             if frame.kind not in _ANSWERS:
                 error = ProtocolError(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
@@ -425,6 +425,12 @@ class Connection:
                 )
             if take_role:
                 self._read()
+
+    def _wake_serve(self) -> None:
+        """Wake the connection's thread if it sleeps in :meth:`_sleep`, once (under ``_cond``)."""
+        if self._serve_wakes_at:
+            self._serve_wakes_at = 0.0
+            self._serve_cond.notify()
 
     def _sleep(self) -> None:
         """Wait in ``_serve_cond`` until woken or something is due (under ``_cond``)."""
