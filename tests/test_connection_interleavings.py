@@ -22,8 +22,9 @@ import rpcdl.rpc.connection
 from rpcdl.errors import ConnectionLost, WorkerTimeout
 from rpcdl.rpc import client
 from rpcdl.rpc.state import ConnectionState, Reader
+from rpcdl.serialization.pickling import dumps
 from rpcdl.transport.handshake import server_handshake
-from rpcdl.transport.wire import _HEADER, FrameReader, Kind, Limits
+from rpcdl.transport.wire import _HEADER, Frame, FrameReader, Kind, Limits, encode_frame
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -202,10 +203,11 @@ def test_a_deadline_expires_while_another_thread_reads(worker):
 
 
 @contextlib.contextmanager
-def _peer_that_stops_mid_frame():
-    """A peer that answers the handshake, reads calls, sends half an answer, then closes when told."""
+def _scripted_peer(answer):
+    """A peer that runs the worker's handshake, reads one call, calls ``answer(sock, call_id)``, then closes
+    when told."""
     listener = socket.create_server(("127.0.0.1", 0))
-    half_sent, close = threading.Event(), threading.Event()
+    answered, close = threading.Event(), threading.Event()
 
     def serve() -> None:
         sock, _ = listener.accept()
@@ -213,18 +215,26 @@ def _peer_that_stops_mid_frame():
             sock.settimeout(10)
             server_handshake(sock, None, "client")
             frame = FrameReader(sock, Limits(), stall_timeout=10).read_frame()
-            sock.sendall(_HEADER.pack(Kind.RESULT, 0, 0, 0, frame.call_id, 0, 1000) + b"x" * 10)
-            half_sent.set()
+            answer(sock, frame.call_id)
+            answered.set()
             close.wait(10)
 
-    thread = threading.Thread(target=serve, name="half-frame-peer", daemon=True)
+    thread = threading.Thread(target=serve, name="scripted-peer", daemon=True)
     thread.start()
     try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}", half_sent, close
+        yield f"127.0.0.1:{listener.getsockname()[1]}", answered, close
     finally:
         close.set()
         thread.join(5)
         listener.close()
+
+
+def _half_an_answer(sock: socket.socket, call_id: int) -> None:
+    sock.sendall(_HEADER.pack(Kind.RESULT, 0, 0, 0, call_id, 0, 1000) + b"x" * 10)
+
+
+def _peer_that_stops_mid_frame():
+    return _scripted_peer(_half_an_answer)
 
 
 def test_a_peer_that_closes_in_the_middle_of_a_frame_fails_every_pending_call():
@@ -277,3 +287,28 @@ def _raised(action) -> type[BaseException] | None:
     except BaseException as exc:
         return type(exc)
     return None
+
+
+def test_an_unexpected_frame_read_with_an_answer_delivers_the_answer_then_fails_the_rest():
+    def answer_then_a_call(sock: socket.socket, call_id: int) -> None:
+        payload, _ = dumps(42)
+        answer = encode_frame(Frame(Kind.RESULT, call_id, payload=payload))
+        stray = encode_frame(Frame(Kind.CALL, 12345, payload=b"?"))
+        sock.sendall(b"".join(bytes(piece) for piece in [*answer, *stray]))  # one segment: read in one batch
+
+    gate = threading.Event()
+    with _scripted_peer(lambda sock, call_id: (gate.wait(10), answer_then_a_call(sock, call_id))) as (
+        address,
+        answered,
+        _,
+    ):
+        first = rpcdl.rpc_async(address, abs, (-1,))
+        connection = client.connection_to(address)
+        _until(lambda: connection._state is ConnectionState.OPEN, "the connection is open")
+        second = rpcdl.rpc_async(address, abs, (-2,))
+        gate.set()
+        assert answered.wait(5)
+        assert first.wait() == 42
+        with pytest.raises(ConnectionLost, match="sent an unexpected CALL frame"):
+            second.wait()
+        assert connection.closed

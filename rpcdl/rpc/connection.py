@@ -313,7 +313,7 @@ class Connection:
             # taken while still reading: a thread waiting for these calls must not take the role to read
             # answers that are already here
             self._role.give_back()
-            answered = [(frame, self._calls.pop(frame.call_id)) for frame in frames]
+            answered = [(frame, self._calls.pop(frame.call_id)) for frame in frames if frame.kind in _ANSWERS]
             if frames:
                 last = frames[-1]
                 size = len(last.payload) + sum(memoryview(b).nbytes for b in last.buffers)
@@ -323,9 +323,6 @@ class Connection:
             if self._calls.background:
                 self._wake_serve()  # not for nothing: waking the idle connection thread costs a thread switch
         for frame, call in answered:
-            if frame.kind not in _ANSWERS:
-                error = ProtocolError(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
-                break
             if call is not None:  # otherwise its caller gave up waiting
                 self._deliver(frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
@@ -335,6 +332,8 @@ class Connection:
                 call.future.set_exception(error.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
         if error is not None:
             self._fail(f"lost the connection to worker {self.address}: {error or type(error).__name__}")
+        elif frames and frames[-1].kind not in _ANSWERS:  # read last: the calls still pending fail
+            self._fail(f"worker {self.address} sent an unexpected {frames[-1].kind.name} frame")
 
     def _allocate(self, call_id: int, size: int) -> Any:
         call = self._calls.get(call_id)
