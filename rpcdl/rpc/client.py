@@ -37,11 +37,12 @@ from ..address import format_address, parse_address
 from ..checks import check_timeout
 from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps, peer_context
-from ..transport.security import Token, default_client_tls, resolve_token
+from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
 from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, Kind, Limits
 from .calls import Call, CallFuture, ReadBy
 from .connection import _IDLE_TICK, Connection, _Closed
 from .dial import connect_grace
+from .environment import Variables
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
 from .live_threads import join_connection_threads
 from .rref import RRef, holding_handle, install_rpc_sync, new_uid
@@ -128,10 +129,13 @@ def connection_to(
     ssl_context: ssl.SSLContext | None = None,
 ) -> Connection:
     """Return this process's connection to ``address``, opening one if needed."""
-    token = resolve_token(token)
-    if ssl_context is None:
-        ssl_context = default_client_tls()
-    key = _key(address, token, ssl_context)
+    if token is None and ssl_context is None and _CREDENTIALS.unset():
+        key = (address, None, None)  # what resolve_token and default_client_tls return then
+    else:
+        token = resolve_token(token)
+        if ssl_context is None:
+            ssl_context = default_client_tls()
+        key = _key(address, token, ssl_context)
     with _pool_lock:
         connection = _pool.get(key)
         if connection is None or connection.closed:
@@ -190,6 +194,8 @@ at_exit(ExitPhase.CONNECTIONS, _shutdown_at_exit)
 # ---------------------------------------------------------------------------- calls
 
 
+_CREDENTIALS = Variables(TOKEN_ENV, TOKEN_FILE_ENV, TLS_CA_ENV)
+_LIMITS = Variables(MAX_MESSAGE_BYTES_ENV, MAX_BUFFERS_ENV)
 _addresses: dict[str, str] = {}  # each address as given -> as checked (a few per process)
 _limits: dict[tuple[str | None, str | None], Limits] = {}  # by the environment variables they come from
 
@@ -205,7 +211,7 @@ def _check_address(host: Any) -> str:
 
 def _outgoing_limits() -> Limits:
     """The limits of the environment, built again only when ``RPCDL_MAX_*`` change."""
-    key = (os.environ.get(MAX_MESSAGE_BYTES_ENV), os.environ.get(MAX_BUFFERS_ENV))
+    key = (None, None) if _LIMITS.unset() else (os.environ.get(MAX_MESSAGE_BYTES_ENV), os.environ.get(MAX_BUFFERS_ENV))
     limits = _limits.get(key)
     if limits is None:
         limits = _limits[key] = Limits()
