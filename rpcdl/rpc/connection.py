@@ -6,7 +6,8 @@ Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state
   It opens the connection (:mod:`rpcdl.rpc.dial`), then reads the answers of
   :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls, fails overdue calls and
   flushes RRef releases, until the connection closes.
-* Any thread may make calls and send (sends are serialized by ``_send_lock``).
+* Any thread may make calls and send; threads sending at once share system calls
+  (:class:`~rpcdl.rpc.outbox.Outbox`).
 * All state lives in three objects changed only under ``_cond``: the
   :class:`~rpcdl.rpc.state.ConnectionState` (CONNECTING -> OPEN -> CLOSED,
   never back), the :class:`~rpcdl.rpc.state.ReadingRole` and the
@@ -55,11 +56,12 @@ from ..transport.compression import resolve_mode
 from ..transport.control import decode_rejected, decode_stats, encode_release
 from ..transport.security import Token
 from ..transport.tls_stream import TLSStream
-from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream, send_pieces
+from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 from . import held
 from .calls import Call, ReadBy
 from .dial import dial
 from .live_threads import live_thread
+from .outbox import Outbox
 from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
@@ -124,7 +126,7 @@ class Connection:
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # wakes threads waiting for the role or their answer
         self._serve_cond = threading.Condition(lock)  # wakes the connection's thread alone
-        self._send_lock = threading.Lock()
+        self._outbox: Outbox | None = None  # once OPEN
         self._state = ConnectionState.CONNECTING
         self._role = ReadingRole()
         self._calls = PendingCalls(_CALLER_PATIENCE)
@@ -247,8 +249,7 @@ class Connection:
             return
         pieces = encode_frame(frames[0]) if len(frames) == 1 else [p for frame in frames for p in encode_frame(frame)]
         try:
-            with self._send_lock:
-                send_pieces(self._sock, pieces)
+            self._outbox.send(pieces)
         except OSError as exc:
             self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
 
@@ -380,24 +381,23 @@ class Connection:
             self._serve()
 
     def _open(self, sock: socket.socket) -> bool:
-        """CONNECTING -> OPEN over ``sock``, sending the frames queued meanwhile; return whether it opened."""
-        with self._send_lock:
-            with self._cond:
-                if self._state is ConnectionState.CLOSED:
-                    sock.close()
-                    return False
-                self._sock = sock
-                self._reader = FrameReader(sock, self._limits, self._io_timeout, decompress=self.compression != "off")
-                self._state = ConnectionState.OPEN
-                queued, self._queued = self._queued, []
-                self._cond.notify_all()
-            try:
-                send_pieces(sock, [piece for frame in queued for piece in encode_frame(frame)])
-                return True
-            except OSError as exc:
-                error = exc
-        self._fail(f"lost the connection to worker {self.address} while sending: {error}")
-        return False
+        """CONNECTING -> OPEN over ``sock``, sending the frames queued meanwhile first; return whether it opened."""
+        with self._cond:
+            if self._state is ConnectionState.CLOSED:
+                sock.close()
+                return False
+            self._sock = sock
+            self._reader = FrameReader(sock, self._limits, self._io_timeout, decompress=self.compression != "off")
+            self._outbox = Outbox(sock, [piece for frame in self._queued for piece in encode_frame(frame)])
+            self._queued = []
+            self._state = ConnectionState.OPEN
+            self._cond.notify_all()
+        try:
+            self._outbox.send(())
+        except OSError as exc:
+            self._fail(f"lost the connection to worker {self.address} while sending: {exc}")
+            return False
+        return True
 
     def _serve(self) -> None:
         """Until closed: read the background answers, fail overdue calls, flush RRef releases."""
