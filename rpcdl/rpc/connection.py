@@ -67,7 +67,6 @@ from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
-_READ_BATCH = 64  # frames a reader takes from what is already received before it delivers them
 _cuda_available: bool | None = None
 
 
@@ -295,37 +294,32 @@ class Connection:
     # ------------------------------------------------------------------ reading
 
     def _read(self) -> None:
-        """Read a frame, and those already received behind it; give the role back; deliver them.
+        """Read a frame; give the role back; deliver it. The caller holds the reading role.
 
-        The caller holds the reading role.
+        One frame only: the next may have begun to arrive and no more (a large one, a slow link), and
+        a caller reading several connections must not wait for it here. The frames a ``recv`` brought
+        together are read from the reader's buffer by the next turns, without a system call.
         """
-        frames: list[Frame] = []
-        error: Exception | None = None
+        frame = call = error = None
         try:
             frame = self._reader.read_frame(self._allocate)
-            while frame is not None:
-                frames.append(frame)
-                if len(frames) >= _READ_BATCH or not self._reader.buffered or frame.kind not in _ANSWERS:
-                    break
-                frame = self._reader.read_frame(self._allocate)
         except (OSError, ProtocolError) as exc:  # FrameTooLarge included
             error = exc
+        answer = frame is not None and frame.kind in _ANSWERS
         with self._cond:
-            # taken while still reading: a thread waiting for these calls must not take the role to read
-            # answers that are already here
+            # taken while still reading: a thread waiting for this call must not take the role to read
+            # an answer that is already here
             self._role.give_back()
-            answered = [(frame, self._calls.pop(frame.call_id)) for frame in frames if frame.kind in _ANSWERS]
-            if frames:
-                last = frames[-1]
-                size = len(last.payload) + sum(memoryview(b).nbytes for b in last.buffers)
+            if answer:
+                call = self._calls.pop(frame.call_id)
+                size = len(frame.payload) + sum(memoryview(b).nbytes for b in frame.buffers)
                 self._calls.answers_are_large = size >= buffers.MIN_BYTES
             if self._role.waiters:
                 self._cond.notify_all()
             if self._calls.background:
                 self._wake_serve()  # not for nothing: waking the idle connection thread costs a thread switch
-        for frame, call in answered:
-            if call is not None:  # otherwise its caller gave up waiting
-                self._deliver(frame, call)
+        if call is not None:  # otherwise its caller gave up waiting
+            self._deliver(frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
             with self._cond:
                 call = self._calls.pop(error.call_id)
@@ -333,8 +327,8 @@ class Connection:
                 call.future.set_exception(error.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
         if error is not None:
             self._fail(f"lost the connection to worker {self.address}: {error or type(error).__name__}")
-        elif frames and frames[-1].kind not in _ANSWERS:  # read last: the calls still pending fail
-            self._fail(f"worker {self.address} sent an unexpected {frames[-1].kind.name} frame")
+        elif frame is not None and not answer:
+            self._fail(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
 
     def _allocate(self, call_id: int, size: int) -> Any:
         call = self._calls.get(call_id)
