@@ -1,11 +1,14 @@
 """A call in flight: its id, deadline and how its answer is read, and the future its caller holds.
 
 Threading model: a :class:`Call` is made by the calling thread and then read by
-whichever thread reads its answer; its fields do not change after it is made.
+whichever thread reads its answer; its fields do not change after it is made,
+except :attr:`Call.read_by`, which only its connection changes, under its
+condition (see :class:`rpcdl.rpc.pending.PendingCalls`).
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 import weakref
@@ -17,6 +20,14 @@ import torch
 from . import held
 
 _call_ids = itertools.count(1)
+
+
+class ReadBy(enum.Enum):
+    """Who reads the answer of a call."""
+
+    WAITER = "waiter"  #: the thread that made it, blocked until it comes (rpc_sync, ping, stats)
+    CALLER = "caller"  #: the thread that made it, when it waits or calls read_answers (answers_read_here)
+    BACKGROUND = "background"  #: the connection's own thread
 
 
 class AnswerReader(Protocol):
@@ -47,8 +58,8 @@ class Call:
     """One call: its id, deadline, what it is (for messages), and who reads its answer."""
 
     __slots__ = (
-        "__weakref__", "background", "call_id", "deadline", "future", "pin_memory", "started", "sync", "timeout",
-        "transform", "what",
+        "__weakref__", "call_id", "deadline", "future", "pin_memory", "read_by", "started", "timeout", "transform",
+        "what",
     )  # fmt: skip
 
     def __init__(
@@ -63,7 +74,7 @@ class Call:
         self.pin_memory = pin_memory
         self.what = what
         self.transform = transform
-        self.sync = sync
-        # whether the connection's own thread reads the answer (else a thread waiting for it,
-        # or one calling read_answers)
-        self.background = not sync and not held.reads_here()
+        if sync:
+            self.read_by = ReadBy.WAITER
+        else:
+            self.read_by = ReadBy.CALLER if held.reads_here() else ReadBy.BACKGROUND

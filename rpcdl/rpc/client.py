@@ -22,6 +22,7 @@ thread that made them (:func:`sent_together`, :func:`answers_read_here`):
 from __future__ import annotations
 
 import logging
+import os
 import select
 import ssl
 import threading
@@ -36,12 +37,14 @@ from ..address import format_address, parse_address
 from ..checks import check_timeout
 from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps, peer_context
-from ..transport.security import Token, default_client_tls, resolve_token
-from ..transport.wire import Kind, Limits
-from .calls import Call, CallFuture
-from .connection import _IDLE_TICK, Connection, _Closed, join_connection_threads
+from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
+from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, Kind, Limits
+from .calls import Call, CallFuture, ReadBy
+from .connection import _IDLE_TICK, Connection, _Closed
 from .dial import connect_grace
+from .environment import Variables
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
+from .live_threads import join_connection_threads
 from .rref import RRef, holding_handle, install_rpc_sync, new_uid
 
 __all__ = [
@@ -78,7 +81,9 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
     """
     send_held()  # this thread waits now: what it holds must not wait with it
     calls = [future._call() for future in futures if isinstance(future, CallFuture)]
-    connections = {call.future._connection for call in calls if call is not None and not call.background}
+    connections = {
+        call.future._connection for call in calls if call is not None and call.read_by is not ReadBy.BACKGROUND
+    }
     if not connections:
         return None  # no answer for this thread to read: their connections' threads read them
     deadline = time.monotonic() + timeout
@@ -99,8 +104,9 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
         poller = select.poll()
         try:
             for connection in waiting:
-                if connection._ready:
-                    poller.register(connection._sock, select.POLLIN)
+                sock = connection.readable_socket()
+                if sock is not None:
+                    poller.register(sock, select.POLLIN)
         except (OSError, ValueError):  # closed meanwhile: its futures have failed
             return None
         poller.poll(min(remaining, _IDLE_TICK) * 1000)
@@ -123,10 +129,13 @@ def connection_to(
     ssl_context: ssl.SSLContext | None = None,
 ) -> Connection:
     """Return this process's connection to ``address``, opening one if needed."""
-    token = resolve_token(token)
-    if ssl_context is None:
-        ssl_context = default_client_tls()
-    key = _key(address, token, ssl_context)
+    if token is None and ssl_context is None and _CREDENTIALS.unset():
+        key = (address, None, None)  # what resolve_token and default_client_tls return then
+    else:
+        token = resolve_token(token)
+        if ssl_context is None:
+            ssl_context = default_client_tls()
+        key = _key(address, token, ssl_context)
     with _pool_lock:
         connection = _pool.get(key)
         if connection is None or connection.closed:
@@ -185,8 +194,28 @@ at_exit(ExitPhase.CONNECTIONS, _shutdown_at_exit)
 # ---------------------------------------------------------------------------- calls
 
 
+_CREDENTIALS = Variables(TOKEN_ENV, TOKEN_FILE_ENV, TLS_CA_ENV)
+_LIMITS = Variables(MAX_MESSAGE_BYTES_ENV, MAX_BUFFERS_ENV)
+_addresses: dict[str, str] = {}  # each address as given -> as checked (a few per process)
+_limits: dict[tuple[str | None, str | None], Limits] = {}  # by the environment variables they come from
+
+
 def _check_address(host: Any) -> str:
-    return format_address(*parse_address(host))
+    address = _addresses.get(host) if isinstance(host, str) else None
+    if address is None:
+        address = format_address(*parse_address(host))
+        if len(_addresses) < 4096:
+            _addresses[host] = address
+    return address
+
+
+def _outgoing_limits() -> Limits:
+    """The limits of the environment, built again only when ``RPCDL_MAX_*`` change."""
+    key = (None, None) if _LIMITS.unset() else (os.environ.get(MAX_MESSAGE_BYTES_ENV), os.environ.get(MAX_BUFFERS_ENV))
+    limits = _limits.get(key)
+    if limits is None:
+        limits = _limits[key] = Limits()
+    return limits
 
 
 def _describe(func: Callable) -> str:
@@ -239,7 +268,7 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
             payload, buffers = dumps((func, tuple(args), dict(kwargs)))
     except Exception as exc:
         raise TypeError(f"cannot send {_describe(func)} and its arguments to worker {host}: {exc}") from exc
-    Limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {_describe(func)}")
+    _outgoing_limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {_describe(func)}")
     return payload, buffers
 
 

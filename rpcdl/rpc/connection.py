@@ -1,16 +1,30 @@
 """One persistent, multiplexed connection to a worker, and the calls in flight on it.
 
-Threading model: each :class:`Connection` has one thread of its own,
-``rpcdl-connection-HOST:PORT``, which opens the connection (see
-:mod:`rpcdl.rpc.dial`), then reads answers for asynchronous calls, fails overdue
-calls and flushes RRef releases. Any thread may send (under ``_send_lock``).
-Reading is a role that one thread holds at a time (``_reading``, under
-``_cond``): a thread blocked in :meth:`Connection.wait` takes it and reads its
-own answer; a thread in :func:`rpcdl.rpc.client.read_answers` takes it for calls made
-under :func:`rpcdl.rpc.held.answers_read_here`; the connection's thread takes it for the
-rest. Whoever reads an answer completes its future, so callbacks run on that
-thread. Before a thread waits for answers it sends the calls it holds back
-(see :mod:`rpcdl.rpc.held` for why stages compose).
+Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state):
+
+* Each :class:`Connection` has one thread of its own, ``rpcdl-connection-HOST:PORT``.
+  It opens the connection (:mod:`rpcdl.rpc.dial`), then reads the answers of
+  :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls, fails overdue calls and
+  flushes RRef releases, until the connection closes.
+* Any thread may make calls and send; threads sending at once share system calls
+  (:class:`~rpcdl.rpc.outbox.Outbox`).
+* All state lives in three objects changed only under ``_cond``: the
+  :class:`~rpcdl.rpc.state.ConnectionState` (CONNECTING -> OPEN -> CLOSED,
+  never back), the :class:`~rpcdl.rpc.state.ReadingRole` and the
+  :class:`~rpcdl.rpc.state.PendingCalls`. No socket I/O and no user code
+  (callbacks, unpickling) run under ``_cond``.
+* Reading the socket is a role one thread holds at a time. A thread waiting for
+  a call's answer (:meth:`Connection.wait`) or in
+  :func:`rpcdl.rpc.client.read_answers` takes it when it is free; the
+  connection's thread takes it while background answers are pending. The holder
+  reads the frames there are, then gives the role back *before* it completes
+  their futures, so a callback that waits for another answer can take it.
+* A call leaves :class:`~rpcdl.rpc.state.PendingCalls` exactly once: answered
+  (by the reader, while it still holds the role, so nobody reads again for an
+  answer already here), overdue, or failed by the close. Whoever removes it
+  completes its future.
+* Before a thread waits for answers it sends the calls it holds back
+  (see :mod:`rpcdl.rpc.held` for why stages compose).
 """
 
 from __future__ import annotations
@@ -22,12 +36,11 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .._lifecycle import in_forked_child
 from ..address import parse_address
 from ..errors import (
     AuthenticationError,
@@ -43,10 +56,13 @@ from ..transport.compression import resolve_mode
 from ..transport.control import decode_rejected, decode_stats, encode_release
 from ..transport.security import Token
 from ..transport.tls_stream import TLSStream
-from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream, send_pieces
+from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 from . import held
-from .calls import Call
+from .calls import Call, ReadBy
 from .dial import dial
+from .live_threads import live_thread
+from .outbox import Outbox
+from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
@@ -61,34 +77,6 @@ def _can_pin() -> bool:
     return _cuda_available
 
 
-# The threads of connections, open or closing, until they end: at exit they are joined (see
-# join_connection_threads), closed ones included, since one may still be completing a call.
-_live_threads: set[threading.Thread] = set()
-_live_lock = threading.Lock()
-
-
-def join_connection_threads(timeout: float) -> list[str]:
-    """Wait up to ``timeout`` seconds in all for the threads of this process's connections to end.
-
-    Returns:
-        the names of those still running then.
-    """
-    deadline = time.monotonic() + timeout
-    with _live_lock:
-        threads = [thread for thread in _live_threads if thread is not threading.current_thread()]
-    for thread in threads:
-        thread.join(max(deadline - time.monotonic(), 0.0))
-    return [thread.name for thread in threads if thread.is_alive()]
-
-
-def _forget_parents_threads() -> None:
-    global _live_threads, _live_lock
-    _live_threads, _live_lock = set(), threading.Lock()
-
-
-in_forked_child(_forget_parents_threads)
-
-
 _ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
 
 
@@ -99,14 +87,13 @@ class _Closed(Exception):
 class Connection:
     """One persistent, multiplexed connection to a worker.
 
-    Use the functions of :mod:`rpcdl.rpc.client` rather than this class. Reading is
-    a role that one thread holds at a time: a thread blocked in
-    :func:`rpcdl.rpc_sync` takes it and reads its own answer (no thread switch
-    on the way back), and the connection's own thread takes it while
-    asynchronous calls are pending, except those made under
+    Use the functions of :mod:`rpcdl.rpc.client` rather than this class. A
+    thread blocked in :func:`rpcdl.rpc_sync` reads its own answer (no thread
+    switch on the way back); the connection's own thread reads the answers of
+    asynchronous calls, except those made under
     :func:`rpcdl.rpc.client.answers_read_here`, whose caller reads them (unless it
     leaves them unread for ``_CALLER_PATIENCE``). Whoever reads completes the
-    futures of the answers it reads.
+    futures of the answers it reads. The module docstring states the threading model.
 
     Args:
         address: the worker, ``"host:port"``.
@@ -135,19 +122,16 @@ class Connection:
         self._limits = Limits()
         # asked for (RPCDL_COMPRESSION; "on" without lz4 raises here), then, once connected, what the worker chose
         self.compression = resolve_mode()
-        self._cond = threading.Condition(threading.Lock())
-        self._send_lock = threading.Lock()
-        self._pending: dict[int, Call] = {}
-        self._async_pending = 0
-        self._large_answers = False  # whether the last answer was large
-        self._caller_read_at = 0.0  # when a caller last came to read answers (read_if_ready)
-        self._reading = False
-        self._wakes_at = 0.0  # when the connection's thread, asleep in _serve_async_calls, looks again
-        self._role_waiters = 0  # threads waiting in _cond for the reading role
-        self._queued: list[Frame] = []
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # wakes threads waiting for the role or their answer
+        self._serve_cond = threading.Condition(lock)  # wakes the connection's thread alone
+        self._outbox: Outbox | None = None  # once OPEN
+        self._state = ConnectionState.CONNECTING
+        self._role = ReadingRole()
+        self._calls = PendingCalls(_CALLER_PATIENCE)
+        self._serve_wakes_at = 0.0  # when the connection's thread, asleep in _serve, looks again; 0 when awake
+        self._queued: list[Frame] = []  # frames of calls made while CONNECTING
         self._releases: collections.deque[int] = collections.deque()
-        self._ready = False
-        self._closed = False
         self._error = ""
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
@@ -156,14 +140,12 @@ class Connection:
         self._on_close = on_close
         self._last_connect_error: BaseException | None = None
         self._pid = os.getpid()
-        self._thread = threading.Thread(target=self._run_to_end, name=f"rpcdl-connection-{address}", daemon=True)
-        with _live_lock:
-            _live_threads.add(self._thread)
+        self._thread = live_thread(self._run, name=f"rpcdl-connection-{address}")
         self._thread.start()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._state is ConnectionState.CLOSED
 
     def credentials(self) -> dict[str, Any]:
         """The keyword arguments that reach this worker with the same credentials."""
@@ -175,23 +157,18 @@ class Connection:
         frame = Frame(kind, call.call_id, ref, payload, list(buffers))
         call.future._connection = self
         with self._cond:
-            if self._closed:
+            if self._state is ConnectionState.CLOSED:
                 raise _Closed(self._error)
-            self._pending[call.call_id] = call
-            if self._large_answers and not call.sync:
-                call.background = True  # large answers arrive faster read in parallel by each connection's thread
-            elif not call.background and not call.sync:
-                self._caller_read_at = time.monotonic()  # its caller is here, and will read
-            if call.background:
-                self._async_pending += 1
-                self._cond.notify_all()
-            elif not call.sync and call.deadline < self._wakes_at:
-                self._cond.notify_all()  # the connection's thread sleeps past this call's deadline
-            if not self._ready:
+            self._calls.add(call, time.monotonic())
+            if self._serve_wakes_at and (
+                (call.read_by is ReadBy.BACKGROUND and self._role.free) or call.deadline < self._serve_wakes_at
+            ):
+                self._wake_serve()  # it has an answer to read, or sleeps past this call's deadline
+            if self._state is ConnectionState.CONNECTING:
                 self._queued.append(frame)
                 return
         if held.hold(self, frame):
-            if call.sync:  # after what this thread holds, in the order it made the calls
+            if call.read_by is ReadBy.WAITER:  # after what this thread holds, in the order it made the calls
                 held.send_held()
             return
         self._send([frame])
@@ -203,27 +180,27 @@ class Connection:
         while not future.done():
             with self._cond:
                 while (
-                    call.call_id in self._pending
-                    and (self._reading or not self._ready)
+                    call.call_id in self._calls
+                    and not (self._role.free and self._state is ConnectionState.OPEN)
                     and time.monotonic() < call.deadline
                 ):
-                    self._role_waiters += 1
+                    self._role.waiters += 1
                     try:
                         self._cond.wait(min(call.deadline - time.monotonic(), _RELEASE_TICK))
                     finally:
-                        self._role_waiters -= 1
-                if call.call_id not in self._pending:
-                    break  # answered or failed: whoever took it from _pending completes the future
+                        self._role.waiters -= 1
+                if call.call_id not in self._calls:
+                    break  # answered or failed: whoever took it from the pending calls completes the future
                 overdue = time.monotonic() >= call.deadline
                 if not overdue:
-                    self._reading = True
+                    self._role.take(Reader.CALLER)
             if overdue:
                 self._expire(time.monotonic())
             else:
-                self._read_once()
+                self._read()
 
     def read_if_ready(self) -> bool | None:
-        """Read and deliver one frame in this thread if one is arriving and no other thread reads.
+        """Read and deliver the frames arriving, in this thread, if no other thread reads.
 
         Returns:
             ``True`` if a frame was read, ``False`` if none is arriving yet,
@@ -231,35 +208,28 @@ class Connection:
             the connection is closed.
         """
         with self._cond:
-            self._caller_read_at = time.monotonic()
-            if self._reading or self._closed:
+            self._calls.caller_came(time.monotonic())
+            if not self._role.free or self._state is ConnectionState.CLOSED:
                 return None
-            if not self._ready or not (self._reader.buffered or _readable(self._sock)):
+            if self._state is ConnectionState.CONNECTING or not (self._reader.buffered or _readable(self._sock)):
                 return False
-            self._reading = True
-        self._read_once()
+            self._role.take(Reader.CALLER)
+        self._read()
         return True
+
+    def readable_socket(self) -> socket.socket | None:
+        """The socket to poll for answers, or ``None`` while connecting or once closed."""
+        return self._sock if self._state is ConnectionState.OPEN else None
 
     def read_in_background(self, call: Call) -> None:
         """Let this connection's thread read the answer to ``call``."""
         with self._cond:
-            if call.call_id in self._pending and self._adopt([call]):
-                self._cond.notify_all()
-
-    def _adopt(self, calls: Iterable[Call]) -> int:
-        """Hand the answers of ``calls`` left to their caller to this connection's thread; the caller
-        holds ``_cond``. Returns how many were handed over."""
-        adopted = 0
-        for call in calls:
-            if not call.background and not call.sync:
-                call.background = True
-                adopted += 1
-        self._async_pending += adopted
-        return adopted
+            if self._calls.adopt([call]):
+                self._wake_serve()
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker (safe to call from a finalizer)."""
-        if not self._closed and os.getpid() == self._pid:
+        if self._state is not ConnectionState.CLOSED and os.getpid() == self._pid:
             self._releases.append(uid)
 
     def close(self, reason: str = "the connection was closed by rpcdl.shutdown()") -> None:
@@ -276,24 +246,21 @@ class Connection:
             frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
         if not frames:
             return
-        pieces = [piece for frame in frames for piece in encode_frame(frame)]
+        pieces = encode_frame(frames[0]) if len(frames) == 1 else [p for frame in frames for p in encode_frame(frame)]
         try:
-            with self._send_lock:
-                send_pieces(self._sock, pieces)
+            self._outbox.send(pieces)
         except OSError as exc:
             self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
 
     def _expire(self, now: float) -> None:
         """Fail the calls past their deadline."""
         with self._cond:
-            overdue = [call for call in self._pending.values() if call.deadline <= now]
-            for call in overdue:
-                del self._pending[call.call_id]
-                self._async_pending -= call.background
+            overdue = self._calls.pop_overdue(now)
             if overdue:
                 self._cond.notify_all()
+            connected = self._state is not ConnectionState.CONNECTING
         for call in overdue:  # outside the lock: callbacks may make calls
-            if self._ready:
+            if connected:
                 error: Exception = WorkerTimeout(
                     f"worker {self.address} did not answer {call.what} within {call.timeout:g}s"
                 )
@@ -306,14 +273,14 @@ class Connection:
 
     def _fail(self, reason: str, error_type: type[Exception] = ConnectionLost) -> None:
         with self._cond:
-            if self._closed:
+            if self._state is ConnectionState.CLOSED:
                 return
-            self._closed = True
+            self._state = ConnectionState.CLOSED
             self._error = reason
-            pending, self._pending = self._pending, {}
-            self._async_pending = 0
+            pending = self._calls.clear()
             sock = self._sock
             self._cond.notify_all()
+            self._serve_cond.notify()
         self._on_close(self)
         if sock is not None and os.getpid() == self._pid:
             try:
@@ -321,45 +288,50 @@ class Connection:
             except OSError:
                 pass
             sock.close()
-        for call in pending.values():
+        for call in pending:
             call.future.set_exception(error_type(reason))
 
     # ------------------------------------------------------------------ reading
 
-    def _read_once(self) -> None:
-        """Read and deliver at most one frame; the caller holds the reading role."""
-        frame = call = None
+    def _read(self) -> None:
+        """Read a frame; give the role back; deliver it. The caller holds the reading role.
+
+        One frame only: the next may have begun to arrive and no more (a large one, a slow link), and
+        a caller reading several connections must not wait for it here. The frames a ``recv`` brought
+        together are read from the reader's buffer by the next turns, without a system call.
+        """
+        frame = call = error = None
         try:
             frame = self._reader.read_frame(self._allocate)
-        except FrameTooLarge as exc:  # the worker's limits are higher: that call fails for good, the others retry
-            with self._cond:
-                call = self._pending.pop(exc.call_id, None)
-            if call is not None:
-                call.future.set_exception(exc.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
-            self._fail(f"lost the connection to worker {self.address}: {exc}")
-        except (OSError, ProtocolError) as exc:
-            self._fail(f"lost the connection to worker {self.address}: {exc or type(exc).__name__}")
-        finally:
-            with self._cond:
-                self._reading = False
-                if frame is not None:
-                    # taken while still reading: a thread waiting for this call must not take
-                    # the role to read an answer that is already here
-                    call = self._pending.pop(frame.call_id, None)
-                    if call is not None:
-                        self._async_pending -= call.background
-                if self._role_waiters:  # waking the idle connection thread for nothing costs a thread switch
-                    self._cond.notify_all()
-        if frame is None:
-            return
-        self._large_answers = len(frame.payload) + sum(memoryview(b).nbytes for b in frame.buffers) >= buffers.MIN_BYTES
-        if frame.kind not in _ANSWERS:
-            self._fail(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
-        elif call is not None:  # otherwise its caller gave up waiting
+        except (OSError, ProtocolError) as exc:  # FrameTooLarge included
+            error = exc
+        answer = frame is not None and frame.kind in _ANSWERS
+        with self._cond:
+            # taken while still reading: a thread waiting for this call must not take the role to read
+            # an answer that is already here
+            self._role.give_back()
+            if answer:
+                call = self._calls.pop(frame.call_id)
+                size = len(frame.payload) + sum(memoryview(b).nbytes for b in frame.buffers)
+                self._calls.answers_are_large = size >= buffers.MIN_BYTES
+            if self._role.waiters:
+                self._cond.notify_all()
+            if self._calls.background:
+                self._wake_serve()  # not for nothing: waking the idle connection thread costs a thread switch
+        if call is not None:  # otherwise its caller gave up waiting
             self._deliver(frame, call)
+        if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
+            with self._cond:
+                call = self._calls.pop(error.call_id)
+            if call is not None:
+                call.future.set_exception(error.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
+        if error is not None:
+            self._fail(f"lost the connection to worker {self.address}: {error or type(error).__name__}")
+        elif frame is not None and not answer:
+            self._fail(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
 
     def _allocate(self, call_id: int, size: int) -> Any:
-        call = self._pending.get(call_id)
+        call = self._calls.get(call_id)
         pin = call is not None and call.pin_memory and _can_pin()
         if size >= buffers.MIN_BYTES and not pin:
             return buffers.take(size)
@@ -390,13 +362,6 @@ class Connection:
 
     # ------------------------------------------------------------------ thread
 
-    def _run_to_end(self) -> None:
-        try:
-            self._run()
-        finally:
-            with _live_lock:
-                _live_threads.discard(threading.current_thread())
-
     def _run(self) -> None:
         try:
             sock = self._connect()
@@ -406,66 +371,72 @@ class Connection:
         except WorkerUnavailable as exc:
             self._fail(str(exc), WorkerUnavailable)
             return
-        with self._send_lock:
-            with self._cond:
-                if self._closed:
-                    sock.close()
-                    return
-                self._sock = sock
-                self._reader = FrameReader(sock, self._limits, self._io_timeout, decompress=self.compression != "off")
-                self._ready = True
-                queued, self._queued = self._queued, []
-                self._cond.notify_all()
-            pieces = [piece for frame in queued for piece in encode_frame(frame)]
-            try:
-                send_pieces(sock, pieces)
-            except OSError as exc:
-                queued = exc
-        if isinstance(queued, OSError):
-            self._fail(f"lost the connection to worker {self.address} while sending: {queued}")
-            return
-        self._serve_async_calls()
+        if self._open(sock):
+            self._serve()
 
-    def _until_next_deadline(self) -> float:
-        """Seconds until the first pending call is overdue, at most the release tick (under ``_cond``)."""
-        if not self._pending:
-            return _RELEASE_TICK
-        first = min(call.deadline for call in self._pending.values())
-        return min(max(first - time.monotonic(), 0.0) + 0.001, _RELEASE_TICK)
+    def _open(self, sock: socket.socket) -> bool:
+        """CONNECTING -> OPEN over ``sock``, sending the frames queued meanwhile first; return whether it opened."""
+        with self._cond:
+            if self._state is ConnectionState.CLOSED:
+                sock.close()
+                return False
+            self._sock = sock
+            self._reader = FrameReader(sock, self._limits, self._io_timeout, decompress=self.compression != "off")
+            self._outbox = Outbox(sock, [piece for frame in self._queued for piece in encode_frame(frame)])
+            self._queued = []
+            self._state = ConnectionState.OPEN
+            self._cond.notify_all()
+        try:
+            self._outbox.send(())
+        except OSError as exc:
+            self._fail(f"lost the connection to worker {self.address} while sending: {exc}")
+            return False
+        return True
 
-    def _serve_async_calls(self) -> None:
-        """Until closed: read for asynchronous calls (nobody waits in :meth:`wait` for them),
-        fail overdue calls, flush RRef releases."""
+    def _serve(self) -> None:
+        """Until closed: read the background answers, fail overdue calls, flush RRef releases."""
         last_flush = time.monotonic()
         while True:
             with self._cond:
-                watches_caller = False
-                if not self._closed and (self._async_pending == 0 or self._reading):
-                    waits_for_role = self._async_pending > 0
-                    watches_caller = any(not call.background and not call.sync for call in self._pending.values())
-                    self._role_waiters += waits_for_role
-                    tick = _IDLE_TICK if waits_for_role or watches_caller else self._until_next_deadline()
-                    self._wakes_at = time.monotonic() + tick
-                    try:
-                        self._cond.wait(tick)
-                    finally:
-                        self._role_waiters -= waits_for_role
-                        self._wakes_at = 0.0
-                if self._closed:
+                if self._state is not ConnectionState.CLOSED and not (self._calls.background and self._role.free):
+                    self._sleep()
+                if self._state is ConnectionState.CLOSED:
                     return
                 now = time.monotonic()
-                if watches_caller and now - self._caller_read_at > _CALLER_PATIENCE:
-                    self._adopt(self._pending.values())  # left unread too long by their caller
-            self._expire(now)  # without the reading role: callbacks may wait for answers
+                self._calls.adopt_unread(now)  # left unread too long by their caller
+                expire = now >= self._calls.check_at
+            if expire:
+                self._expire(now)  # without the reading role: callbacks may wait for answers
             if self._releases and now - last_flush > _RELEASE_TICK:
                 last_flush = now
                 self._send([])
             with self._cond:
-                take_role = self._async_pending > 0 and not self._reading and not self._closed
-                if take_role:
-                    self._reading = True
+                take_role = (
+                    self._calls.background > 0
+                    and self._state is ConnectionState.OPEN
+                    and self._role.take(Reader.BACKGROUND)
+                )
             if take_role:
-                self._read_once()
+                self._read()
+
+    def _wake_serve(self) -> None:
+        """Wake the connection's thread if it sleeps in :meth:`_sleep`, once (under ``_cond``)."""
+        if self._serve_wakes_at:
+            self._serve_wakes_at = 0.0
+            self._serve_cond.notify()
+
+    def _sleep(self) -> None:
+        """Wait in ``_serve_cond`` until woken or something is due (under ``_cond``)."""
+        now = time.monotonic()
+        if self._calls.background or self._calls.left_to_callers:
+            tick = _IDLE_TICK  # waiting for the role, or watching answers left to a caller
+        else:
+            tick = min(max(self._calls.check_at - now, 0.0) + 0.001, _RELEASE_TICK)
+        self._serve_wakes_at = now + tick
+        try:
+            self._serve_cond.wait(tick)
+        finally:
+            self._serve_wakes_at = 0.0
 
     def _connect(self) -> socket.socket:
         sock, self.compression = dial(
@@ -478,7 +449,7 @@ class Connection:
     def _pause(self, seconds: float) -> None:
         """Wait between two attempts to connect; a close ends the wait."""
         with self._cond:
-            if not self._closed:
+            if self._state is not ConnectionState.CLOSED:
                 self._cond.wait(seconds)
 
     def _connect_failed(self, exc: OSError) -> float:
@@ -486,9 +457,9 @@ class Connection:
         self._last_connect_error = exc
         self._expire(time.monotonic())
         with self._cond:
-            if self._closed:
+            if self._state is ConnectionState.CLOSED:
                 raise WorkerUnavailable(self._error)
-            return max([self._connect_deadline, *(c.deadline for c in self._pending.values())])
+            return max(self._connect_deadline, self._calls.latest_deadline())
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -104,6 +104,19 @@ def _pickle_function(function: types.FunctionType) -> bytes:
     return stream.getvalue()
 
 
+class _ReusedPickler:
+    """A thread's pickler for :func:`dumps`, kept between messages: making one costs as much as a small message."""
+
+    def __init__(self) -> None:
+        self.stream = io.BytesIO()
+        self.buffers: list[memoryview] = []
+        self.pickler = _Pickler(self.stream, protocol=PROTOCOL, buffer_callback=lambda b: self.buffers.append(b.raw()))
+        self.busy = False
+
+
+_picklers = threading.local()
+
+
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     """Serialize ``obj`` into a pickle payload and its out-of-band buffers.
 
@@ -111,10 +124,22 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
         ``(payload, buffers)``: the buffers are views of the original memory,
         so the objects must not change until they have been sent.
     """
-    buffers: list[memoryview] = []
-    stream = io.BytesIO()
-    _Pickler(stream, protocol=PROTOCOL, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
-    return stream.getvalue(), buffers
+    reused = getattr(_picklers, "pickler", None)
+    if reused is None:
+        reused = _picklers.pickler = _ReusedPickler()
+    elif reused.busy:  # called while pickling (a reducer pickles something apart): a pickler of its own
+        reused = _ReusedPickler()
+    reused.busy = True
+    try:
+        reused.pickler.dump(obj)
+        return reused.stream.getvalue(), reused.buffers
+    finally:  # nothing of this message stays referenced
+        reused.pickler.clear_memo()
+        reused.pickler.globals_ref = {}
+        reused.stream.seek(0)
+        reused.stream.truncate()
+        reused.buffers = []
+        reused.busy = False
 
 
 def loads(payload: bytes | bytearray | memoryview, buffers: Iterable[Any] = ()) -> Any:

@@ -1,0 +1,314 @@
+"""A real Connection against a real worker session in this process, over loopback: the hard interleavings.
+
+The worker runs in this process, so the functions it runs share this module's
+events and barriers with the test: they force the interleavings (a call that
+blocks until the test lets it go) instead of sleeps. A longer idle tick for the
+connection makes the reading role move only when a frame arrives, so who reads
+which answer is decided by the test. The peer that stops mid-frame is a
+listening socket that runs the worker's real handshake, then sends half a frame.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+
+import rpcdl
+import rpcdl.rpc.connection
+from rpcdl.errors import ConnectionLost, WorkerTimeout
+from rpcdl.rpc import client
+from rpcdl.rpc.state import ConnectionState, Reader
+from rpcdl.serialization.pickling import dumps
+from rpcdl.transport.handshake import server_handshake
+from rpcdl.transport.wire import _HEADER, Frame, FrameReader, Kind, Limits, encode_frame
+
+pytestmark = pytest.mark.timeout(20)
+
+_gates: dict[str, threading.Event] = {}
+_seen: list[int] = []
+
+
+def gated(name: str, value: int) -> int:
+    """Return ``value`` once the test opens the gate ``name`` (at most 10 s)."""
+    _gates[name].wait(10)
+    return value
+
+
+def seen(value: int) -> int:
+    _seen.append(value)
+    return value
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    """A worker in this process, two slots, and a fresh client connection whose idle reads last 5 s."""
+    monkeypatch.setattr(rpcdl.rpc.connection, "_IDLE_TICK", 5.0)
+    _gates.clear()
+    _seen.clear()
+    started = rpcdl.Worker(timeout=10, parallel=2).start()
+    try:
+        yield started
+    finally:
+        for gate in _gates.values():
+            gate.set()
+        rpcdl.shutdown()
+        started.stop(grace=1.0)
+
+
+def _gate(name: str) -> threading.Event:
+    _gates[name] = threading.Event()
+    return _gates[name]
+
+
+def _until(predicate, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.001)
+
+
+def _calls_seen_by(worker: rpcdl.Worker) -> int:
+    """Calls the worker has read, after a ping from another thread (frames sent before it are read first)."""
+    thread = threading.Thread(target=rpcdl.ping, args=(worker.address,), name="test-ping")
+    thread.start()
+    thread.join()
+    stats = worker.stats()
+    return stats["calls_in_flight"] + stats["calls_served"] + stats["calls_failed"]
+
+
+# ---------------------------------------------------------------------------- nested and held sends
+
+
+def test_nested_sent_together_blocks_send_when_the_outermost_ends_in_order(worker):
+    address = worker.address
+    rpcdl.ping(address)
+    with client.sent_together():
+        first = rpcdl.rpc_async(address, seen, (1,))
+        with client.sent_together():
+            second = rpcdl.rpc_async(address, seen, (2,))
+        assert _calls_seen_by(worker) == 0  # the inner block's end sends nothing
+        third = rpcdl.rpc_async(address, seen, (3,))
+        assert _calls_seen_by(worker) == 0
+    assert [future.wait() for future in (first, second, third)] == [1, 2, 3]
+    assert _seen == [1, 2, 3]
+
+
+def test_a_held_block_whose_thread_waits_sends_first_and_calls_outside_it_go_after_the_held_ones(worker):
+    address = worker.address
+    with client.sent_together():
+        held = rpcdl.rpc_async(address, seen, (1,))
+        with client.outside_held_blocks():
+            assert rpcdl.rpc_sync(address, seen, (2,)) == 2  # waits: the held call leaves first
+        assert held.wait() == 1
+        later = rpcdl.rpc_async(address, seen, (3,))
+        assert later.wait() == 3  # waiting inside the block sends it; no deadlock
+    assert _seen == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------- a caller against the background reader
+
+
+def test_the_background_reader_reads_the_answer_a_caller_waits_for(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    gate = _gate("background")
+    background = rpcdl.rpc_async(address, gated, ("background", 7))  # its answer is the connection thread's
+    _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+    delivered_on, delivered = [], threading.Event()
+    waited = rpcdl.rpc_async(address, abs, (-5,))
+    waited.add_done_callback(lambda _: (delivered_on.append(threading.current_thread().name), delivered.set()))
+    assert waited.wait() == 5  # this thread waits for the role; the reader holding it delivers the answer
+    assert delivered.wait(5) and delivered_on == [connection._thread.name]
+    assert not background.done()
+    gate.set()
+    assert background.wait() == 7
+
+
+def test_a_caller_holding_the_role_delivers_background_answers_then_its_own(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    rpcdl.ping(address)
+    gate = _gate("sync")
+    result = []
+    caller = threading.Thread(target=lambda: result.append(rpcdl.rpc_sync(address, gated, ("sync", 3))), name="caller")
+    caller.start()
+    _until(lambda: connection._role.holder is Reader.CALLER, "the caller reads")
+    delivered_on = []
+    background = rpcdl.rpc_async(address, abs, (-4,))
+    background.add_done_callback(lambda _: (delivered_on.append(threading.current_thread().name), gate.set()))
+    caller.join(10)
+    assert not caller.is_alive() and result == [3]
+    assert background.wait() == 4
+    assert delivered_on == ["caller"]  # read by the caller in recv when it arrived, its callback run there
+
+
+def test_answers_read_here_are_left_to_their_caller_while_the_background_reader_reads_others(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    other, mine_gate = _gate("other"), _gate("mine")
+    background = rpcdl.rpc_async(address, gated, ("other", 1))
+    _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+    with client.answers_read_here():
+        mine = [rpcdl.rpc_async(address, gated, ("mine", n)) for n in range(4)]
+    assert connection._calls.left_to_callers == 4 and connection._calls.background == 1
+    assert client.read_answers(mine, timeout=0.2) is None  # another thread reads: it delivers them
+    mine_gate.set()
+    assert [future.wait() for future in mine] == [0, 1, 2, 3]
+    other.set()
+    assert background.wait() == 1
+    assert connection._calls.left_to_callers == 0 and len(connection._calls) == 0
+
+
+def test_many_threads_calling_at_once_get_their_own_answers(worker):
+    address = worker.address
+    barrier = threading.Barrier(8)
+    results: dict[int, list[int]] = {}
+
+    def calls(index: int) -> None:
+        barrier.wait()
+        futures = [rpcdl.rpc_async(address, pow, (index, k)) for k in range(20)]
+        syncs = [rpcdl.rpc_sync(address, pow, (index, k)) for k in range(5)]
+        results[index] = [future.wait() for future in futures] + syncs
+
+    threads = [threading.Thread(target=calls, args=(i,), name=f"caller-{i}") for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert results == {i: [i**k for k in range(20)] + [i**k for k in range(5)] for i in range(8)}
+    assert len(client.connection_to(address)._calls) == 0
+
+
+def test_a_deadline_expires_while_another_thread_reads(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    gate = _gate("slow")
+    background = rpcdl.rpc_async(address, gated, ("slow", 1))
+    _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
+        rpcdl.rpc_sync(address, gated, ("slow", 2), timeout=0.3)
+    assert time.monotonic() - started < 2.0
+    assert connection._role.holder is Reader.BACKGROUND  # it read on, undisturbed
+    gate.set()
+    assert background.wait() == 1  # the late answer of the expired call is dropped on the way
+    assert rpcdl.rpc_sync(address, abs, (-2,)) == 2
+
+
+# ---------------------------------------------------------------------------- a close in the middle of a read
+
+
+@contextlib.contextmanager
+def _scripted_peer(answer):
+    """A peer that runs the worker's handshake, reads one call, calls ``answer(sock, call_id)``, then closes
+    when told."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered, close = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            sock.settimeout(10)
+            server_handshake(sock, None, "client")
+            frame = FrameReader(sock, Limits(), stall_timeout=10).read_frame()
+            answer(sock, frame.call_id)
+            answered.set()
+            close.wait(10)
+
+    thread = threading.Thread(target=serve, name="scripted-peer", daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}", answered, close
+    finally:
+        close.set()
+        thread.join(5)
+        listener.close()
+
+
+def _half_an_answer(sock: socket.socket, call_id: int) -> None:
+    sock.sendall(_HEADER.pack(Kind.RESULT, 0, 0, 0, call_id, 0, 1000) + b"x" * 10)
+
+
+def _peer_that_stops_mid_frame():
+    return _scripted_peer(_half_an_answer)
+
+
+def test_a_peer_that_closes_in_the_middle_of_a_frame_fails_every_pending_call():
+    with _peer_that_stops_mid_frame() as (address, half_sent, close):
+        first = rpcdl.rpc_async(address, abs, (-1,))
+        assert half_sent.wait(5)
+        connection = client.connection_to(address)
+        _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+        more = [rpcdl.rpc_async(address, abs, (-k,)) for k in range(3)]
+        outcome = []
+        waiter = threading.Thread(
+            target=lambda: outcome.append(_raised(lambda: rpcdl.rpc_sync(address, abs, (-9,)))), name="waiter"
+        )
+        waiter.start()
+        _until(lambda: connection._role.waiters == 1, "the waiter waits for the role")
+        assert not first.done()  # half a frame: the reader waits for the rest
+        started = time.monotonic()
+        close.set()
+        waiter.join(5)
+        for future in [first, *more]:
+            with pytest.raises(ConnectionLost, match=f"lost the connection to worker {address}"):
+                future.wait()
+        assert time.monotonic() - started < 2.0
+        assert outcome == [ConnectionLost]
+        assert connection.closed and connection._state is ConnectionState.CLOSED
+        assert len(connection._calls) == 0
+
+
+def test_closing_the_connection_while_a_caller_reads_fails_its_call_and_frees_the_reader(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    gate = _gate("never")
+    outcome = []
+    caller = threading.Thread(
+        target=lambda: outcome.append(_raised(lambda: rpcdl.rpc_sync(address, gated, ("never", 0)))), name="caller"
+    )
+    caller.start()
+    _until(lambda: connection._role.holder is Reader.CALLER, "the caller reads")
+    connection.close("closed by the test")
+    caller.join(5)
+    assert outcome == [ConnectionLost]
+    assert connection._role.free
+    gate.set()
+    assert rpcdl.rpc_sync(address, abs, (-3,)) == 3  # a new connection
+
+
+def _raised(action) -> type[BaseException] | None:
+    try:
+        action()
+    except BaseException as exc:
+        return type(exc)
+    return None
+
+
+def test_an_unexpected_frame_read_with_an_answer_delivers_the_answer_then_fails_the_rest():
+    def answer_then_a_call(sock: socket.socket, call_id: int) -> None:
+        payload, _ = dumps(42)
+        answer = encode_frame(Frame(Kind.RESULT, call_id, payload=payload))
+        stray = encode_frame(Frame(Kind.CALL, 12345, payload=b"?"))
+        sock.sendall(b"".join(bytes(piece) for piece in [*answer, *stray]))  # one segment: read in one batch
+
+    gate = threading.Event()
+    with _scripted_peer(lambda sock, call_id: (gate.wait(10), answer_then_a_call(sock, call_id))) as (
+        address,
+        answered,
+        _,
+    ):
+        first = rpcdl.rpc_async(address, abs, (-1,))
+        connection = client.connection_to(address)
+        _until(lambda: connection._state is ConnectionState.OPEN, "the connection is open")
+        second = rpcdl.rpc_async(address, abs, (-2,))
+        gate.set()
+        assert answered.wait(5)
+        assert first.wait() == 42
+        with pytest.raises(ConnectionLost, match="sent an unexpected CALL frame"):
+            second.wait()
+        assert connection.closed
