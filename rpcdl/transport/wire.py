@@ -285,6 +285,15 @@ class FrameReader:
         """Whether received bytes wait in the buffer (the start of a frame, at least)."""
         return self._end > self._start
 
+    @property
+    def holds_frame(self) -> bool:
+        """Whether a whole frame without buffers, or the head of one with buffers, waits in the buffer."""
+        available = self._end - self._start
+        if available < _HEADER.size:
+            return False
+        _, flags, _, count, _, _, payload_size = _HEADER.unpack_from(self._buffer, self._start)
+        return available >= _HEADER.size + 8 * count * (2 if flags & COMPRESSED else 1) + (0 if count else payload_size)
+
     def read_frame(self, allocate: Callable[[int, int], Any] = _default_allocate) -> Frame | None:
         """Read one whole frame, or return ``None`` if none started within the receive timeout.
 
