@@ -172,7 +172,7 @@ def test_client_closing_mid_frame_ends_its_session_and_the_worker_serves_others(
 
 
 def test_frame_over_the_limit_is_refused_by_closing_the_connection(start_worker, caplog):
-    worker, connect = start_worker(limits=Limits(max_message_bytes=4096))
+    _, connect = start_worker(limits=Limits(max_message_bytes=4096))
     client = connect()
     header = _HEADER.pack(Kind.CALL, 0, 0, 0, 1, 0, 1 << 20)
     with caplog.at_level("WARNING", logger="rpcdl.worker"):
