@@ -200,3 +200,11 @@ def test_release_of_an_rref_in_the_middle_of_a_stream(start_worker):
     _eventually(lambda: worker.stats()["rrefs"] == 1, "the released RRef freed")
     client.close()
     _eventually(lambda: worker.stats()["rrefs"] == 0, "the RRefs of a closed session freed")
+
+
+def test_answers_held_back_in_a_burst_go_out_when_control_frames_end_it(start_worker):
+    _, connect = start_worker()
+    client = connect()
+    client.send(_call(1, operator.add, 1, 1), _call(2, operator.add, 2, 2), _control(Kind.PING, 3))
+    frames = {frame.call_id: frame for frame in (client.answer() for _ in range(3))}
+    assert (_value(frames[1]), _value(frames[2]), frames[3].kind) == (2, 4, Kind.PONG)

@@ -77,7 +77,7 @@ class ClientConnection:
         self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
         self._condition = threading.Condition(self._lock)
         self._send_lock = threading.Lock()
-        self._outbox: list[bytes | memoryview] = []  # answers held back, encoded; only the reader touches it
+        self._outbox: list[bytes | memoryview] = []  # answers held back, encoded; under the lock
         self._outbox_answers = 0
         self._holding_back = 0  # the thread id of the reader while it holds answers back, else 0
         self._counted = 0
@@ -111,8 +111,10 @@ class ClientConnection:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
         elif self._holding_back == threading.get_ident():
-            self._outbox += encode_frame(frame)
-            self._outbox_answers += answers_call
+            pieces = encode_frame(frame)
+            with self._lock:
+                self._outbox += pieces
+                self._outbox_answers += answers_call
             return
         self._send_pieces(encode_frame(frame), int(answers_call))  # an answer's buffers go out here
 
@@ -131,9 +133,10 @@ class ClientConnection:
 
     def _flush(self) -> None:
         """Send the answers held back, in one go."""
-        if self._outbox:
+        with self._lock:
             pieces, answers = self._outbox, self._outbox_answers
             self._outbox, self._outbox_answers = [], 0
+        if pieces:
             if len(pieces) > 1 and all(type(piece) is bytes for piece in pieces):
                 pieces = [b"".join(pieces)]
             if self.closed:
@@ -169,6 +172,7 @@ class ClientConnection:
     def _serve(self) -> None:
         while self._wait_for_turn():
             self._read_while_holding()
+            self._flush()  # answers held back go out, or are counted if the connection closed
 
     def _wait_for_turn(self) -> bool:
         """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
@@ -186,6 +190,8 @@ class ClientConnection:
         """Read and dispatch frames until the turn goes to the other thread or the connection closes."""
         worker = self.worker
         while True:
+            if self._outbox and not self.reader.holds_frame:  # the read may wait: no answer waits with it
+                self._flush()
             frame = self._read_frame()
             if frame is None:
                 if self.closed:
@@ -209,9 +215,7 @@ class ClientConnection:
             finally:
                 self._holding_back = 0
             if self._outbox and (
-                time.perf_counter() - started > _QUICK_CALL
-                or self._outbox_answers >= _OUTBOX_ANSWERS
-                or not self.reader.holds_frame
+                time.perf_counter() - started > _QUICK_CALL or self._outbox_answers >= _OUTBOX_ANSWERS
             ):
                 self._flush()
             if not self._take_back():
