@@ -1,15 +1,29 @@
-"""The worker's side of one client connection: two service threads take turns reading it.
+"""The worker's side of one client connection: a session, its read turn and its answers.
 
-Threading: each connection has ``_SERVICE_THREADS`` service threads; one at a
-time holds the read turn and reads a frame, hands it to the worker
-(:meth:`rpcdl.server.worker.Worker._dispatch`), and runs the call itself when the
-worker gives it a slot. Answers are sent under the connection's send lock, by
-whichever thread ran the call; that thread compresses its answer's large buffers
-first, outside the lock, when the connection's :class:`~rpcdl.transport.compression.Compressor` says so.
+Threading: a session has two service threads (``rpcdl-service-PEER``) and one
+read turn (:class:`Turn`). The thread holding the turn reads frames and hands
+each to the worker (:meth:`rpcdl.server.worker.Worker.dispatch`). When the
+worker gives it a slot for a call, it *lends* the turn and runs the call
+itself, so a call costs no thread switch. Nobody reads while the turn is lent;
+it is *offered* to the other thread, the standby, at once when the worker has
+slots left for more calls, else by the worker's promoter once the call has run
+for a while (:data:`PROMOTE_AFTER`), so that pings, releases and calls for the
+queue are read during long calls. The lender takes the turn back if nobody took
+it, else becomes the standby. The reader runs a call inline only while the
+standby waits, so one thread can always take the turn.
+
+Answers are sent under the send lock by the thread that ran the call; it
+compresses its answer's large buffers first, outside the lock, when the
+connection's :class:`~rpcdl.transport.compression.Compressor` says so. The
+reader running a quick call inline while the next call already waits in its
+receive buffer holds the (small) answer back in the session's outbox, and
+sends the outbox in one go once nothing more waits, after a slower call or
+after :data:`_OUTBOX_ANSWERS` answers: one system call for a burst of answers.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import socket
 import threading
@@ -21,56 +35,65 @@ import torch
 from ..errors import ConnectionLost, ProtocolError
 from ..rpc.rref import StoreView
 from ..transport.compression import Compressor
-from ..transport.wire import COMPRESSED, Frame, FrameReader, Kind, send_frame
+from ..transport.wire import COMPRESSED, Frame, FrameReader, Kind, encode_frame, send_pieces
 
 log = logging.getLogger("rpcdl.worker")
 
-_SERVICE_THREADS = 2
+PROMOTE_AFTER = 0.02  #: seconds a call runs inline before the standby thread reads in its place
+_OUTBOX_ANSWERS = 32  # answers held back at most
+_QUICK_CALL = 0.0005  # seconds: the answer of a call that ran longer is not held back
 
 
-class Counters:
-    """A worker's counters, changed under one lock."""
+class Turn(enum.Enum):
+    """Who reads the connection."""
 
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.calls_served = 0
-        self.calls_failed = 0
-        self.calls_rejected = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.busy_seconds = 0.0
-        self.clients = 0
-        self.connections_total = 0
-        self.connections_refused = 0
-        self.outstanding = 0
-
-    def add(self, **deltas: float) -> None:
-        """Add each of ``deltas`` to the counter of that name."""
-        with self.lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
+    OFFERED = "offered"  #: free: the standby takes it
+    READING = "reading"  #: a service thread holds it and reads
+    LENT = "lent"  #: its holder runs a call; nobody reads until it is offered or taken back
+    CLOSED = "closed"  #: the connection is closed: no one reads again
 
 
 class ClientConnection:
-    """The worker's side of one client connection."""
+    """The worker's side of one client connection (see the module for its threads).
+
+    Args:
+        worker: the worker serving it (its ``dispatch``, ``slots``, ``forget``,
+            ``counters``, ``store``, ``limits`` and ``timeout``).
+        sock: the connection, handshake done, set up by :func:`~rpcdl.transport.wire.io_stream`.
+        peer: the client's address, for messages.
+        compressor: what compresses answers on this connection (default: none).
+    """
 
     def __init__(self, worker: Any, sock: socket.socket, peer: str, compressor: Compressor | None = None):
         self.worker = worker
         self.sock = sock
         self.peer = peer
         self.compressor = compressor or Compressor("off")
-        self.store_view = StoreView(worker._store, self, worker.timeout)
+        self.store_view = StoreView(worker.store, self, worker.timeout)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
-        self.idle_threads = _SERVICE_THREADS  # guarded by the worker's scheduler lock
-        self.closed = False
-        self._read_turn = threading.Lock()
+        self._turn = Turn.OFFERED
+        self._lent_at = 0.0
+        self._standby = False  # a service thread waits for the turn
+        self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
+        self._condition = threading.Condition(self._lock)
         self._send_lock = threading.Lock()
-        self._close_lock = threading.Lock()
+        self._outbox: list[bytes | memoryview] = []  # answers held back, encoded; under the lock
+        self._outbox_answers = 0
+        self._holding_back = 0  # the thread id of the reader while it holds answers back, else 0
         self._counted = 0
         self._threads = [
-            threading.Thread(target=self._serve, name=f"rpcdl-service-{peer}", daemon=True)
-            for _ in range(_SERVICE_THREADS)
+            threading.Thread(target=self._serve, name=f"rpcdl-service-{peer}", daemon=True) for _ in range(2)
         ]
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is closed."""
+        return self._turn is Turn.CLOSED
+
+    @property
+    def has_standby(self) -> bool:
+        """Whether a service thread waits for the turn (read by the thread holding it, when no other can change it)."""
+        return self._standby
 
     def start(self) -> None:
         """Start the service threads."""
@@ -80,21 +103,46 @@ class ClientConnection:
     def send(self, frame: Frame, answers_call: bool = False) -> None:
         """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
         that cannot take it is closed."""
-        sent = 0
-        try:
-            if frame.kind == Kind.RESULT and frame.buffers and not self.closed:
+        if self._turn is Turn.CLOSED:
+            self.worker.counters.sent(0, int(answers_call))
+            return
+        if frame.buffers:
+            if frame.kind == Kind.RESULT:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
-            if not self.closed:
-                with self._send_lock:
-                    started = time.perf_counter()
-                    sent = send_frame(self.sock, frame)
-                    self.compressor.sent(sent, time.perf_counter() - started)
+        elif self._holding_back == threading.get_ident():
+            pieces = encode_frame(frame)
+            with self._lock:
+                self._outbox += pieces
+                self._outbox_answers += answers_call
+            return
+        self._send_pieces(encode_frame(frame), int(answers_call))  # an answer's buffers go out here
+
+    def _send_pieces(self, pieces: list[bytes | memoryview], answers: int) -> None:
+        sent = 0
+        try:
+            with self._send_lock:
+                started = time.perf_counter()
+                sent = send_pieces(self.sock, pieces)
+                self.compressor.sent(sent, time.perf_counter() - started)
         except OSError as exc:
             log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
             self.close()
         finally:
-            self.worker._counters.add(bytes_out=sent, outstanding=-int(answers_call))
+            self.worker.counters.sent(sent, answers)
+
+    def _flush(self) -> None:
+        """Send the answers held back, in one go."""
+        with self._lock:
+            pieces, answers = self._outbox, self._outbox_answers
+            self._outbox, self._outbox_answers = [], 0
+        if pieces:
+            if len(pieces) > 1 and all(type(piece) is bytes for piece in pieces):
+                pieces = [b"".join(pieces)]
+            if self.closed:
+                self.worker.counters.sent(0, answers)
+            else:
+                self._send_pieces(pieces, answers)
 
     def answer(self, frame: Frame) -> None:
         """Send the answer to a call and count the call as done."""
@@ -102,41 +150,108 @@ class ClientConnection:
 
     def close(self) -> None:
         """Close the connection (once) and have the worker forget it and the RRefs it held."""
-        with self._close_lock:  # not the send lock: a send may block for the whole timeout
-            if self.closed:
+        with self._condition:  # never held during a send, which may block for the whole timeout
+            if self._turn is Turn.CLOSED:
                 return
-            self.closed = True
+            self._turn = Turn.CLOSED
+            self._condition.notify_all()
         shutdown_socket(self.sock)
-        self.worker._forget(self)
+        self.worker.forget(self)
+
+    def offer_if_lent_before(self, moment: float) -> None:
+        """Offer the turn to the standby if it was lent before ``moment`` (``time.monotonic()``)."""
+        if self._turn is not Turn.LENT or self._lent_at > moment:  # the usual case, decided without the lock
+            return
+        with self._condition:
+            if self._turn is Turn.LENT and self._lent_at <= moment:
+                self._turn = Turn.OFFERED
+                self._condition.notify()
+
+    # ------------------------------------------------------------------ the read turn
 
     def _serve(self) -> None:
+        while self._wait_for_turn():
+            self._read_while_holding()
+            self._flush()  # answers held back go out, or are counted if the connection closed
+
+    def _wait_for_turn(self) -> bool:
+        """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
+        with self._condition:
+            self._standby = True
+            while self._turn is not Turn.OFFERED and self._turn is not Turn.CLOSED:
+                self._condition.wait()
+            self._standby = False
+            if self._turn is Turn.CLOSED:
+                return False
+            self._turn = Turn.READING
+            return True
+
+    def _read_while_holding(self) -> None:
+        """Read and dispatch frames until the turn goes to the other thread or the connection closes."""
         worker = self.worker
-        while not self.closed:
-            with self._read_turn:
+        while True:
+            if self._outbox and not self.reader.holds_frame:  # the read may wait: no answer waits with it
+                self._flush()
+            frame = self._read_frame()
+            if frame is None:
                 if self.closed:
                     return
-                try:
-                    frame = self.reader.read_frame(allocate_buffer)
-                except ConnectionLost:
-                    log.debug("client %s disconnected", self.peer)
-                    self.close()
-                    return
-                except (OSError, ProtocolError) as exc:
-                    if not self.closed:
-                        log.warning("closed connection from %s: %s", self.peer, exc or type(exc).__name__)
-                    self.close()
-                    return
-                if frame is None:
-                    continue
-                bytes_in, self._counted = self.reader.bytes_read - self._counted, self.reader.bytes_read
-                try:
-                    run_here = worker._dispatch(self, frame, bytes_in)
-                except ProtocolError as exc:
-                    log.warning("closed connection from %s: %s", self.peer, exc)
-                    self.close()
-                    return
-            if run_here:
-                worker._run(self, frame, from_service_thread=True)
+                continue
+            bytes_in, self._counted = self.reader.bytes_read - self._counted, self.reader.bytes_read
+            try:
+                run_here = worker.dispatch(self, frame, bytes_in)
+            except ProtocolError as exc:
+                log.warning("closed connection from %s: %s", self.peer, exc)
+                self.close()
+                return
+            if not run_here:
+                continue
+            self._lend(offer=worker.slots.has_free)
+            started = time.perf_counter()
+            if self.reader.holds_frame and self._outbox_answers < _OUTBOX_ANSWERS:
+                self._holding_back = threading.get_ident()
+            try:
+                worker.slots.run(self, frame)
+            finally:
+                self._holding_back = 0
+            if self._outbox and (
+                time.perf_counter() - started > _QUICK_CALL or self._outbox_answers >= _OUTBOX_ANSWERS
+            ):
+                self._flush()
+            if not self._take_back():
+                self._flush()
+                return
+
+    def _read_frame(self) -> Frame | None:
+        """The next frame, or ``None`` if none came within the idle tick or the connection closed."""
+        try:
+            return self.reader.read_frame(allocate_buffer)
+        except ConnectionLost:
+            log.debug("client %s disconnected", self.peer)
+        except (OSError, ProtocolError) as exc:
+            if not self.closed:
+                log.warning("closed connection from %s: %s", self.peer, exc or type(exc).__name__)
+        self.close()
+        return None
+
+    def _lend(self, offer: bool) -> None:
+        with self._lock:
+            if self._turn is not Turn.READING:
+                return
+            if offer:
+                self._turn = Turn.OFFERED
+                self._condition.notify()
+            else:
+                self._turn = Turn.LENT
+                self._lent_at = time.monotonic()
+
+    def _take_back(self) -> bool:
+        """Take the turn back after a call if nobody took it; ``False``: the other thread reads (or closed)."""
+        with self._lock:
+            if self._turn is Turn.LENT or self._turn is Turn.OFFERED:
+                self._turn = Turn.READING
+                return True
+            return False
 
 
 def shutdown_socket(sock: socket.socket) -> None:

@@ -1,17 +1,19 @@
-"""The worker: a server that runs the functions clients send it.
+"""The worker: a server that runs the functions clients send it; its lifecycle.
 
-Each client connection has two service threads that take turns reading it.
-The one that reads a call runs it at once when a slot is free (``parallel``
-slots in all) and the other thread can go on reading; otherwise the call waits
-in a queue for one of ``parallel`` executor threads. Whoever runs a call sends
-its answer, then runs the next queued call in the same slot if there is one
-(no thread switch per call) or frees the slot. No client can stop the worker:
-a connection that misbehaves is logged in one line and closed.
+Threading: an accept thread (``rpcdl-accept-ADDRESS``) takes connections and
+starts a handshake thread (``rpcdl-peer-PEER``) for each; a connection that
+passes becomes a session (:mod:`rpcdl.server.session`: one per client, two
+service threads that read it and run its calls inline), and calls that find no
+free slot wait for one in the slots (:mod:`rpcdl.server.slots`: ``parallel``
+executor threads). The promoter thread (``rpcdl-promoter-ADDRESS``) hands a
+session's reading to its standby thread when a call has run inline for a
+while. No client can stop the worker: a connection that misbehaves is logged in
+one line and closed.
 """
 
 from __future__ import annotations
 
-import collections
+import enum
 import logging
 import os
 import socket
@@ -27,25 +29,35 @@ import torch
 from .._lifecycle import ExitPhase, at_exit
 from ..address import format_address, is_loopback, parse_address
 from ..checks import check_int, check_positive_int, check_timeout
-from ..errors import ConnectionLost, LimitExceeded, ProtocolError
+from ..errors import ProtocolError
 from ..rpc import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ..rpc.rref import RRefStore
-from ..serialization.pickling import dump_exception, dumps, loads, peer_context
 from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import decode_release, encode_rejected, encode_stats
 from ..transport.handshake import server_handshake
 from ..transport.security import Token, default_server_tls, resolve_token
-from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream
+from ..transport.wire import Frame, Kind, Limits, io_stream
+from .calls import CallRunner
+from .counters import Counters
 from .process import StopSignals, append_address, process_exists
-from .session import ClientConnection, Counters, shutdown_socket
+from .session import PROMOTE_AFTER, ClientConnection, shutdown_socket
+from .slots import Slots
 from .streaming import stream
 
 log = logging.getLogger("rpcdl.worker")
 
 _WILDCARDS = {"", "0.0.0.0", "::"}
 _IDLE_TICK = 1.0
-_LARGE_ANSWER = 1 << 20  # bytes of buffers from which an answer is sent outside the call's slot
 _MAX_HANDSHAKES = 256  # connections in their handshake at once, each with a thread for up to handshake_timeout
+
+
+class Phase(enum.Enum):
+    """Where a worker is in its life."""
+
+    NEW = "new"
+    SERVING = "serving"
+    DRAINING = "draining"  #: not accepting; calls arriving are rejected, calls in flight finish
+    STOPPED = "stopped"
 
 
 class Worker:
@@ -121,17 +133,16 @@ class Worker:
         if advertise is None:
             advertise = socket.gethostname() if host in _WILDCARDS else host
         self.address = format_address(advertise, bound_port)
-        self._store = RRefStore()
-        self._counters = Counters()
-        self._scheduler = threading.Condition(threading.Lock())
-        self._queue: collections.deque[tuple[ClientConnection, Frame]] = collections.deque()
-        self._running = 0
+        self.store = RRefStore()
+        self.counters = Counters()
+        self.calls = CallRunner(self.store, self.limits, self.counters)
+        self.slots = Slots(self.parallel, self.calls.run, self.store)
+        self._phase = Phase.NEW
+        self._phase_lock = threading.Lock()
         self._connections: set[ClientConnection] = set()
         self._connections_lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._threads: list[threading.Thread] = []
-        self._draining = False
-        self._stopping = False
         self._stopped = threading.Event()
         self._started_at = time.monotonic()
 
@@ -139,13 +150,15 @@ class Worker:
 
     def start(self) -> Worker:
         """Start serving from background threads; return ``self``."""
-        if self._threads:
-            return self
+        with self._phase_lock:
+            if self._phase is not Phase.NEW:
+                return self
+            self._phase = Phase.SERVING
         _running_workers.add(self)
-        self._threads = [threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True)]
-        self._threads += [
-            threading.Thread(target=self._execute_queued, name=f"rpcdl-executor-{i}", daemon=True)
-            for i in range(self.parallel)
+        self.slots.start()
+        self._threads = [
+            threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True),
+            threading.Thread(target=self._promote, name=f"rpcdl-promoter-{self.address}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -159,21 +172,27 @@ class Worker:
         Returns:
             whether every call in flight finished within ``grace``.
         """
-        if self._stopped.is_set():
+        with self._phase_lock:
+            if self._phase is Phase.STOPPED or self._phase is Phase.DRAINING:
+                already = True
+            else:
+                already = False
+                self._phase = Phase.DRAINING
+        if already:
+            self._stopped.wait(grace + 2.0)
             return True
-        self._draining = True
         shutdown_socket(self._listener)
         deadline = time.monotonic() + grace
-        while self._counters.outstanding > 0 and time.monotonic() < deadline:
+        while self.counters.outstanding > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        finished = self._counters.outstanding <= 0
+        finished = self.counters.outstanding <= 0
         with self._connections_lock:
             connections = list(self._connections)
         for connection in connections:
             connection.close()
-        with self._scheduler:
-            self._stopping = True
-            self._scheduler.notify_all()
+        with self._phase_lock:
+            self._phase = Phase.STOPPED
+        self.slots.stop(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self._stopped.set()
@@ -192,8 +211,8 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """The worker's counters, as :func:`rpcdl.stats` returns them."""
-        c = self._counters
-        with self._connections_lock:  # not under the counters' lock: _forget takes this one first
+        c = self.counters
+        with self._connections_lock:  # not under the counters' lock: forget() takes this one first
             compressing = sum(connection.compressor.active for connection in self._connections)
         with c.lock:
             return {
@@ -211,8 +230,8 @@ class Worker:
                 "clients": c.clients,
                 "connections_total": c.connections_total,
                 "connections_refused": c.connections_refused,
-                "rrefs": len(self._store),
-                "draining": self._draining,
+                "rrefs": len(self.store),
+                "draining": self._phase is not Phase.SERVING,
                 "tls": self._ssl is not None,
                 "authenticated": self._token is not None,
                 "compression_mode": self.compression,
@@ -222,11 +241,11 @@ class Worker:
     # ------------------------------------------------------------------ threads
 
     def _accept(self) -> None:
-        while not self._draining:
+        while self._phase is Phase.SERVING:
             try:
                 sock, address = self._listener.accept()
             except OSError:
-                if self._draining:
+                if self._phase is not Phase.SERVING:
                     return
                 time.sleep(0.05)  # out of descriptors, say: try again shortly
                 continue
@@ -242,7 +261,7 @@ class Worker:
                 self._refuse(sock, peer, str(exc))
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
-        self._counters.add(connections_refused=1)
+        self.counters.add(connections_refused=1)
         log.warning("refused connection from %s: %s", peer, reason)
         shutdown_socket(sock)
 
@@ -263,142 +282,74 @@ class Worker:
         except Exception as exc:
             self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return
-        connection = ClientConnection(self, sock, peer, Compressor(mode, loopback=is_loopback(parse_address(peer)[0])))
-        with self._connections_lock:
-            if self._draining:
-                shutdown_socket(sock)
-                return
-            self._connections.add(connection)
-        self._counters.add(clients=1, connections_total=1)
-        connection.start()
+        self.serve_socket(sock, peer, Compressor(mode, loopback=is_loopback(parse_address(peer)[0])))
 
-    def _forget(self, connection: ClientConnection) -> None:
+    def serve_socket(self, sock: socket.socket, peer: str, compressor: Compressor | None = None) -> ClientConnection:
+        """Serve a client on ``sock``, connected and past the handshake; return its session.
+
+        Args:
+            sock: the connection, set up by :func:`~rpcdl.transport.wire.io_stream`.
+            peer: the client's address, for messages.
+            compressor: what compresses answers on it (default: none).
+        """
+        connection = ClientConnection(self, sock, peer, compressor)
+        with self._connections_lock:
+            if self._phase is not Phase.SERVING:
+                shutdown_socket(sock)
+                return connection
+            self._connections.add(connection)
+        self.counters.add(clients=1, connections_total=1)
+        connection.start()
+        return connection
+
+    def forget(self, connection: ClientConnection) -> None:
+        """Drop a closed session, and the RRefs it held."""
         with self._connections_lock:
             if connection not in self._connections:
                 return
             self._connections.discard(connection)
-        self._store.release_holder(connection)
-        self._counters.add(clients=-1)
+        self.store.release_holder(connection)
+        self.counters.add(clients=-1)
 
-    def _dispatch(self, connection: ClientConnection, frame: Frame, bytes_in: int) -> bool:
-        """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now."""
-        self._counters.add(bytes_in=bytes_in, outstanding=int(frame.kind == Kind.CALL))
-        if frame.kind == Kind.CALL:
-            if self._draining:
-                self._counters.add(calls_rejected=1)
+    def dispatch(self, connection: ClientConnection, frame: Frame, bytes_in: int) -> bool:
+        """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now
+        (in a slot taken for it: see :meth:`Slots.run <rpcdl.server.slots.Slots.run>`)."""
+        kind = frame.kind
+        self.counters.received(bytes_in, kind is Kind.CALL)
+        if kind is Kind.CALL:
+            if self._phase is not Phase.SERVING:
+                self.counters.add(calls_rejected=1)
                 connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()))
                 return False
             if frame.ref:
-                self._store.expect(frame.ref, connection)
-            with self._scheduler:
-                if self._running < self.parallel and not self._queue and connection.idle_threads > 1:
-                    self._running += 1
-                    connection.idle_threads -= 1
-                    return True
-                self._queue.append((connection, frame))
-                if self._running < self.parallel:  # else whoever frees a slot takes it
-                    self._scheduler.notify()
+                self.store.expect(frame.ref, connection)
+            if connection.has_standby and self.slots.take():
+                return True
+            self.slots.enqueue(connection, frame)
             return False
-        if frame.kind == Kind.RELEASE:
+        if kind is Kind.RELEASE:
             for uid in decode_release(frame.payload):
-                self._store.release(uid)
-        elif frame.kind == Kind.PING:
+                self.store.release(uid)
+        elif kind is Kind.PING:
             connection.send(Frame(Kind.PONG, frame.call_id))
-        elif frame.kind == Kind.STATS:
+        elif kind is Kind.STATS:
             stats = {**self.stats(), "compression": connection.compressor.state()}
             connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(stats)))
-        elif frame.kind == Kind.STREAM:
+        elif kind is Kind.STREAM:
             stream(connection, frame, self.limits)
         else:
-            raise ProtocolError(f"a client may not send {frame.kind.name} frames")
+            raise ProtocolError(f"a client may not send {kind.name} frames")
         return False
 
-    def _execute_queued(self) -> None:
-        while True:
-            with self._scheduler:
-                while not self._stopping and not (self._queue and self._running < self.parallel):
-                    self._scheduler.wait()
-                if self._stopping:
-                    return
-                connection, frame = self._queue.popleft()
-                self._running += 1
-            self._run(connection, frame, from_service_thread=False)
-
-    def _run(self, connection: ClientConnection, frame: Frame, from_service_thread: bool) -> None:
-        """Run a call in a slot already taken, then the queued calls while there are any; answer each.
-
-        Going on with the queue in the same thread, slot kept, saves waking an
-        executor (a thread switch) per call.
-        """
-        own_connection = connection
-        while True:
-            queued = None
-            answer = None
-            try:
-                if connection.closed:  # nobody to answer: do not run it
-                    if frame.ref:
-                        self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
-                    answer = Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
-                else:
-                    answer = self._execute(connection, frame)
-            finally:
-                # A large answer takes a while to send: its slot goes to the next call now, which runs meanwhile.
-                large = answer is not None and sum(memoryview(b).nbytes for b in answer.buffers) >= _LARGE_ANSWER
-                with self._scheduler:
-                    if self._queue and not self._stopping and not large:
-                        queued = self._queue.popleft()
-                    else:
-                        self._running -= 1
-                        own_connection.idle_threads += from_service_thread and not large
-                        if large and self._queue:
-                            self._scheduler.notify()
-            connection.answer(answer)
-            if large and from_service_thread:
-                with self._scheduler:
-                    own_connection.idle_threads += 1
-            if queued is None:
-                return
-            connection, frame = queued
-
-    def _error_report(self, exc: BaseException) -> bytes:
-        """The report of ``exc`` for the client; a shorter one if it would break the message limit."""
-        report = dump_exception(exc)
-        if len(report) <= self.limits.max_message_bytes:
-            return report
-        began = f"{type(exc).__qualname__}: {exc}"[:200]
-        return dump_exception(
-            LimitExceeded(
-                f"the exception a call raised is {len(report)} bytes with its traceback, more than the limit of "
-                f"{self.limits.max_message_bytes} bytes in one message ({MAX_MESSAGE_BYTES_ENV}); it began: {began}"
-            )
-        )
-
-    def _execute(self, connection: ClientConnection, frame: Frame) -> Frame:
-        started = time.perf_counter()
-        failed = True
-        try:
-            with peer_context(connection.peer, connection.store_view):
-                func, args, kwargs = loads(frame.payload, frame.buffers)
-                value = func(*args, **kwargs)
-                if frame.ref:
-                    self._store.complete(frame.ref, value)
-                    value = None
-                try:
-                    payload, buffers = dumps(value)
-                except Exception as exc:
-                    raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
-                self.limits.check_outgoing(len(payload), [b.nbytes for b in buffers], f"the result of {_name(func)}")
-            failed = False
-            return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
-        except BaseException as exc:
-            if frame.ref:
-                self._store.complete(frame.ref, error=exc)
-            log.debug("call from %s raised %s", connection.peer, type(exc).__name__)
-            return Frame(Kind.ERROR, frame.call_id, payload=self._error_report(exc))
-        finally:
-            self._counters.add(
-                busy_seconds=time.perf_counter() - started, calls_failed=int(failed), calls_served=int(not failed)
-            )
+    def _promote(self) -> None:
+        """Every tick, have sessions whose call has run inline for ``PROMOTE_AFTER`` read again."""
+        while self._phase is not Phase.STOPPED:
+            time.sleep(PROMOTE_AFTER / 2)
+            with self._connections_lock:
+                connections = list(self._connections)
+            moment = time.monotonic() - PROMOTE_AFTER
+            for connection in connections:
+                connection.offer_if_lent_before(moment)
 
 
 _running_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
@@ -411,10 +362,6 @@ def _stop_running_workers() -> None:
 
 
 at_exit(ExitPhase.WORKERS, _stop_running_workers)
-
-
-def _name(func: Any) -> str:
-    return f"{getattr(func, '__qualname__', type(func).__name__)}()"
 
 
 def run_worker(

@@ -53,6 +53,8 @@ class Kind(enum.IntEnum):
     STREAM_DATA = 11  #: worker -> client: one out-of-band buffer of those bytes and no payload
 
 
+_KINDS = {kind.value: kind for kind in Kind}
+
 MAX_MESSAGE_BYTES_ENV = "RPCDL_MAX_MESSAGE_BYTES"
 MAX_BUFFERS_ENV = "RPCDL_MAX_BUFFERS"
 _MAX_COUNT = 2**32 - 1  # the buffer count is a u32 in the header
@@ -164,19 +166,26 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
 
     The buffers are not copied: they go to the socket from their own memory.
     """
+    payload = frame.payload
+    if not frame.buffers:
+        head = _HEADER.pack(frame.kind, frame.flags, 0, 0, frame.call_id, frame.ref, len(payload))
+        return [head + payload] if len(payload) <= _INLINE_PAYLOAD else [head, payload]
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in frame.buffers]
     lengths = struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
     if frame.flags & COMPRESSED:
         lengths += struct.pack(f"!{len(views)}Q", *(frame.decoded_sizes or [0] * len(views)))
-    head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(frame.payload))
-    if len(frame.payload) <= _INLINE_PAYLOAD:
-        return [head + lengths + bytes(frame.payload), *views]
-    return [head + lengths, frame.payload, *views]
+    head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(payload))
+    if len(payload) <= _INLINE_PAYLOAD:
+        return [head + lengths + bytes(payload), *views]
+    return [head + lengths, payload, *views]
 
 
 def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> int:
     """Send ``pieces`` in order with scatter-gather I/O; return the bytes sent."""
     total = 0
+    if len(pieces) == 1 and type(sock) is socket.socket and type(pieces[0]) is bytes:
+        sock.sendall(pieces[0])
+        return len(pieces[0])
     if not hasattr(sock, "sendmsg") or isinstance(sock, ssl.SSLSocket):
         for piece in pieces:
             sock.sendall(piece)
@@ -278,6 +287,15 @@ class FrameReader:
         """Whether received bytes wait in the buffer (the start of a frame, at least)."""
         return self._end > self._start
 
+    @property
+    def holds_frame(self) -> bool:
+        """Whether a whole frame without buffers, or the head of one with buffers, waits in the buffer."""
+        available = self._end - self._start
+        if available < _HEADER.size:
+            return False
+        _, flags, _, count, _, _, payload_size = _HEADER.unpack_from(self._buffer, self._start)
+        return available >= _HEADER.size + 8 * count * (2 if flags & COMPRESSED else 1) + (0 if count else payload_size)
+
     def read_frame(self, allocate: Callable[[int, int], Any] = _default_allocate) -> Frame | None:
         """Read one whole frame, or return ``None`` if none started within the receive timeout.
 
@@ -295,12 +313,11 @@ class FrameReader:
             self._fill(_HEADER.size, idle=True)
         except _Idle:
             return None
-        kind, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, self._start)
+        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, self._start)
         self._start += _HEADER.size
-        try:
-            kind = Kind(kind)
-        except ValueError:
-            raise ProtocolError(f"unknown frame kind {kind}") from None
+        kind = _KINDS.get(number)
+        if kind is None:
+            raise ProtocolError(f"unknown frame kind {number}")
         if count > self._limits.max_buffers:
             raise FrameTooLarge(
                 f"frame announces {count} buffers, the limit is {self._limits.max_buffers} ({MAX_BUFFERS_ENV})", call_id
@@ -311,6 +328,8 @@ class FrameReader:
                 f"({MAX_MESSAGE_BYTES_ENV})",
                 call_id,
             )
+        if not count and not flags:  # the common small frame: a header and a payload
+            return Frame(kind, call_id, ref, self._read_payload(payload_size))
         compressed = bool(flags & COMPRESSED)
         if compressed and not self._decompress:
             raise ProtocolError("the peer sent a compressed frame on a connection that did not negotiate compression")

@@ -1,0 +1,82 @@
+"""Running one call: unpickle the function and its arguments, run it, pickle its answer.
+
+Threading: :meth:`CallRunner.run` runs in whichever thread holds the call's slot
+(see :mod:`rpcdl.server.slots`); it touches no state of its own, only the RRef
+store and the counters, which have their own locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..errors import LimitExceeded
+from ..rpc.rref import RRefStore
+from ..serialization.pickling import dump_exception, dumps, loads, peer_context
+from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits
+from .counters import Counters
+
+log = logging.getLogger("rpcdl.worker")
+
+_SURELY_UNDER_LIMITS = 1024  # a payload this small, without buffers, is under any Limits
+
+
+class CallRunner:
+    """Runs calls for a worker and turns their outcome into answer frames.
+
+    Args:
+        store: the worker's RRef store (results kept under a ``ref``).
+        limits: bounds on an answer.
+        counters: where time spent and calls served or failed are counted.
+    """
+
+    def __init__(self, store: RRefStore, limits: Limits, counters: Counters):
+        self.store = store
+        self.limits = limits
+        self.counters = counters
+
+    def run(self, session: Any, frame: Frame) -> Frame:
+        """Run the call of ``frame`` from ``session``; return its answer: a RESULT or an ERROR frame."""
+        started = time.perf_counter()
+        failed = True
+        try:
+            with peer_context(session.peer, session.store_view):
+                func, args, kwargs = loads(frame.payload, frame.buffers)
+                value = func(*args, **kwargs)
+                if frame.ref:
+                    self.store.complete(frame.ref, value)
+                    value = None
+                try:
+                    payload, buffers = dumps(value)
+                except Exception as exc:
+                    raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
+                if buffers or len(payload) > _SURELY_UNDER_LIMITS:
+                    sizes = [b.nbytes for b in buffers]
+                    self.limits.check_outgoing(len(payload), sizes, f"the result of {_name(func)}")
+            failed = False
+            return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
+        except BaseException as exc:
+            if frame.ref:
+                self.store.complete(frame.ref, error=exc)
+            log.debug("call from %s raised %s", session.peer, type(exc).__name__)
+            return Frame(Kind.ERROR, frame.call_id, payload=self.error_report(exc))
+        finally:
+            self.counters.ran(time.perf_counter() - started, failed)
+
+    def error_report(self, exc: BaseException) -> bytes:
+        """The report of ``exc`` for the client; a shorter one if it would break the message limit."""
+        report = dump_exception(exc)
+        if len(report) <= self.limits.max_message_bytes:
+            return report
+        began = f"{type(exc).__qualname__}: {exc}"[:200]
+        return dump_exception(
+            LimitExceeded(
+                f"the exception a call raised is {len(report)} bytes with its traceback, more than the limit of "
+                f"{self.limits.max_message_bytes} bytes in one message ({MAX_MESSAGE_BYTES_ENV}); it began: {began}"
+            )
+        )
+
+
+def _name(func: Any) -> str:
+    return f"{getattr(func, '__qualname__', type(func).__name__)}()"

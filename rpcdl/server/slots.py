@@ -1,0 +1,142 @@
+"""A worker's slots: ``parallel`` places where calls run, and the queue of calls waiting for one.
+
+Threading: one condition guards the count of slots taken and the queue. A call
+runs in the thread that got its slot: a session's service thread, inline, when
+a slot was free and nothing queued (see :mod:`rpcdl.server.session`), else one
+of ``parallel`` executor threads (``rpcdl-executor-N``) that wait for queued
+calls. A thread whose call is done runs the next queued call in the same slot
+if there is one (no thread switch per call), else frees the slot; it frees the
+slot before sending a large answer, so the next call runs meanwhile. The queue is
+one FIFO for all clients: calls start in the order they arrived, whoever sent them.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConnectionLost
+from ..rpc.rref import RRefStore
+from ..transport.control import encode_rejected
+from ..transport.wire import Frame, Kind
+
+LARGE_ANSWER = 1 << 20  #: bytes of buffers from which an answer is sent after its slot is freed
+
+
+def _buffer_bytes(frame: Frame) -> int:
+    return sum(memoryview(buffer).nbytes for buffer in frame.buffers)
+
+
+class SlotsState(enum.Enum):
+    """Whether the slots take calls."""
+
+    NEW = "new"  #: executors not started
+    OPEN = "open"
+    STOPPED = "stopped"  #: executors gone; queued calls stay unanswered (their connections are closed)
+
+
+class Slots:
+    """``parallel`` slots and the queue in front of them.
+
+    Args:
+        parallel: how many calls run at once.
+        execute: runs a call of a session and returns its answer frame.
+        store: the worker's RRef store (a call not run fails the RRef it was to fill).
+    """
+
+    def __init__(self, parallel: int, execute: Callable[[Any, Frame], Frame], store: RRefStore):
+        self.parallel = parallel
+        self._execute = execute
+        self._store = store
+        self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
+        self._condition = threading.Condition(self._lock)
+        self._queue: collections.deque[tuple[Any, Frame]] = collections.deque()
+        self._running = 0
+        self._state = SlotsState.NEW
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def has_free(self) -> bool:
+        """Whether a slot is free now (a hint: another thread may take it first)."""
+        return self._running < self.parallel
+
+    def start(self) -> None:
+        """Start the executor threads."""
+        with self._condition:
+            if self._state is not SlotsState.NEW:
+                return
+            self._state = SlotsState.OPEN
+        self._threads = [
+            threading.Thread(target=self._executor, name=f"rpcdl-executor-{i}", daemon=True)
+            for i in range(self.parallel)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Have the executors exit (after their current call), waiting up to ``timeout`` seconds for each."""
+        with self._condition:
+            self._state = SlotsState.STOPPED
+            self._condition.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+
+    def take(self) -> bool:
+        """Take a slot for a call to run in this thread; ``False`` if none is free or calls are queued."""
+        with self._lock:
+            if self._running < self.parallel and not self._queue and self._state is SlotsState.OPEN:
+                self._running += 1
+                return True
+            return False
+
+    def enqueue(self, session: Any, frame: Frame) -> None:
+        """Queue a call for the next free slot."""
+        with self._condition:
+            self._queue.append((session, frame))
+            if self._running < self.parallel:  # else whoever frees a slot takes it
+                self._condition.notify()
+
+    def run(self, session: Any, frame: Frame) -> None:
+        """Run a call in a slot already taken, then the queued calls while there are any; answer each.
+
+        A large answer takes a while to send: its slot goes to the next queued
+        call before it is sent, so that call runs while it goes out.
+        """
+        while True:
+            queued = answer = None
+            try:
+                answer = self._answer(session, frame)
+            finally:
+                large = answer is not None and _buffer_bytes(answer) >= LARGE_ANSWER
+                with self._lock:
+                    if self._queue and self._state is SlotsState.OPEN and not large:
+                        queued = self._queue.popleft()
+                    else:
+                        self._running -= 1
+                        if large and self._queue:
+                            self._condition.notify()
+            session.answer(answer)
+            if queued is None:
+                return
+            session, frame = queued
+
+    def _answer(self, session: Any, frame: Frame) -> Frame:
+        if session.closed:  # nobody to answer: do not run it
+            if frame.ref:
+                self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
+            return Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
+        return self._execute(session, frame)
+
+    def _executor(self) -> None:
+        while True:
+            with self._condition:
+                while self._state is SlotsState.OPEN and not (self._queue and self._running < self.parallel):
+                    self._condition.wait()
+                if self._state is not SlotsState.OPEN:
+                    return
+                session, frame = self._queue.popleft()
+                self._running += 1
+            self.run(session, frame)
