@@ -38,7 +38,7 @@ from ..errors import (
     WorkerUnavailable,
 )
 from ..serialization.pickling import load_exception, loads, peer_context
-from ..transport import buffers
+from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import decode_rejected, decode_stats, encode_release
 from ..transport.security import Token
@@ -51,14 +51,6 @@ from .dial import dial
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
-_cuda_available: bool | None = None
-
-
-def _can_pin() -> bool:
-    global _cuda_available
-    if _cuda_available is None:
-        _cuda_available = torch.cuda.is_available()
-    return _cuda_available
 
 
 # The threads of connections, open or closing, until they end: at exit they are joined (see
@@ -135,6 +127,8 @@ class Connection:
         self._limits = Limits()
         # asked for (RPCDL_COMPRESSION; "on" without lz4 raises here), then, once connected, what the worker chose
         self.compression = resolve_mode()
+        self._offers_shm = shm.resolve_bytes() > 0  # RPCDL_SHM_BYTES=0 turns shared memory off
+        self._segment: shm.ClientSegment | None = None  # once connected: the worker's, if this process mapped it
         self._cond = threading.Condition(threading.Lock())
         self._send_lock = threading.Lock()
         self._pending: dict[int, Call] = {}
@@ -274,6 +268,7 @@ class Connection:
                 break
         if uids:
             frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
+        frames = [*self._segment.release_frames(), *frames] if self._segment else frames
         if not frames:
             return
         pieces = [piece for frame in frames for piece in encode_frame(frame)]
@@ -358,9 +353,11 @@ class Connection:
         elif call is not None:  # otherwise its caller gave up waiting
             self._deliver(frame, call)
 
+    def _pins(self, call_id: int) -> bool:
+        return getattr(self._pending.get(call_id), "pin_memory", False) and shm.can_pin()
+
     def _allocate(self, call_id: int, size: int) -> Any:
-        call = self._pending.get(call_id)
-        pin = call is not None and call.pin_memory and _can_pin()
+        pin = self._pins(call_id)
         if size >= buffers.MIN_BYTES and not pin:
             return buffers.take(size)
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
@@ -412,7 +409,10 @@ class Connection:
                     sock.close()
                     return
                 self._sock = sock
-                self._reader = FrameReader(sock, self._limits, self._io_timeout, decompress=self.compression != "off")
+                self._reader = FrameReader(
+                    sock, self._limits, self._io_timeout, decompress=self.compression != "off",
+                    segment=shm.receiver(self._segment, self._pins, self._allocate),
+                )  # fmt: skip
                 self._ready = True
                 queued, self._queued = self._queued, []
                 self._cond.notify_all()
@@ -457,7 +457,7 @@ class Connection:
                 if watches_caller and now - self._caller_read_at > _CALLER_PATIENCE:
                     self._adopt(self._pending.values())  # left unread too long by their caller
             self._expire(now)  # without the reading role: callbacks may wait for answers
-            if self._releases and now - last_flush > _RELEASE_TICK:
+            if (self._releases or getattr(self._segment, "releases_waiting", 0)) and now - last_flush > _RELEASE_TICK:
                 last_flush = now
                 self._send([])
             with self._cond:
@@ -468,11 +468,12 @@ class Connection:
                 self._read_once()
 
     def _connect(self) -> socket.socket:
-        sock, self.compression = dial(
+        sock, agreed = dial(
             self.address, self.host, self.port, self._token, self._ssl,
             handshake_timeout=self._limits.handshake_timeout, grace=self._grace, failed=self._connect_failed,
-            pause=self._pause, compression=self.compression,
+            pause=self._pause, compression=self.compression, shared_memory=self._offers_shm,
         )  # fmt: skip
+        self.compression, self._segment = agreed.compression, agreed.segment
         return io_stream(sock, receive=_IDLE_TICK, send=self._io_timeout)
 
     def _pause(self, seconds: float) -> None:
