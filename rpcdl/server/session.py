@@ -5,7 +5,8 @@ time holds the read turn and reads a frame, hands it to the worker
 (:meth:`rpcdl.server.worker.Worker._dispatch`), and runs the call itself when the
 worker gives it a slot. Answers are sent under the connection's send lock, by
 whichever thread ran the call; that thread compresses its answer's large buffers
-first, outside the lock, when the connection's :class:`~rpcdl.transport.compression.Compressor` says so.
+first, outside the lock, when the connection's :class:`~rpcdl.transport.compression.Compressor` says so,
+or copies them into the connection's shared segment (:mod:`rpcdl.transport.shm`) when it has one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from ..errors import ConnectionLost, ProtocolError
 from ..rpc.rref import StoreView
 from ..transport.compression import Compressor
+from ..transport.control import decode_span_release
+from ..transport.shm import WorkerSegment
 from ..transport.wire import COMPRESSED, Frame, FrameReader, Kind, send_frame
 
 log = logging.getLogger("rpcdl.worker")
@@ -54,8 +57,16 @@ class Counters:
 class ClientConnection:
     """The worker's side of one client connection."""
 
-    def __init__(self, worker: Any, sock: socket.socket, peer: str, compressor: Compressor | None = None):
+    def __init__(
+        self,
+        worker: Any,
+        sock: socket.socket,
+        peer: str,
+        compressor: Compressor | None = None,
+        segment: WorkerSegment | None = None,
+    ):
         self.worker = worker
+        self.segment = segment
         self.sock = sock
         self.peer = peer
         self.compressor = compressor or Compressor("off")
@@ -82,7 +93,8 @@ class ClientConnection:
         that cannot take it is closed."""
         sent = 0
         try:
-            if frame.kind == Kind.RESULT and frame.buffers and not self.closed:
+            in_segment = frame.kind == Kind.RESULT and self.segment is not None and self.segment.place(frame)
+            if frame.kind == Kind.RESULT and frame.buffers and not self.closed and not in_segment:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
             if not self.closed:
@@ -107,7 +119,25 @@ class ClientConnection:
                 return
             self.closed = True
         shutdown_socket(self.sock)
+        if self.segment is not None:
+            self.segment.close()
         self.worker._forget(self)
+
+    def release_spans(self, payload: bytes | bytearray | memoryview) -> None:
+        """Free the spans of the shared segment a ``SEGMENT_RELEASE`` frame names.
+
+        Raises:
+            ProtocolError: this connection has no segment, or a span is not in use.
+        """
+        if self.segment is None:
+            raise ProtocolError("the client released spans of a shared segment this connection does not have")
+        self.segment.release(decode_span_release(payload))
+
+    def transport_state(self) -> dict[str, Any]:
+        """How answers cross this connection: ``"shm"`` or ``"socket"``, and the segment's counters."""
+        if self.segment is None:
+            return {"transport": "socket"}
+        return {"transport": "shm", "shared_memory": self.segment.state()}
 
     def _serve(self) -> None:
         worker = self.worker

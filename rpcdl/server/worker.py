@@ -33,8 +33,9 @@ from ..rpc.rref import RRefStore
 from ..serialization.pickling import dump_exception, dumps, loads, peer_context
 from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import decode_release, encode_rejected, encode_stats
-from ..transport.handshake import server_handshake
+from ..transport.handshake import server_negotiate
 from ..transport.security import Token, default_server_tls, resolve_token
+from ..transport.shm import resolve_bytes
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream
 from .process import StopSignals, append_address, process_exists
 from .session import ClientConnection, Counters, shutdown_socket
@@ -71,6 +72,9 @@ class Worker:
         compression: ``"off"``, ``"on"`` or ``"auto"``: lz4 compression of large
             answers, negotiated with each client (see :mod:`rpcdl.transport.compression`);
             default ``RPCDL_COMPRESSION``, else ``"auto"``.
+        shared_memory: bytes of the shared segment offered to each client on
+            this host (see :mod:`rpcdl.transport.shm`); ``0`` turns it off; default
+            ``RPCDL_SHM_BYTES``, else 256 MiB.
 
     Attributes:
         address: the ``"host:port"`` clients reach this worker at, known as
@@ -96,6 +100,7 @@ class Worker:
         limits: Limits | None = None,
         advertise: str | None = None,
         compression: str | None = None,
+        shared_memory: int | None = None,
     ):
         if not isinstance(host, str):
             raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
@@ -104,6 +109,7 @@ class Worker:
         self.timeout = check_timeout(timeout)
         self.limits = limits or Limits()
         self.compression = resolve_mode(compression)
+        self.shared_memory = resolve_bytes(shared_memory)
         self._token = resolve_token(token)
         if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
             raise PermissionError(
@@ -256,15 +262,16 @@ class Worker:
             sock.settimeout(self.limits.handshake_timeout)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            mode = server_handshake(sock, self._token, peer, self.compression)
+            agreed = server_negotiate(sock, self._token, peer, self.compression, self.shared_memory)
             sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
             self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return
-        connection = ClientConnection(self, sock, peer, Compressor(mode, loopback=is_loopback(parse_address(peer)[0])))
+        compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
+        connection = ClientConnection(self, sock, peer, compressor, agreed.segment)
         with self._connections_lock:
             if self._draining:
-                shutdown_socket(sock)
+                connection.close()
                 return
             self._connections.add(connection)
         self._counters.add(clients=1, connections_total=1)
@@ -300,10 +307,12 @@ class Worker:
         if frame.kind == Kind.RELEASE:
             for uid in decode_release(frame.payload):
                 self._store.release(uid)
+        elif frame.kind == Kind.SEGMENT_RELEASE:
+            connection.release_spans(frame.payload)
         elif frame.kind == Kind.PING:
             connection.send(Frame(Kind.PONG, frame.call_id))
         elif frame.kind == Kind.STATS:
-            stats = {**self.stats(), "compression": connection.compressor.state()}
+            stats = {**self.stats(), "compression": connection.compressor.state(), **connection.transport_state()}
             connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(stats)))
         else:
             raise ProtocolError(f"a client may not send {frame.kind.name} frames")
