@@ -34,6 +34,12 @@ Choices, and why:
   segment under one lock. A buffer that finds no room (the trainer still
   holds many batches) goes over the socket as before: never a wait, never a
   deadlock. The worker's memory for a connection is the segment's size at most.
+* **Collated in place.** While a worker runs a call for a connection with a
+  segment, :func:`empty` hands out tensors in free spans of it; the loader's
+  default collate stacks each batch there (:mod:`rpcdl.data.fetch`), so the
+  answer is already in the segment and is sent as a descriptor with no copy at
+  all. A span is freed once the worker's tensor is gone and the client has
+  released every view of it it was handed.
 * **Pinned memory.** A call that asks for ``pin_memory`` where CUDA exists gets
   its buffers copied out of the segment into pinned memory (the socket path's
   ``torch.empty(..., pin_memory=True)``), and the span is released at once.
@@ -48,6 +54,7 @@ run on any thread and only append to a deque.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -55,7 +62,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -74,6 +81,7 @@ HEADER_BYTES = 4096  #: the segment's first page: the nonce
 NONCE_BYTES = 32
 _ALIGN = 4096
 _cuda: bool | None = None
+_answering = threading.local()  # .segment: the WorkerSegment of the call this thread runs, if any
 
 
 def can_pin() -> bool:
@@ -214,6 +222,8 @@ class WorkerSegment:
         self._map[:NONCE_BYTES] = self.nonce
         self._lock = threading.Lock()
         self._spans = SpanAllocator(HEADER_BYTES, size)
+        self._holders: dict[int, int] = {}  # span offset -> the worker's tensor (1) + views handed to the client
+        self._base = np.frombuffer(self._map, np.uint8, 1).ctypes.data
         self._closed = False
         self.answers_in_segment = 0
         self.buffers_in_segment = 0
@@ -229,12 +239,12 @@ class WorkerSegment:
             view = memoryview(buffer).cast("B")
             offset = None
             if view.nbytes >= MIN_SPAN_BYTES:
-                with self._lock:
-                    offset = None if self._closed else self._spans.take(view.nbytes)
+                offset, copy = self._span_for(view)
                 if offset is None:
                     missed += 1
                 else:
-                    self._map[offset : offset + view.nbytes] = view
+                    if copy:
+                        self._map[offset : offset + view.nbytes] = view
                     placed += 1
             offsets.append(NOT_IN_SEGMENT if offset is None else offset)
         with self._lock:
@@ -247,6 +257,47 @@ class WorkerSegment:
         frame.flags |= IN_SEGMENT
         return True
 
+    def _span_for(self, view: memoryview) -> tuple[int | None, bool]:
+        """The span to hand the client for ``view`` (one of ours: no copy), and whether to copy it there."""
+        offset = np.frombuffer(view, np.uint8, 1).ctypes.data - self._base
+        with self._lock:
+            if self._closed:
+                return None, False
+            if offset in self._holders:  # collated in place by empty()
+                self._holders[offset] += 1
+                return offset, False
+            offset = self._spans.take(view.nbytes)
+            if offset is not None:
+                self._holders[offset] = 1
+            return offset, True
+
+    def empty(self, nbytes: int) -> np.ndarray | None:
+        """A writable ``uint8`` array in a free span, freed once it is gone and the client released it; or ``None``."""
+        with self._lock:
+            offset = None if self._closed else self._spans.take(nbytes)
+            if offset is None:
+                return None
+            self._holders[offset] = 1
+        array = np.frombuffer(self._map, np.uint8, nbytes, offset)
+        weakref.finalize(array, self._drop_locked, offset)
+        return array
+
+    def _drop(self, offset: int) -> bool:
+        """Let go of one hold on the span at ``offset`` (the caller holds the lock); return whether it was held."""
+        holders = self._holders.get(offset)
+        if holders is None:
+            return False
+        if holders > 1:
+            self._holders[offset] = holders - 1
+        else:
+            del self._holders[offset]
+            self._spans.give(offset)
+        return True
+
+    def _drop_locked(self, offset: int) -> None:
+        with self._lock:
+            self._drop(offset)
+
     def release(self, offsets: tuple[int, ...]) -> None:
         """Free the spans the client released.
 
@@ -255,10 +306,8 @@ class WorkerSegment:
         """
         with self._lock:
             for offset in offsets:
-                try:
-                    self._spans.give(offset)
-                except KeyError:
-                    raise ProtocolError(f"the client released span {offset} of its segment, not one in use") from None
+                if not self._drop(offset):
+                    raise ProtocolError(f"the client released span {offset} of its segment, not one in use")
 
     def state(self) -> dict[str, int]:
         """The segment's counters, for the worker's stats."""
@@ -352,6 +401,33 @@ class ClientSegment:
     @property
     def releases_waiting(self) -> bool:
         return bool(self._released)
+
+
+@contextlib.contextmanager
+def answering_into(segment: WorkerSegment | None) -> Iterator[None]:
+    """Within this block, :func:`empty` in this thread allocates in ``segment`` (``None``: nowhere)."""
+    previous = getattr(_answering, "segment", None)
+    _answering.segment = segment
+    try:
+        yield
+    finally:
+        _answering.segment = previous
+
+
+def empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A new CPU tensor in the shared segment of the call this thread answers, or ``None`` if there is none.
+
+    ``None`` also where the segment has no room or the tensor is smaller than
+    :data:`MIN_SPAN_BYTES`: the caller allocates as usual then.
+    """
+    segment = getattr(_answering, "segment", None)
+    if segment is None:
+        return None
+    import torch
+
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    array = segment.empty(nbytes) if nbytes >= MIN_SPAN_BYTES else None
+    return None if array is None else torch.from_numpy(array).view(dtype).view(shape)
 
 
 def receiver(
