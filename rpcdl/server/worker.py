@@ -35,7 +35,7 @@ from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import decode_release, encode_rejected, encode_stats
 from ..transport.handshake import server_negotiate
 from ..transport.security import Token, default_server_tls, resolve_token
-from ..transport.shm import resolve_bytes
+from ..transport.shm import answering_into, resolve_bytes
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits, io_stream
 from .process import StopSignals, append_address, process_exists
 from .session import ClientConnection, Counters, shutdown_socket
@@ -374,7 +374,7 @@ class Worker:
         started = time.perf_counter()
         failed = True
         try:
-            with peer_context(connection.peer, connection.store_view):
+            with peer_context(connection.peer, connection.store_view), answering_into(connection.segment):
                 func, args, kwargs = loads(frame.payload, frame.buffers)
                 value = func(*args, **kwargs)
                 if frame.ref:
