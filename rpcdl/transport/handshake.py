@@ -262,7 +262,8 @@ def server_negotiate(
     worker_nonce = os.urandom(_NONCE_BYTES)
     mode = negotiate(_mode_of(client_flags), bool(client_flags & _DECODES_LZ4), compression)
     flags = (_HAS_TOKEN if token is not None else 0) | _MODE_BITS[mode] << _MODE_SHIFT
-    flags |= _SHARED_MEMORY if shared_memory and client_flags & _SHARED_MEMORY else 0
+    # compression forced on is meant to compress this connection's answers: they stay on the socket
+    flags |= _SHARED_MEMORY if shared_memory and client_flags & _SHARED_MEMORY and mode != "on" else 0
     proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
     sock.sendall(_WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
     if version != VERSION:

@@ -30,6 +30,9 @@ Choices, and why:
   connection on the socket, logged at DEBUG. The network namespace is part of
   the identity so that a worker reached through another namespace (how the
   cluster-in-a-box simulates hosts) stays on its link.
+* **Compression forced on wins.** A connection whose compression mode is
+  ``"on"`` (both sides asked for it) keeps its answers on the socket, to be
+  compressed; ``"auto"`` never compresses on loopback anyway.
 * **Bounded, never blocking.** Spans come from a first-fit allocator over the
   segment under one lock. A buffer that finds no room (the trainer still
   holds many batches) goes over the socket as before: never a wait, never a
