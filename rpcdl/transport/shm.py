@@ -3,9 +3,9 @@
 When a client and a worker share a host, a large answer crossing loopback TCP
 costs two copies through the kernel and a system call per chunk. Here the
 worker's side of each connection owns one **segment**: an anonymous file from
-``memfd_create`` of ``RPCDL_SHM_BYTES`` bytes (default :data:`DEFAULT_BYTES`;
+``memfd_create`` of ``RPCDL_SHM_BYTES`` bytes (default ``DEFAULT_BYTES``;
 ``0`` turns shared memory off), mapped by both processes. The worker copies an
-answer's large out-of-band buffers (:data:`MIN_SPAN_BYTES` and up) into free
+answer's large out-of-band buffers (``MIN_SPAN_BYTES`` and up) into free
 spans of it and sends a frame whose buffers are ``(offset, length)``
 descriptors (the ``IN_SEGMENT`` flag of :mod:`rpcdl.transport.wire`); the
 client hands out numpy views of its own mapping at those offsets, with no
@@ -38,8 +38,8 @@ Choices, and why:
   holds many batches) goes over the socket as before: never a wait, never a
   deadlock. The worker's memory for a connection is the segment's size at most.
 * **Collated in place.** While a worker runs a call for a connection with a
-  segment, :func:`empty` hands out tensors in free spans of it; the loader's
-  default collate stacks each batch there (:mod:`rpcdl.data.fetch`), so the
+  segment, :func:`rpcdl.transport.shm.empty` hands out tensors in free spans of it; the loader's
+  default collate stacks each batch there (``rpcdl.data.fetch``), so the
   answer is already in the segment and is sent as a descriptor with no copy at
   all. A span is freed once the worker's tensor is gone and the client has
   released every view of it it was handed.
@@ -98,10 +98,10 @@ def can_pin() -> bool:
 
 
 def resolve_bytes(value: int | None = None) -> int:
-    """The size of each connection's segment: ``value``, else ``RPCDL_SHM_BYTES``, else :data:`DEFAULT_BYTES`.
+    """The size of each connection's segment: ``value``, else ``RPCDL_SHM_BYTES``, else ``DEFAULT_BYTES``.
 
     Raises:
-        ValueError: not a whole number of bytes, 0 (off) or at least :data:`MIN_BYTES`.
+        ValueError: not a whole number of bytes, 0 (off) or at least ``MIN_BYTES``.
 
     Example::
 
@@ -421,7 +421,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> Any:
     """A new CPU tensor in the shared segment of the call this thread answers, or ``None`` if there is none.
 
     ``None`` also where the segment has no room or the tensor is smaller than
-    :data:`MIN_SPAN_BYTES`: the caller allocates as usual then.
+    ``MIN_SPAN_BYTES``: the caller allocates as usual then.
     """
     segment = getattr(_answering, "segment", None)
     if segment is None:
