@@ -109,6 +109,7 @@ def test_loader_batches_arrive_in_the_segment_from_worker_processes(two_workers)
     stats = [rpcdl.stats(address) for address in two_workers]
     assert [s["transport"] for s in stats] == ["shm", "shm"]
     assert sum(s["shared_memory"]["answers_in_segment"] for s in stats) >= 6  # one per batch
+    assert sum(s["shared_memory"]["buffers_in_place"] for s in stats) >= 6  # collated there: no copy
 
 
 def test_an_answer_shares_memory_with_the_segment_and_spans_are_reused(embedded_worker):
@@ -120,6 +121,7 @@ def test_an_answer_shares_memory_with_the_segment_and_spans_are_reused(embedded_
         del tensor
     state = rpcdl.stats(worker.address)["shared_memory"]
     assert state["answers_in_segment"] == 200 and state["buffers_on_socket"] == 0
+    assert state["buffers_in_place"] == 0  # torch.full's tensors are copied in
 
 
 def test_a_full_segment_sends_the_rest_over_the_socket(embedded_worker):

@@ -47,9 +47,11 @@ Choices, and why:
   its buffers copied out of the segment into pinned memory (the socket path's
   ``torch.empty(..., pin_memory=True)``), and the span is released at once.
 
-Threading: a :class:`WorkerSegment` is used by the service threads of its
-connection (placing answers) and its reader (releasing spans); its allocator
-is guarded by one lock and copies happen outside it. A :class:`ClientSegment`
+Threading: a :class:`WorkerSegment` is used by the threads running its
+connection's calls (collating into it, placing answers) and its reader
+(releasing spans); its allocator is guarded by one lock and copies happen
+outside it. Finalizers of the worker's tensors in it only append to a deque,
+drained under the lock (a garbage collection may run them while the lock is held). A :class:`ClientSegment`
 hands out views on the thread reading its connection; finalizers of views may
 run on any thread and only append to a deque.
 """
@@ -226,11 +228,13 @@ class WorkerSegment:
         self._lock = threading.Lock()
         self._spans = SpanAllocator(HEADER_BYTES, size)
         self._holders: dict[int, int] = {}  # span offset -> the worker's tensor (1) + views handed to the client
+        self._dropped: collections.deque[int] = collections.deque()  # spans whose worker tensor is gone
         self._base = np.frombuffer(self._map, np.uint8, 1).ctypes.data
         self._closed = False
         self.answers_in_segment = 0
         self.buffers_in_segment = 0
         self.buffers_on_socket = 0  # large ones that found no room
+        self.buffers_in_place = 0  # of those in the segment: collated there, not copied
 
     def offer(self) -> Offer:
         return Offer(os.getpid(), self._fd, self.size, self.nonce)
@@ -264,10 +268,12 @@ class WorkerSegment:
         """The span to hand the client for ``view`` (one of ours: no copy), and whether to copy it there."""
         offset = np.frombuffer(view, np.uint8, 1).ctypes.data - self._base
         with self._lock:
+            self._collect_dropped()
             if self._closed:
                 return None, False
             if offset in self._holders:  # collated in place by empty()
                 self._holders[offset] += 1
+                self.buffers_in_place += 1
                 return offset, False
             offset = self._spans.take(view.nbytes)
             if offset is not None:
@@ -277,12 +283,13 @@ class WorkerSegment:
     def empty(self, nbytes: int) -> np.ndarray | None:
         """A writable ``uint8`` array in a free span, freed once it is gone and the client released it; or ``None``."""
         with self._lock:
+            self._collect_dropped()
             offset = None if self._closed else self._spans.take(nbytes)
             if offset is None:
                 return None
             self._holders[offset] = 1
         array = np.frombuffer(self._map, np.uint8, nbytes, offset)
-        weakref.finalize(array, self._drop_locked, offset)
+        weakref.finalize(array, self._dropped.append, offset)  # not the lock: a GC may run this under it
         return array
 
     def _drop(self, offset: int) -> bool:
@@ -297,9 +304,10 @@ class WorkerSegment:
             self._spans.give(offset)
         return True
 
-    def _drop_locked(self, offset: int) -> None:
-        with self._lock:
-            self._drop(offset)
+    def _collect_dropped(self) -> None:
+        """Let go of the spans whose worker tensor is gone (the caller holds the lock)."""
+        while self._dropped:
+            self._drop(self._dropped.popleft())
 
     def release(self, offsets: tuple[int, ...]) -> None:
         """Free the spans the client released.
@@ -308,6 +316,7 @@ class WorkerSegment:
             ProtocolError: one of them is not a span in use (a broken client).
         """
         with self._lock:
+            self._collect_dropped()
             for offset in offsets:
                 if not self._drop(offset):
                     raise ProtocolError(f"the client released span {offset} of its segment, not one in use")
@@ -315,6 +324,7 @@ class WorkerSegment:
     def state(self) -> dict[str, int]:
         """The segment's counters, for the worker's stats."""
         with self._lock:
+            self._collect_dropped()
             used, spans = self._spans.used_bytes, self._spans.spans_in_use
         return {
             "segment_bytes": self.size,
@@ -323,6 +333,7 @@ class WorkerSegment:
             "answers_in_segment": self.answers_in_segment,
             "buffers_in_segment": self.buffers_in_segment,
             "buffers_on_socket": self.buffers_on_socket,
+            "buffers_in_place": self.buffers_in_place,
         }
 
     def close(self) -> None:
