@@ -162,6 +162,25 @@ def test_the_old_handshake_still_works_with_a_worker_offering_shared_memory(embe
         assert client_handshake(sock, None, worker.address) in ("off", "auto", "on")
 
 
+def test_with_a_token_the_segment_is_offered_after_both_sides_proved_it(embedded_worker, monkeypatch):
+    worker = embedded_worker(token="shm-secret")
+    monkeypatch.setenv("RPCDL_TOKEN", "shm-secret")
+    tensor = rpcdl.rpc_sync(worker.address, make_tensor, (3 * SAMPLE, 6))
+    assert (tensor == 6).all() and _connection(worker.address)._segment.contains(tensor.data_ptr())
+    assert rpcdl.stats(worker.address)["transport"] == "shm"
+
+
+def test_a_worker_in_another_network_namespace_uses_the_socket(tmp_path, monkeypatch):
+    from cluster_box import cluster_of_workers
+
+    with cluster_of_workers(tmp_path, "shm-secret", [()]) as box:
+        monkeypatch.setenv("RPCDL_TOKEN", "shm-secret")
+        (address,) = box.workers
+        tensor = rpcdl.rpc_sync(address, make_tensor, (3 * SAMPLE, 8), timeout=30)
+        assert (tensor == 8).all() and _connection(address)._segment is None
+        assert rpcdl.stats(address)["transport"] == "socket"
+
+
 # ---------------------------------------------------------------------------- SIGKILL
 
 
