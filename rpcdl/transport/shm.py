@@ -394,8 +394,14 @@ class ClientSegment:
         if offset < HEADER_BYTES or offset % _ALIGN or offset + size > self.size:
             raise ProtocolError(f"the worker sent span {offset}+{size}, outside its segment of {self.size} bytes")
         array = np.frombuffer(self._map, np.uint8, size, offset)
-        weakref.finalize(array, self._released.append, offset)
+        weakref.finalize(array, self._let_go, offset, size)
         return array
+
+    def _let_go(self, offset: int, size: int) -> None:
+        # Our pages of the span leave this process's RSS now (the data stays in the segment, the
+        # worker's); the span itself goes back with the next frame sent.
+        self._map.madvise(mmap.MADV_DONTNEED, offset, size)
+        self._released.append(offset)
 
     def copy_out(self, offset: int, size: int, into: Any) -> Any:
         """Copy the span at ``offset`` into ``into`` (pinned memory, say) and release the span now."""
