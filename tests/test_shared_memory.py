@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import helpers
@@ -17,6 +20,7 @@ import torch
 import rpcdl
 from rpcdl.rpc import client
 from rpcdl.transport import shm
+from rpcdl.transport.handshake import client_handshake, client_negotiate, server_handshake
 
 SAMPLE = 128 * 1024  # bytes per sample: batches of a few are well past MIN_SPAN_BYTES
 
@@ -152,14 +156,37 @@ def test_shared_memory_off_on_either_side_uses_the_socket(embedded_worker, monke
 
 
 def test_the_old_handshake_still_works_with_a_worker_offering_shared_memory(embedded_worker):
-    import socket
-
-    from rpcdl.transport.handshake import client_handshake
-
     worker = embedded_worker()
     host, port = worker.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         assert client_handshake(sock, None, worker.address) in ("off", "auto", "on")
+
+
+def test_a_worker_that_offers_no_shared_memory_leaves_a_new_client_on_the_socket():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.settimeout(5)
+        theirs.settimeout(5)
+        worker = threading.Thread(target=server_handshake, args=(theirs, None, "client"), name="test-old-worker")
+        worker.start()
+        agreed = client_negotiate(ours, None, "worker", shared_memory=True)
+        worker.join(5)
+    assert agreed.segment is None
+
+
+def test_the_clients_pages_of_a_span_leave_its_rss_with_the_last_tensor(embedded_worker):
+    worker = embedded_worker()
+    tensor = rpcdl.rpc_sync(worker.address, make_tensor, (8 << 20, 1))
+    assert int(tensor.sum()) == 8 << 20  # touches every page
+    touched = _shmem_kib()
+    del tensor
+    gc.collect()
+    assert touched - _shmem_kib() >= 7 << 10
+
+
+def _shmem_kib() -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(r"RssShmem:\s+(\d+)", status.read()).group(1))
 
 
 def test_with_a_token_the_segment_is_offered_after_both_sides_proved_it(embedded_worker, monkeypatch):

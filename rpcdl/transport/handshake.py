@@ -75,11 +75,6 @@ class Agreement:
     compression: str
     segment: WorkerSegment | ClientSegment | None = None
 
-    @property
-    def transport(self) -> str:
-        """``"shm"`` where answers' large buffers cross in shared memory, else ``"socket"``."""
-        return "socket" if self.segment is None else "shm"
-
 
 def _mode_of(flags: int) -> str:
     return _MODE_NAMES.get((flags >> _MODE_SHIFT) & 3, "off")
