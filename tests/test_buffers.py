@@ -50,9 +50,10 @@ def test_a_buffer_lives_as_long_as_a_tensor_built_on_it():
     assert pool.free_buffers() == 1
 
 
-def test_big_answers_arrive_intact_through_the_pool(two_workers):
+def test_big_answers_arrive_intact_through_the_pool(embedded_worker):
+    worker = embedded_worker(shared_memory=0)  # answers on the socket, received into the pool
     size = 3 * buffers.MIN_BYTES // 4  # float32 elements: 3 MiB tensors
-    results = [rpcdl.rpc_sync(two_workers[0], torch.arange, (size,), {"dtype": torch.float32}) for _ in range(4)]
+    results = [rpcdl.rpc_sync(worker.address, torch.arange, (size,), {"dtype": torch.float32}) for _ in range(4)]
     for result in results:
         assert result.shape == (size,) and float(result[-1]) == size - 1
     del results, result

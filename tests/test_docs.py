@@ -55,6 +55,7 @@ DOCTEST_MODULES = [
     "rpcdl.transport.control",
     "rpcdl.transport.handshake",
     "rpcdl.transport.security",
+    "rpcdl.transport.shm",
     "rpcdl.transport.tls_stream",
     "rpcdl.transport.wire",
     "rpcdl.serialization.code_cache",

@@ -264,7 +264,7 @@ def test_connection_reset_mid_transfer(embedded_worker, caplog):
     """The network between trainer and worker resets in the middle of a batch:
     no torn batch is yielded, the lost batches are loaded again, the worker rejoins."""
     caplog.set_level(logging.WARNING, logger="rpcdl")
-    workers = [embedded_worker().address for _ in range(2)]
+    workers = [embedded_worker(shared_memory=0).address for _ in range(2)]  # the batches cross the proxy
     n, width, batch_size = 192, 16384, 8  # 512 KiB batches
     with TcpProxy(workers[0], cut_after=(1 << 18) + 12345) as proxy:  # in its first batch, which it always gets
         dataset = rpcdl.RPCDataset([proxy.address, workers[1]], WideDataset, n, width)

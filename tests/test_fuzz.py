@@ -42,7 +42,7 @@ from rpcdl.serialization.pickling import dumps, loads
 from rpcdl.transport.control import decode_stats, encode_release
 from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake, server_handshake
 from rpcdl.transport.security import Token
-from rpcdl.transport.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import COMPRESSED, IN_SEGMENT, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
 EXAMPLES = int(os.environ.get("RPCDL_FUZZ_EXAMPLES", "30"))
 PARSER_EXAMPLES = 2 * EXAMPLES
@@ -177,7 +177,7 @@ def raw_frames(draw) -> Piece:
         return Piece(data, "closes", kind, call_id)
     if count > LIMITS.max_buffers or payload_size > LIMITS.max_message_bytes:
         return Piece(data, "closes", kind, call_id)
-    if flags & COMPRESSED:  # compression is for answers, on connections that negotiated it
+    if flags & (COMPRESSED | IN_SEGMENT):  # for answers, on connections that negotiated compression / a segment
         return Piece(data, "closes", kind, call_id)
     sizes = [draw(_sizes(LIMITS.max_message_bytes // 4)) for _ in range(count)]
     data += struct.pack(f"!{count}Q", *sizes)
@@ -325,8 +325,8 @@ def _read_stream(data: bytes) -> tuple[list[Frame], BaseException | None, list[i
 @given(st.lists(st.tuples(st.sampled_from(list(Kind)), call_ids, call_ids, st.binary(max_size=3000),
                           st.lists(st.binary(max_size=500), max_size=3)), min_size=1, max_size=5))  # fmt: skip
 def test_reader_reads_back_every_frame_written(frames):
-    # flags without a meaning (bit 0 is COMPRESSED, which this reader did not negotiate) come back as sent
-    written = [Frame(kind, call_id, ref, payload, buffers, flags=6) for kind, call_id, ref, payload, buffers in frames]
+    # flags without a meaning (bits 0 and 1, COMPRESSED and IN_SEGMENT, need a negotiation) come back as sent
+    written = [Frame(kind, call_id, ref, payload, buffers, flags=12) for kind, call_id, ref, payload, buffers in frames]
     read, ended, _ = _read_stream(b"".join(_join(frame) for frame in written))
     assert isinstance(ended, ConnectionLost)
     assert len(read) == len(written)

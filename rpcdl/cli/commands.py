@@ -223,6 +223,7 @@ def _status(args: argparse.Namespace) -> int:
         ("worker", "address"), ("pid", "pid"), ("up s", "uptime_s"), ("clients", "clients"),
         ("served", "calls_served"), ("failed", "calls_failed"), ("in flight", "calls_in_flight"),
         ("busy s", "busy_s"), ("MB in", "bytes_in"), ("MB out", "bytes_out"), ("rrefs", "rrefs"),
+        ("transport", "transport"),
     ]  # fmt: skip
     rows, failures = [], 0
     for address in args.workers:

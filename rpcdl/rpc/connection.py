@@ -51,7 +51,7 @@ from ..errors import (
     WorkerUnavailable,
 )
 from ..serialization.pickling import load_exception, loads, peer_context
-from ..transport import buffers
+from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import decode_rejected, decode_stats, encode_release
 from ..transport.security import Token
@@ -67,14 +67,6 @@ from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
-_cuda_available: bool | None = None
-
-
-def _can_pin() -> bool:
-    global _cuda_available
-    if _cuda_available is None:
-        _cuda_available = torch.cuda.is_available()
-    return _cuda_available
 
 
 _ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
@@ -122,6 +114,8 @@ class Connection:
         self._limits = Limits()
         # asked for (RPCDL_COMPRESSION; "on" without lz4 raises here), then, once connected, what the worker chose
         self.compression = resolve_mode()
+        self._offers_shm = shm.resolve_bytes() > 0  # RPCDL_SHM_BYTES=0 turns shared memory off
+        self._segment: shm.ClientSegment | None = None  # once connected: the worker's, if this process mapped it
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # wakes threads waiting for the role or their answer
         self._serve_cond = threading.Condition(lock)  # wakes the connection's thread alone
@@ -244,6 +238,7 @@ class Connection:
                 break
         if uids:
             frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
+        frames = [*self._segment.release_frames(), *frames] if self._segment else frames
         if not frames:
             return
         pieces = encode_frame(frames[0]) if len(frames) == 1 else [p for frame in frames for p in encode_frame(frame)]
@@ -330,9 +325,11 @@ class Connection:
         elif frame is not None and not answer:
             self._fail(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
 
+    def _pins(self, call_id: int) -> bool:
+        return getattr(self._calls.get(call_id), "pin_memory", False) and shm.can_pin()
+
     def _allocate(self, call_id: int, size: int) -> Any:
-        call = self._calls.get(call_id)
-        pin = call is not None and call.pin_memory and _can_pin()
+        pin = self._pins(call_id)
         if size >= buffers.MIN_BYTES and not pin:
             return buffers.take(size)
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
@@ -381,7 +378,10 @@ class Connection:
                 sock.close()
                 return False
             self._sock = sock
-            self._reader = FrameReader(sock, self._limits, self._io_timeout, decompress=self.compression != "off")
+            self._reader = FrameReader(
+                sock, self._limits, self._io_timeout, decompress=self.compression != "off",
+                segment=shm.receiver(self._segment, self._pins, self._allocate),
+            )  # fmt: skip
             self._outbox = Outbox(sock, [piece for frame in self._queued for piece in encode_frame(frame)])
             self._queued = []
             self._state = ConnectionState.OPEN
@@ -407,7 +407,7 @@ class Connection:
                 expire = now >= self._calls.check_at
             if expire:
                 self._expire(now)  # without the reading role: callbacks may wait for answers
-            if self._releases and now - last_flush > _RELEASE_TICK:
+            if (self._releases or getattr(self._segment, "releases_waiting", 0)) and now - last_flush > _RELEASE_TICK:
                 last_flush = now
                 self._send([])
             with self._cond:
@@ -439,11 +439,12 @@ class Connection:
             self._serve_wakes_at = 0.0
 
     def _connect(self) -> socket.socket:
-        sock, self.compression = dial(
+        sock, agreed = dial(
             self.address, self.host, self.port, self._token, self._ssl,
             handshake_timeout=self._limits.handshake_timeout, grace=self._grace, failed=self._connect_failed,
-            pause=self._pause, compression=self.compression,
+            pause=self._pause, compression=self.compression, shared_memory=self._offers_shm,
         )  # fmt: skip
+        self.compression, self._segment = agreed.compression, agreed.segment
         return io_stream(sock, receive=_IDLE_TICK, send=self._io_timeout)
 
     def _pause(self, seconds: float) -> None:

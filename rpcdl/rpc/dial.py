@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerUnavailable
-from ..transport.handshake import client_handshake
+from ..transport.handshake import Agreement, client_negotiate
 from ..transport.security import Token
 
 log = logging.getLogger("rpcdl.client")
@@ -103,7 +103,8 @@ def dial(
     failed: Callable[[OSError], float],
     pause: Callable[[float], None] = time.sleep,
     compression: str | None = None,
-) -> tuple[socket.socket, str]:
+    shared_memory: bool = False,
+) -> tuple[socket.socket, Agreement]:
     """Connect to the worker at ``address`` and run the handshake, retrying as the module docstring says.
 
     Args:
@@ -120,10 +121,11 @@ def dial(
         pause: waits that many seconds between attempts (the caller may cut
             the wait short; ``failed`` then stops the retries).
         compression: the compression mode to ask for (see :mod:`rpcdl.transport.compression`).
+        shared_memory: offer to take answers through shared memory (see :mod:`rpcdl.transport.shm`).
 
     Returns:
-        The connected socket, handshake done, TCP_NODELAY set, and the
-        compression mode the worker chose.
+        The connected socket, handshake done, TCP_NODELAY set, and what the
+        handshake settled (compression, shared memory).
 
     Raises:
         WorkerUnavailable: refused for ``grace`` seconds, or unreachable until
@@ -145,7 +147,7 @@ def dial(
                 sock = ssl_context.wrap_socket(sock, server_hostname=host)
                 in_tls_handshake = False
             answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
-            chosen = client_handshake(sock, token, address, answer_timeout=answer_timeout, compression=compression)
+            chosen = client_negotiate(sock, token, address, answer_timeout, compression, shared_memory)
             _warned.discard(address)
             return sock, chosen
         except ssl.SSLCertVerificationError as exc:

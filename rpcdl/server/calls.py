@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import LimitExceeded
 from ..rpc.rref import RRefStore
 from ..serialization.pickling import dump_exception, dumps, loads, peer_context
+from ..transport.shm import answering_into
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits
 from .counters import Counters
 
@@ -41,7 +42,7 @@ class CallRunner:
         started = time.perf_counter()
         failed = True
         try:
-            with peer_context(session.peer, session.store_view):
+            with peer_context(session.peer, session.store_view), answering_into(session.segment):
                 func, args, kwargs = loads(frame.payload, frame.buffers)
                 value = func(*args, **kwargs)
                 if frame.ref:

@@ -14,7 +14,9 @@ standby waits, so one thread can always take the turn.
 
 Answers are sent under the send lock by the thread that ran the call; it
 compresses its answer's large buffers first, outside the lock, when the
-connection's :class:`~rpcdl.transport.compression.Compressor` says so. The
+connection's :class:`~rpcdl.transport.compression.Compressor` says so, or
+places them in the connection's shared segment (:mod:`rpcdl.transport.shm`)
+when it has one, so that only their offsets cross the socket. The
 reader running a quick call inline while the next call already waits in its
 receive buffer holds the (small) answer back in the session's outbox, and
 sends the outbox in one go once nothing more waits, after a slower call or
@@ -35,6 +37,8 @@ import torch
 from ..errors import ConnectionLost, ProtocolError
 from ..rpc.rref import StoreView
 from ..transport.compression import Compressor
+from ..transport.control import decode_span_release
+from ..transport.shm import WorkerSegment
 from ..transport.wire import COMPRESSED, Frame, FrameReader, Kind, encode_frame, send_pieces
 
 log = logging.getLogger("rpcdl.worker")
@@ -62,10 +66,19 @@ class ClientConnection:
         sock: the connection, handshake done, set up by :func:`~rpcdl.transport.wire.io_stream`.
         peer: the client's address, for messages.
         compressor: what compresses answers on this connection (default: none).
+        segment: the shared segment agreed with a client on this host (default: none).
     """
 
-    def __init__(self, worker: Any, sock: socket.socket, peer: str, compressor: Compressor | None = None):
+    def __init__(
+        self,
+        worker: Any,
+        sock: socket.socket,
+        peer: str,
+        compressor: Compressor | None = None,
+        segment: WorkerSegment | None = None,
+    ):
         self.worker = worker
+        self.segment = segment
         self.sock = sock
         self.peer = peer
         self.compressor = compressor or Compressor("off")
@@ -107,7 +120,8 @@ class ClientConnection:
             self.worker.counters.sent(0, int(answers_call))
             return
         if frame.buffers:
-            if frame.kind == Kind.RESULT:
+            in_segment = self.segment is not None and frame.kind == Kind.RESULT and self.segment.place(frame)
+            if frame.kind == Kind.RESULT and not in_segment:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
         elif self._holding_back == threading.get_ident():
@@ -156,7 +170,25 @@ class ClientConnection:
             self._turn = Turn.CLOSED
             self._condition.notify_all()
         shutdown_socket(self.sock)
+        if self.segment is not None:
+            self.segment.close()
         self.worker.forget(self)
+
+    def release_spans(self, payload: bytes | bytearray | memoryview) -> None:
+        """Free the spans of the shared segment a ``SEGMENT_RELEASE`` frame names.
+
+        Raises:
+            ProtocolError: this connection has no segment, or a span is not in use.
+        """
+        if self.segment is None:
+            raise ProtocolError("the client released spans of a shared segment this connection does not have")
+        self.segment.release(decode_span_release(payload))
+
+    def transport_state(self) -> dict[str, Any]:
+        """How answers cross this connection: ``"shm"`` or ``"socket"``, and the segment's counters."""
+        if self.segment is None:
+            return {"transport": "socket"}
+        return {"transport": "shm", "shared_memory": self.segment.state()}
 
     def offer_if_lent_before(self, moment: float) -> None:
         """Offer the turn to the standby if it was lent before ``moment`` (``time.monotonic()``)."""

@@ -34,8 +34,9 @@ from ..rpc import client as _client  # noqa: F401  (user code here may fetch an 
 from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import decode_release, encode_rejected, encode_stats
-from ..transport.handshake import server_handshake
+from ..transport.handshake import server_negotiate
 from ..transport.security import Token, default_server_tls, resolve_token
+from ..transport.shm import Segment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
 from .calls import CallRunner
 from .counters import Counters
@@ -85,6 +86,9 @@ class Worker:
         compression: ``"off"``, ``"on"`` or ``"auto"``: lz4 compression of large
             answers, negotiated with each client (see :mod:`rpcdl.transport.compression`);
             default ``RPCDL_COMPRESSION``, else ``"auto"``.
+        shared_memory: bytes of the shared segment offered to each client on
+            this host (see :mod:`rpcdl.transport.shm`); ``0`` turns it off; default
+            ``RPCDL_SHM_BYTES``, else 256 MiB.
 
     Attributes:
         address: the ``"host:port"`` clients reach this worker at, known as
@@ -110,6 +114,7 @@ class Worker:
         limits: Limits | None = None,
         advertise: str | None = None,
         compression: str | None = None,
+        shared_memory: int | None = None,
     ):
         if not isinstance(host, str):
             raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
@@ -118,6 +123,7 @@ class Worker:
         self.timeout = check_timeout(timeout)
         self.limits = limits or Limits()
         self.compression = resolve_mode(compression)
+        self.shared_memory = resolve_bytes(shared_memory)
         self._token = resolve_token(token)
         if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
             raise PermissionError(
@@ -277,22 +283,26 @@ class Worker:
             sock.settimeout(self.limits.handshake_timeout)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            mode = server_handshake(sock, self._token, peer, self.compression)
+            agreed = server_negotiate(sock, self._token, peer, self.compression, self.shared_memory)
             sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
             self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return
-        self.serve_socket(sock, peer, Compressor(mode, loopback=is_loopback(parse_address(peer)[0])))
+        compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
+        self.serve_socket(sock, peer, compressor, agreed.segment)
 
-    def serve_socket(self, sock: socket.socket, peer: str, compressor: Compressor | None = None) -> ClientConnection:
+    def serve_socket(
+        self, sock: socket.socket, peer: str, compressor: Compressor | None = None, segment: Segment | None = None
+    ) -> ClientConnection:
         """Serve a client on ``sock``, connected and past the handshake; return its session.
 
         Args:
             sock: the connection, set up by :func:`~rpcdl.transport.wire.io_stream`.
             peer: the client's address, for messages.
             compressor: what compresses answers on it (default: none).
+            segment: the shared segment agreed with a client on this host (default: answers on the socket).
         """
-        connection = ClientConnection(self, sock, peer, compressor)
+        connection = ClientConnection(self, sock, peer, compressor, segment)
         with self._connections_lock:
             if self._phase is not Phase.SERVING:
                 shutdown_socket(sock)
@@ -330,10 +340,12 @@ class Worker:
         if kind is Kind.RELEASE:
             for uid in decode_release(frame.payload):
                 self.store.release(uid)
+        elif kind is Kind.SEGMENT_RELEASE:
+            connection.release_spans(frame.payload)
         elif kind is Kind.PING:
             connection.send(Frame(Kind.PONG, frame.call_id))
         elif kind is Kind.STATS:
-            stats = {**self.stats(), "compression": connection.compressor.state()}
+            stats = {**self.stats(), "compression": connection.compressor.state(), **connection.transport_state()}
             connection.send(Frame(Kind.STATS_REPLY, frame.call_id, payload=encode_stats(stats)))
         elif kind is Kind.STREAM:
             stream(connection, frame, self.limits)

@@ -1,6 +1,7 @@
 """The payloads of control frames, encoded and decoded here only, for both sides. Nothing here unpickles.
 
 - ``RELEASE`` (client -> worker): the RRef ids to free, one big-endian u64 each;
+- ``SEGMENT_RELEASE`` (client -> worker): the offsets of shared-memory spans to free, one u64 each;
 - ``STATS_REPLY`` (worker -> client): the worker's counters, a JSON object in UTF-8;
 - ``REJECTED`` (worker -> client): why the call was not run, UTF-8 text;
 - ``STREAM`` (client -> worker): the marker ``rpcdl-stream`` (so that no stray payload starts a
@@ -66,6 +67,34 @@ def decode_release(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
     size = len(payload)
     if size % _UID.size:
         raise ProtocolError(f"a RELEASE payload holds whole 8-byte RRef ids, got {size} bytes")
+    return struct.unpack(f"!{size // _UID.size}Q", payload)
+
+
+def encode_span_release(offsets: Iterable[int]) -> bytes:
+    """Encode the payload of a ``SEGMENT_RELEASE`` frame: offsets of spans of the shared segment to free.
+
+    Example::
+
+        >>> encode_span_release([4096]).hex()
+        '0000000000001000'
+    """
+    return encode_release(offsets)
+
+
+def decode_span_release(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
+    """Decode the payload of a ``SEGMENT_RELEASE`` frame into span offsets.
+
+    Raises:
+        ProtocolError: its length is not a multiple of 8.
+
+    Example::
+
+        >>> decode_span_release(encode_span_release([4096, 8192]))
+        (4096, 8192)
+    """
+    size = len(payload)
+    if size % _UID.size:
+        raise ProtocolError(f"a SEGMENT_RELEASE payload holds whole 8-byte offsets, got {size} bytes")
     return struct.unpack(f"!{size // _UID.size}Q", payload)
 
 

@@ -7,11 +7,19 @@
     client -> worker   proof    HMAC(token, "rpcdl-client" + worker nonce + client nonce)
     worker -> client   verdict  status byte, message
 
+and then, only where the hello offered shared memory and the welcome took the
+offer (see :mod:`rpcdl.transport.shm`), inside the authenticated handshake::
+
+    client -> worker   identity  32 bytes: the client's host identity
+    worker -> client   segment   pid u32, fd u32, size u64, nonce (size 0: no segment for this client)
+    client -> worker   confirm   1 if the client mapped that segment and found the nonce, else 0 (after a segment)
+
 The flags byte of the hello says whether the client has a token, whether it can
 decode lz4 and which compression mode it wants; that of the welcome says whether
 the worker has a token and the compression mode the connection uses (see
 :mod:`rpcdl.transport.compression`). A peer that predates compression leaves those bits
-zero, which means off.
+zero, which means off; one that predates shared memory never sets its bit,
+so the connection keeps to the socket.
 
 Proofs are HMAC-SHA256 on the shared token, so each side learns whether the other
 holds it without the token ever crossing the wire; without a token they are zeros.
@@ -23,13 +31,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import socket
 import struct
+from dataclasses import dataclass
 
 from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError
 from .compression import lz4_available, negotiate, resolve_mode
 from .security import Token
+from .shm import HEADER_BYTES, ClientSegment, Offer, WorkerSegment, host_identity
+
+log = logging.getLogger("rpcdl.shm")
 
 MAGIC = b"RPCDL\x00"
 VERSION = 1
@@ -44,6 +57,23 @@ _DECODES_LZ4 = 2  # hello: the client can decompress lz4
 _MODE_SHIFT = 2  # hello: the mode the client wants; welcome: the mode the connection uses
 _MODE_BITS = {"off": 0, "on": 1, "auto": 2}
 _MODE_NAMES = {bits: name for name, bits in _MODE_BITS.items()}
+_SHARED_MEMORY = 16  # hello: the client offers shared memory; welcome: the worker takes the offer
+_SEGMENT = struct.Struct("!IIQ32s")
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What one connection's handshake settled.
+
+    Attributes:
+        compression: the compression mode, ``"off"``, ``"on"`` or ``"auto"``.
+        segment: the shared-memory segment this side uses for answers
+            (a :class:`~rpcdl.transport.shm.WorkerSegment` on the worker, a
+            :class:`~rpcdl.transport.shm.ClientSegment` on the client), or ``None``: the socket.
+    """
+
+    compression: str
+    segment: WorkerSegment | ClientSegment | None = None
 
 
 def _mode_of(flags: int) -> str:
@@ -107,6 +137,21 @@ def client_handshake(
     answer_timeout: float | None = None,
     compression: str | None = None,
 ) -> str:
+    """Run the client side of the handshake, without shared memory; return the compression mode.
+
+    As :func:`client_negotiate` with ``shared_memory=False``.
+    """
+    return client_negotiate(sock, token, peer, answer_timeout, compression).compression
+
+
+def client_negotiate(
+    sock: socket.socket,
+    token: Token | None,
+    peer: str,
+    answer_timeout: float | None = None,
+    compression: str | None = None,
+    shared_memory: bool = False,
+) -> Agreement:
     """Run the client side of the handshake on a connected socket.
 
     Args:
@@ -117,10 +162,12 @@ def client_handshake(
             (rpcdl workers answer at once); ``None``: the socket's timeout.
         compression: the mode this client asks for (``None``: ``RPCDL_COMPRESSION``,
             else ``"auto"``; see :mod:`rpcdl.transport.compression`).
+        shared_memory: offer to take answers through a shared segment, used
+            only if the worker is on this host and this process can map it.
 
     Returns:
-        the compression mode the worker chose for this connection: ``"off"``,
-        ``"on"`` or ``"auto"``.
+        what the worker chose for this connection: the compression mode and
+        the segment, if any.
 
     Raises:
         ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
@@ -131,6 +178,7 @@ def client_handshake(
     client_nonce = os.urandom(_NONCE_BYTES)
     flags = _HAS_TOKEN if token is not None else 0
     flags |= (_DECODES_LZ4 if lz4_available() else 0) | _MODE_BITS[resolve_mode(compression)] << _MODE_SHIFT
+    flags |= _SHARED_MEMORY if shared_memory else 0
     sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
     first = _first_answer(sock, peer, answer_timeout)
     welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
@@ -160,10 +208,28 @@ def client_handshake(
         raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
     if status != 0:
         raise AuthenticationError(f"worker {peer} refused the connection: {message}")
-    return _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
+    mode = _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
+    if not (shared_memory and worker_flags & _SHARED_MEMORY):
+        return Agreement(mode)
+    sock.sendall(host_identity())
+    pid, fd, size, nonce = _SEGMENT.unpack(_recv_exact(sock, _SEGMENT.size, "shared-memory segment"))
+    segment = ClientSegment.open(Offer(pid, fd, size, nonce)) if size >= HEADER_BYTES else None
+    if size:
+        sock.sendall(b"\x01" if segment is not None else b"\x00")
+    return Agreement(mode, segment)
 
 
 def server_handshake(sock: socket.socket, token: Token | None, peer: str, compression: str = "off") -> str:
+    """Run the worker side of the handshake, without shared memory; return the compression mode.
+
+    As :func:`server_negotiate` with ``shared_memory=0``.
+    """
+    return server_negotiate(sock, token, peer, compression).compression
+
+
+def server_negotiate(
+    sock: socket.socket, token: Token | None, peer: str, compression: str = "off", shared_memory: int = 0
+) -> Agreement:
     """Run the worker side of the handshake on an accepted socket.
 
     Args:
@@ -172,9 +238,11 @@ def server_handshake(sock: socket.socket, token: Token | None, peer: str, compre
         peer: ``"host:port"`` of the client, for messages.
         compression: the worker's compression mode, resolved (see
             :func:`rpcdl.transport.compression.resolve_mode`).
+        shared_memory: bytes of the segment to offer a client on this host; 0: none.
 
     Returns:
-        the compression mode of this connection, as the welcome told the client.
+        the compression mode of this connection, as the welcome told the
+        client, and the segment the client confirmed it maps, if any.
 
     The verdict is sent to the client before an error is raised here, so both
     sides know why a connection was refused.
@@ -189,6 +257,8 @@ def server_handshake(sock: socket.socket, token: Token | None, peer: str, compre
     worker_nonce = os.urandom(_NONCE_BYTES)
     mode = negotiate(_mode_of(client_flags), bool(client_flags & _DECODES_LZ4), compression)
     flags = (_HAS_TOKEN if token is not None else 0) | _MODE_BITS[mode] << _MODE_SHIFT
+    # compression forced on is meant to compress this connection's answers: they stay on the socket
+    flags |= _SHARED_MEMORY if shared_memory and client_flags & _SHARED_MEMORY and mode != "on" else 0
     proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
     sock.sendall(_WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
     if version != VERSION:
@@ -207,7 +277,36 @@ def server_handshake(sock: socket.socket, token: Token | None, peer: str, compre
     _send_verdict(sock, reason)
     if reason:
         raise AuthenticationError(f"refused {peer}: {reason}")
-    return mode
+    if not flags & _SHARED_MEMORY:
+        return Agreement(mode)
+    return Agreement(mode, _offer_segment(sock, peer, shared_memory))
+
+
+def _offer_segment(sock: socket.socket, peer: str, size: int) -> WorkerSegment | None:
+    """Offer a client on this host a segment of ``size`` bytes; return it if the client maps it."""
+    segment = None
+    if hmac.compare_digest(_recv_exact(sock, 32, "host identity"), host_identity()):
+        try:
+            segment = WorkerSegment(size)
+        except OSError as exc:
+            log.debug("no shared memory for %s: cannot make a segment: %s", peer, exc)
+    else:
+        log.debug("no shared memory for %s: another host or namespace", peer)
+    if segment is None:
+        sock.sendall(_SEGMENT.pack(0, 0, 0, bytes(32)))
+        return None
+    try:
+        offer = segment.offer()
+        sock.sendall(_SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce))
+        confirmed = _recv_exact(sock, 1, "shared-memory confirmation") == b"\x01"
+    except BaseException:
+        segment.close()
+        raise
+    if not confirmed:
+        log.debug("no shared memory for %s: it could not map the segment", peer)
+        segment.close()
+        return None
+    return segment
 
 
 def _send_verdict(sock: socket.socket, reason: str) -> None:

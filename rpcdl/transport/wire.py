@@ -8,8 +8,10 @@ exchange frames::
     lengths  one u64 per out-of-band buffer: its size on the wire
     decoded  only with the COMPRESSED flag: one u64 per buffer, its size once
              decompressed (lz4, see :mod:`rpcdl.transport.compression`), 0 for one sent raw
+    offsets  only with the IN_SEGMENT flag: one u64 per buffer, its offset in the connection's
+             shared-memory segment (see :mod:`rpcdl.transport.shm`), NOT_IN_SEGMENT for one sent here
     payload  pickled by the serialization layer; control frames' own (:mod:`rpcdl.transport.control`)
-    buffers  out-of-band buffers, each received straight into its final memory
+    buffers  out-of-band buffers (those not in the segment), each received straight into its final memory
 
 Every length received, compressed and decoded, is checked against :class:`Limits`
 before anything is allocated; the sender checks its own frames first (:meth:`Limits.check_outgoing`).
@@ -35,6 +37,8 @@ _HEADER = struct.Struct("!BBHIQQQ")
 _INLINE_PAYLOAD = 64 * 1024
 _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
+IN_SEGMENT = 2  #: frame flag: an offset follows the lengths, and buffers with one are in the shared segment
+NOT_IN_SEGMENT = 2**64 - 1  #: the offset of a buffer sent on the socket in an IN_SEGMENT frame
 
 
 class Kind(enum.IntEnum):
@@ -51,6 +55,7 @@ class Kind(enum.IntEnum):
     STATS_REPLY = 9  #: worker -> client: the counters as JSON (see rpcdl.transport.control)
     STREAM = 10  #: client -> worker: send incompressible bytes back, a link's raw rate (see rpcdl.transport.control)
     STREAM_DATA = 11  #: worker -> client: one out-of-band buffer of those bytes and no payload
+    SEGMENT_RELEASE = 12  #: client -> worker: free spans of the shared segment; u64 offsets (see .control)
 
 
 _KINDS = {kind.value: kind for kind in Kind}
@@ -156,6 +161,7 @@ class Frame:
     buffers: list[Any] = field(default_factory=list)
     flags: int = 0
     decoded_sizes: list[int] | None = None  #: with the COMPRESSED flag: each buffer's decoded size, 0 if raw
+    offsets: list[int] | None = None  #: with the IN_SEGMENT flag: each buffer's offset, or NOT_IN_SEGMENT
 
 
 # ---------------------------------------------------------------------------- handshake
@@ -175,6 +181,9 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     if frame.flags & COMPRESSED:
         lengths += struct.pack(f"!{len(views)}Q", *(frame.decoded_sizes or [0] * len(views)))
     head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(payload))
+    if frame.flags & IN_SEGMENT:
+        lengths += struct.pack(f"!{len(views)}Q", *frame.offsets)
+        views = [view for view, offset in zip(views, frame.offsets, strict=True) if offset == NOT_IN_SEGMENT]
     if len(payload) <= _INLINE_PAYLOAD:
         return [head + lengths + bytes(payload), *views]
     return [head + lengths, payload, *views]
@@ -260,6 +269,9 @@ class FrameReader:
         chunk_size: size of the receive buffer.
         decompress: whether compressed frames are accepted (the connection
             negotiated compression); otherwise one is a protocol error.
+        segment: called with the call id, offset and size of each buffer in the
+            connection's shared segment, returns its memory; without one a
+            frame with such buffers is a protocol error.
     """
 
     def __init__(
@@ -269,8 +281,10 @@ class FrameReader:
         stall_timeout: float,
         chunk_size: int = 256 * 1024,
         decompress: bool = False,
+        segment: Callable[[int, int, int], Any] | None = None,
     ):
         self._sock = sock
+        self._segment = segment
         self._decompress = decompress
         self._compressed = bytearray()
         self._limits = limits
@@ -333,11 +347,16 @@ class FrameReader:
         compressed = bool(flags & COMPRESSED)
         if compressed and not self._decompress:
             raise ProtocolError("the peer sent a compressed frame on a connection that did not negotiate compression")
+        in_segment = bool(flags & IN_SEGMENT)
+        if in_segment and (self._segment is None or compressed):
+            raise ProtocolError("the peer sent a frame with buffers in a shared segment this connection does not have")
         sizes: tuple[int, ...] = ()
         decoded: tuple[int, ...] = ()
+        offsets: tuple[int, ...] = ()
         if count:
             sizes = self._read_u64s(count)
             decoded = self._read_u64s(count) if compressed else (0,) * count
+            offsets = self._read_u64s(count) if in_segment else (NOT_IN_SEGMENT,) * count
         for total in (sum(sizes), sum(d or s for s, d in zip(sizes, decoded, strict=True))):
             if payload_size + total > self._limits.max_message_bytes:
                 raise FrameTooLarge(
@@ -350,8 +369,10 @@ class FrameReader:
             raise ProtocolError(f"a compressed buffer announces more than lz4's largest block ({largest} bytes)")
         payload = self._read_payload(payload_size)
         buffers = []
-        for size, decoded_size in zip(sizes, decoded, strict=True):
-            if decoded_size:
+        for size, decoded_size, offset in zip(sizes, decoded, offsets, strict=True):
+            if offset != NOT_IN_SEGMENT:
+                buffer = self._segment(call_id, offset, size)
+            elif decoded_size:
                 packed = self._scratch(size)
                 self._read_into(packed)
                 buffer = allocate(call_id, decoded_size)
