@@ -36,7 +36,7 @@ from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import decode_release, encode_rejected, encode_stats
 from ..transport.handshake import server_negotiate
 from ..transport.security import Token, default_server_tls, resolve_token
-from ..transport.shm import Segment, resolve_bytes
+from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
 from .calls import CallRunner
 from .counters import Counters
@@ -292,7 +292,7 @@ class Worker:
         self.serve_socket(sock, peer, compressor, agreed.segment)
 
     def serve_socket(
-        self, sock: socket.socket, peer: str, compressor: Compressor | None = None, segment: Segment | None = None
+        self, sock: socket.socket, peer: str, compressor: Compressor | None = None, segment: WorkerSegment | None = None
     ) -> ClientConnection:
         """Serve a client on ``sock``, connected and past the handshake; return its session.
 
