@@ -33,6 +33,20 @@ _MAX_UID = 2**64 - 1
 DEFAULT_REJECTION = "the worker is shutting down"
 
 
+def _pack_u64s(values: Iterable[int], what: str) -> bytes:
+    values = tuple(values)
+    if any(not 0 <= value <= _MAX_UID for value in values):
+        raise ValueError(f"{what} must be in 0..{_MAX_UID}, got {values}")
+    return struct.pack(f"!{len(values)}Q", *values)
+
+
+def _unpack_u64s(payload: bytes | bytearray | memoryview, holds: str) -> tuple[int, ...]:
+    size = len(payload)
+    if size % _UID.size:
+        raise ProtocolError(f"{holds}, got {size} bytes")
+    return struct.unpack(f"!{size // _UID.size}Q", payload)
+
+
 def encode_release(uids: Iterable[int]) -> bytes:
     """Encode the payload of a ``RELEASE`` frame: the RRef ids to free on the worker.
 
@@ -47,10 +61,7 @@ def encode_release(uids: Iterable[int]) -> bytes:
         >>> encode_release([1, 2]).hex()
         '00000000000000010000000000000002'
     """
-    uids = tuple(uids)
-    if any(not 0 <= uid <= _MAX_UID for uid in uids):
-        raise ValueError(f"RRef ids must be in 0..{_MAX_UID}, got {uids}")
-    return struct.pack(f"!{len(uids)}Q", *uids)
+    return _pack_u64s(uids, "RRef ids")
 
 
 def decode_release(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
@@ -64,10 +75,7 @@ def decode_release(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
         >>> decode_release(encode_release([7, 8]))
         (7, 8)
     """
-    size = len(payload)
-    if size % _UID.size:
-        raise ProtocolError(f"a RELEASE payload holds whole 8-byte RRef ids, got {size} bytes")
-    return struct.unpack(f"!{size // _UID.size}Q", payload)
+    return _unpack_u64s(payload, "a RELEASE payload holds whole 8-byte RRef ids")
 
 
 def encode_span_release(offsets: Iterable[int]) -> bytes:
@@ -78,7 +86,7 @@ def encode_span_release(offsets: Iterable[int]) -> bytes:
         >>> encode_span_release([4096]).hex()
         '0000000000001000'
     """
-    return encode_release(offsets)
+    return _pack_u64s(offsets, "span offsets")
 
 
 def decode_span_release(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
@@ -92,10 +100,7 @@ def decode_span_release(payload: bytes | bytearray | memoryview) -> tuple[int, .
         >>> decode_span_release(encode_span_release([4096, 8192]))
         (4096, 8192)
     """
-    size = len(payload)
-    if size % _UID.size:
-        raise ProtocolError(f"a SEGMENT_RELEASE payload holds whole 8-byte offsets, got {size} bytes")
-    return struct.unpack(f"!{size // _UID.size}Q", payload)
+    return _unpack_u64s(payload, "a SEGMENT_RELEASE payload holds whole 8-byte offsets")
 
 
 def encode_stats(counters: Mapping[str, Any]) -> bytes:
