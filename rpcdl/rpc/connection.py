@@ -307,7 +307,7 @@ class Connection:
             self._role.give_back()
             if answer:
                 call = self._calls.pop(frame.call_id)
-                size = len(frame.payload) + sum(memoryview(b).nbytes for b in frame.buffers)
+                size = len(frame.payload) + frame.buffer_bytes
                 self._calls.answers_are_large = size >= buffers.MIN_BYTES
             if self._role.waiters:
                 self._cond.notify_all()

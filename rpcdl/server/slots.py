@@ -26,10 +26,6 @@ from ..transport.wire import Frame, Kind
 LARGE_ANSWER = 1 << 20  #: bytes of buffers from which an answer is sent after its slot is freed
 
 
-def _buffer_bytes(frame: Frame) -> int:
-    return sum(memoryview(buffer).nbytes for buffer in frame.buffers)
-
-
 class SlotsState(enum.Enum):
     """Whether the slots take calls."""
 
@@ -110,7 +106,7 @@ class Slots:
             try:
                 answer = self._answer(session, frame)
             finally:
-                large = answer is not None and _buffer_bytes(answer) >= LARGE_ANSWER
+                large = answer is not None and answer.buffer_bytes >= LARGE_ANSWER
                 with self._lock:
                     if self._queue and self._state is SlotsState.OPEN and not large:
                         queued = self._queue.popleft()

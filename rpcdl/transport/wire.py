@@ -163,8 +163,13 @@ class Frame:
     decoded_sizes: list[int] | None = None  #: with the COMPRESSED flag: each buffer's decoded size, 0 if raw
     offsets: list[int] | None = None  #: with the IN_SEGMENT flag: each buffer's offset, or NOT_IN_SEGMENT
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of the out-of-band buffers, all together."""
+        return sum(memoryview(buffer).nbytes for buffer in self.buffers)
 
-# ---------------------------------------------------------------------------- handshake
+
+# ---------------------------------------------------------------------------- sending
 
 
 def encode_frame(frame: Frame) -> list[memoryview | bytes]:

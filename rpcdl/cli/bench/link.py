@@ -162,7 +162,7 @@ class RawStream:
                 raise RuntimeError(f"worker {self.address} refused a raw stream: {decode_rejected(frame.payload)}")
             if frame.kind != Kind.STREAM_DATA or frame.call_id != self._call_id:
                 raise RuntimeError(f"worker {self.address} answered a raw stream with a {frame.kind.name} frame")
-            moved += sum(memoryview(b).nbytes for b in frame.buffers)
+            moved += frame.buffer_bytes
         return moved
 
     def close(self) -> None:
