@@ -37,6 +37,7 @@ from ...transport.compression import COMPRESSION_ENV
 from ...transport.control import decode_rejected, encode_stream
 from ...transport.security import default_client_tls, resolve_token
 from ...transport.wire import Frame, FrameReader, Kind, Limits, io_stream, send_frame
+from .report import percentile
 from .workloads import IMAGE_SHAPE, ImageDataset, SmoothImageDataset
 
 PINGS = 50
@@ -118,9 +119,8 @@ def latency(address: str, pings: int) -> dict[str, float]:
     import rpcdl
 
     rpcdl.ping(address, timeout=_TIMEOUT)
-    times = sorted(rpcdl.ping(address, timeout=_TIMEOUT) * 1e3 for _ in range(pings))
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
-    return {"p50": round(times[len(times) // 2], 3), "p99": round(p99, 3)}
+    times = [rpcdl.ping(address, timeout=_TIMEOUT) * 1e3 for _ in range(pings)]
+    return {"p50": round(percentile(times, 0.5), 3), "p99": round(percentile(times, 0.99), 3)}
 
 
 class RawStream:

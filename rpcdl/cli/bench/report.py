@@ -101,6 +101,12 @@ TARGETS = (
 )
 
 
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The value at ``fraction`` (0.5: the median, 0.99: p99) of ``values``, by rank, no interpolation."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
 # ---------------------------------------------------------------------------- report
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .mapper import scenario_mapper
-from .report import Figure
+from .report import Figure, percentile
 from .rss import RssSampler, touch_pages
 from .systems import LoaderSpec, System
 from .workloads import (
@@ -258,11 +258,6 @@ def _epoch_rate(loader: Iterable) -> tuple[int, float]:
     return count, time.perf_counter() - started
 
 
-def _percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 # ---------------------------------------------------------------------------- scenarios
 
 
@@ -281,8 +276,8 @@ def scenario_latency(bench: Bench) -> None:
                 started = time.perf_counter()
                 system.call()
                 times.append(time.perf_counter() - started)
-            p50.add(system.name, _percentile(times, 0.5) * 1e6)
-            p99.add(system.name, _percentile(times, 0.99) * 1e6)
+            p50.add(system.name, percentile(times, 0.5) * 1e6)
+            p99.add(system.name, percentile(times, 0.99) * 1e6)
             bench.step(f"latency: {system.name}")
 
 
