@@ -266,6 +266,27 @@ class CompressionRun:
         rpcdl.shutdown()
 
 
+def interleaved_rounds(
+    measures: dict[str, Callable[[], float]],
+    rounds: int,
+    describe: Callable[[int, dict[str, list[float]]], str],
+    warmed_up: Callable[[], object] = lambda: None,
+) -> dict[str, list[float]]:
+    """Each measure once to warm up, then ``rounds`` rounds of all in turn (a burst of load hits them alike).
+
+    Prints ``describe(round, samples)`` after each round; returns each measure's samples.
+    """
+    for measure in measures.values():
+        measure()
+    warmed_up()
+    samples: dict[str, list[float]] = {name: [] for name in measures}
+    for round_ in range(1, rounds + 1):
+        for name, measure in measures.items():
+            samples[name].append(measure())
+        print(describe(round_, samples))
+    return samples
+
+
 COMPRESSION_HOSTS = 1  # one link: on a small machine two hosts' compression and decompression compete for its cores
 COMPRESSION_CASES = (  # (link, dataset, modes)
     ("1gbit", SmoothImageDataset, ["off", "on", "auto"]),
@@ -274,20 +295,15 @@ COMPRESSION_CASES = (  # (link, dataset, modes)
 
 
 def run_compression(rate: str, dataset: type, modes: list[str], rounds: int, batches: int) -> dict:
-    samples: dict[str, list[float]] = {name: [] for name in [*modes, "socket"]}
     with tempfile.TemporaryDirectory() as directory, Cluster(COMPRESSION_HOSTS, rate=rate) as cluster:
         run = CompressionRun(cluster, Path(directory), batches, dataset, modes)
         measures: dict[str, Callable[[], float]] = {mode: (lambda m=mode: run.measure(m)) for mode in modes}
         measures["socket"] = lambda: socket_rate(cluster, batches)
-        for measure in measures.values():  # warm-up; 'auto' decides
-            measure()
-        for round_ in range(rounds):
-            for name, measure in measures.items():
-                samples[name].append(measure())
-            print(
-                f"  {rate} {dataset.__name__} round {round_ + 1}: "
-                + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in samples.items())
-            )
+        samples = interleaved_rounds(  # the warm-up lets 'auto' decide
+            measures, rounds,
+            lambda round_, s: f"  {rate} {dataset.__name__} round {round_}: "
+            + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in s.items()),
+        )  # fmt: skip
         states = {mode: run.states(mode) for mode in modes}
         run.close()
     return {
@@ -319,7 +335,6 @@ def run_rate(
     rate: str, rounds: int, batches: int, parallel: int = 1
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """MB/s of each system over ``rounds`` rounds, and the CPU seconds per GB each spent (all processes)."""
-    samples: dict[str, list[float]] = {"rpcdl": [], "rpcdl TLS": [], "rpcdataloader": [], "socket": []}
     with tempfile.TemporaryDirectory() as directory, Cluster(2, rate=rate) as cluster:
         systems = Systems(cluster, Path(directory), batches, parallel)
         meter = Meter(cluster, len(cluster.hosts) * batches * IMAGE_BATCH_BYTES / 1e9)
@@ -330,16 +345,12 @@ def run_rate(
             "rpcdataloader": lambda: meter.measure("rpcdataloader", systems.measure_rpcdataloader),
             "socket": lambda: meter.measure("socket", lambda: systems.measure_socket(peer_cpu), lambda: peer_cpu[-1]),
         }
-        for measure in measures.values():  # warm-up: connections, datasets, heaps
-            measure()
-        meter.samples.clear()
-        for round_ in range(rounds):
-            for name, measure in measures.items():
-                samples[name].append(measure())
-            print(
-                f"  {rate} round {round_ + 1}: "
-                + ", ".join(f"{n} {s[-1]:,.0f} ({meter.samples[n][-1]:.2f} CPU s/GB)" for n, s in samples.items())
-            )
+        samples = interleaved_rounds(  # the warm-up opens connections, builds datasets, grows heaps
+            measures, rounds,
+            lambda round_, s: f"  {rate} round {round_}: "
+            + ", ".join(f"{n} {v[-1]:,.0f} ({meter.samples[n][-1]:.2f} CPU s/GB)" for n, v in s.items()),
+            warmed_up=meter.samples.clear,
+        )  # fmt: skip
         systems.close()
     return samples, meter.samples
 
