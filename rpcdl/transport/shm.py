@@ -59,7 +59,6 @@ run on any thread and only append to a deque.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -67,7 +66,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -423,15 +422,20 @@ class ClientSegment:
         return bool(self._released)
 
 
-@contextlib.contextmanager
-def answering_into(segment: WorkerSegment | None) -> Iterator[None]:
+class answering_into:  # a class: cheaper per call than a generator-based context manager
     """Within this block, :func:`empty` in this thread allocates in ``segment`` (``None``: nowhere)."""
-    previous = getattr(_answering, "segment", None)
-    _answering.segment = segment
-    try:
-        yield
-    finally:
-        _answering.segment = previous
+
+    __slots__ = ("_previous", "_segment")
+
+    def __init__(self, segment: WorkerSegment | None):
+        self._segment = segment
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_answering, "segment", None)
+        _answering.segment = self._segment
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _answering.segment = self._previous
 
 
 def empty(shape: tuple[int, ...], dtype: Any) -> Any:
