@@ -40,7 +40,6 @@ class CallRunner:
     def run(self, session: Any, frame: Frame) -> Frame:
         """Run the call of ``frame`` from ``session``; return its answer: a RESULT or an ERROR frame."""
         started = time.perf_counter()
-        failed = True
         try:
             with peer_context(session.peer, session.store_view), answering_into(session.segment):
                 func, args, kwargs = loads(frame.payload, frame.buffers)
@@ -55,15 +54,14 @@ class CallRunner:
                 if buffers or len(payload) > _SURELY_UNDER_LIMITS:
                     sizes = [b.nbytes for b in buffers]
                     self.limits.check_outgoing(len(payload), sizes, f"the result of {_name(func)}")
-            failed = False
-            return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
         except BaseException as exc:
             if frame.ref:
                 self.store.complete(frame.ref, error=exc)
             log.debug("call from %s raised %s", session.peer, type(exc).__name__)
-            return Frame(Kind.ERROR, frame.call_id, payload=self.error_report(exc))
-        finally:
-            self.counters.ran(time.perf_counter() - started, failed)
+            self.counters.ran(time.perf_counter() - started, True)
+            return Frame(Kind.ERROR, frame.call_id, 0, self.error_report(exc))
+        self.counters.ran(time.perf_counter() - started, False)
+        return Frame(Kind.RESULT, frame.call_id, 0, payload, buffers)
 
     def error_report(self, exc: BaseException) -> bytes:
         """The report of ``exc`` for the client; a shorter one if it would break the message limit."""

@@ -136,9 +136,12 @@ class ClientConnection:
         sent = 0
         try:
             with self._send_lock:
-                started = time.perf_counter()
-                sent = send_pieces(self.sock, pieces)
-                self.compressor.sent(sent, time.perf_counter() - started)
+                if self.compressor.mode != "auto":  # nothing to decide from the time a send takes
+                    sent = send_pieces(self.sock, pieces)
+                else:
+                    started = time.perf_counter()
+                    sent = send_pieces(self.sock, pieces)
+                    self.compressor.sent(sent, time.perf_counter() - started)
         except OSError as exc:
             log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
             self.close()

@@ -104,9 +104,10 @@ class Slots:
         while True:
             queued = answer = None
             try:
-                answer = self._answer(session, frame)
+                # a closed session has nobody to answer: its calls are not run
+                answer = self._refuse(frame) if session.closed else self._execute(session, frame)
             finally:
-                large = answer is not None and answer.buffer_bytes >= LARGE_ANSWER
+                large = answer is not None and bool(answer.buffers) and answer.buffer_bytes >= LARGE_ANSWER
                 with self._lock:
                     if self._queue and self._state is SlotsState.OPEN and not large:
                         queued = self._queue.popleft()
@@ -119,12 +120,10 @@ class Slots:
                 return
             session, frame = queued
 
-    def _answer(self, session: Any, frame: Frame) -> Frame:
-        if session.closed:  # nobody to answer: do not run it
-            if frame.ref:
-                self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
-            return Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
-        return self._execute(session, frame)
+    def _refuse(self, frame: Frame) -> Frame:
+        if frame.ref:
+            self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
+        return Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
 
     def _executor(self) -> None:
         while True:

@@ -457,5 +457,4 @@ class FrameReader:
             if not received:
                 raise ConnectionLost("the peer closed the connection")
             self.bytes_read += received
-            self._progress = time.monotonic()
             return received
