@@ -205,9 +205,12 @@ class ClientConnection:
     # ------------------------------------------------------------------ the read turn
 
     def _serve(self) -> None:
-        while self._wait_for_turn():
-            self._read_while_holding()
-            self._flush()  # answers held back go out, or are counted if the connection closed
+        try:
+            while self._wait_for_turn():
+                self._read_while_holding()
+                self._flush()  # answers held back go out, or are counted if the connection closed
+        finally:
+            self.worker.counters.retire()
 
     def _wait_for_turn(self) -> bool:
         """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
@@ -223,39 +226,46 @@ class ClientConnection:
 
     def _read_while_holding(self) -> None:
         """Read and dispatch frames until the turn goes to the other thread or the connection closes."""
-        worker = self.worker
+        worker, reader, slots = self.worker, self.reader, self.worker.slots
+        waiting = reader.holds_frame  # a frame waits in the receive buffer: the next read does not wait
         while True:
-            if self._outbox and not self.reader.holds_frame:  # the read may wait: no answer waits with it
+            if self._outbox and not waiting:  # the read may wait: no answer waits with it
                 self._flush()
             frame = self._read_frame()
             if frame is None:
                 if self.closed:
                     return
+                waiting = reader.holds_frame
                 continue
-            bytes_in, self._counted = self.reader.bytes_read - self._counted, self.reader.bytes_read
+            bytes_in, self._counted = reader.bytes_read - self._counted, reader.bytes_read
             try:
                 run_here = worker.dispatch(self, frame, bytes_in)
             except ProtocolError as exc:
                 log.warning("closed connection from %s: %s", self.peer, exc)
                 self.close()
                 return
+            waiting = reader.holds_frame
             if not run_here:
                 continue
-            self._lend(offer=worker.slots.has_free)
-            started = time.perf_counter()
-            if self.reader.holds_frame and self._outbox_answers < _OUTBOX_ANSWERS:
-                self._holding_back = threading.get_ident()
-            try:
-                worker.slots.run(self, frame)
-            finally:
-                self._holding_back = 0
-            if self._outbox and (
-                time.perf_counter() - started > _QUICK_CALL or self._outbox_answers >= _OUTBOX_ANSWERS
-            ):
-                self._flush()
+            self._lend(offer=slots.has_free)
+            if waiting and self._outbox_answers < _OUTBOX_ANSWERS:
+                self._run_holding_back(frame)
+            else:
+                slots.run(self, frame)
             if not self._take_back():
                 self._flush()
                 return
+
+    def _run_holding_back(self, frame: Frame) -> None:
+        """Run a call inline, its answer held back in the outbox; send the outbox after a slow call or when full."""
+        started = time.perf_counter()
+        self._holding_back = threading.get_ident()
+        try:
+            self.worker.slots.run(self, frame)
+        finally:
+            self._holding_back = 0
+        if time.perf_counter() - started > _QUICK_CALL or self._outbox_answers >= _OUTBOX_ANSWERS:
+            self._flush()
 
     def _read_frame(self) -> Frame | None:
         """The next frame, or ``None`` if none came within the idle tick or the connection closed."""

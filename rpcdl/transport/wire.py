@@ -328,12 +328,14 @@ class FrameReader:
             ProtocolError: the frame breaks the protocol.
             TimeoutError: the peer stalled in the middle of a frame.
         """
-        try:
-            self._fill(_HEADER.size, idle=True)
-        except _Idle:
-            return None
-        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, self._start)
-        self._start += _HEADER.size
+        if self._end - self._start < _HEADER.size:
+            try:
+                self._fill(_HEADER.size, idle=True)
+            except _Idle:
+                return None
+        start = self._start
+        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, start)
+        self._start = start = start + _HEADER.size
         kind = _KINDS.get(number)
         if kind is None:
             raise ProtocolError(f"unknown frame kind {number}")
@@ -348,6 +350,9 @@ class FrameReader:
                 call_id,
             )
         if not count and not flags:  # the common small frame: a header and a payload
+            if self._end - start >= payload_size:  # all here already
+                self._start = start + payload_size
+                return Frame(kind, call_id, ref, bytes(self._view[start : start + payload_size]))
             return Frame(kind, call_id, ref, self._read_payload(payload_size))
         compressed = bool(flags & COMPRESSED)
         if compressed and not self._decompress:
