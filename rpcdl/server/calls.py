@@ -52,8 +52,7 @@ class CallRunner:
                 except Exception as exc:
                     raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
                 if buffers or len(payload) > _SURELY_UNDER_LIMITS:
-                    sizes = [b.nbytes for b in buffers]
-                    self.limits.check_outgoing(len(payload), sizes, f"the result of {_name(func)}")
+                    self._check_limits(func, payload, buffers)
         except BaseException as exc:
             if frame.ref:
                 self.store.complete(frame.ref, error=exc)
@@ -62,6 +61,13 @@ class CallRunner:
             return Frame(Kind.ERROR, frame.call_id, 0, self.error_report(exc))
         self.counters.ran(time.perf_counter() - started, False)
         return Frame(Kind.RESULT, frame.call_id, 0, payload, buffers)
+
+    def _check_limits(self, func: Any, payload: bytes, buffers: list[memoryview]) -> None:
+        """Raise :class:`~rpcdl.errors.LimitExceeded` if the answer ``payload, buffers`` of ``func`` breaks a limit."""
+        limits = self.limits
+        sizes = [b.nbytes for b in buffers]
+        if len(sizes) > limits.max_buffers or len(payload) + sum(sizes) > limits.max_message_bytes:
+            limits.check_outgoing(len(payload), sizes, f"the result of {_name(func)}")
 
     def error_report(self, exc: BaseException) -> bytes:
         """The report of ``exc`` for the client; a shorter one if it would break the message limit."""

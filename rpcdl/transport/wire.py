@@ -34,6 +34,7 @@ from . import compression
 from .tls_stream import TLSStream
 
 _HEADER = struct.Struct("!BBHIQQQ")
+_U64 = struct.Struct("!Q")
 _INLINE_PAYLOAD = 64 * 1024
 _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
@@ -150,7 +151,7 @@ class Limits:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     """One message: a kind, identifiers, a payload and out-of-band buffers."""
 
@@ -182,7 +183,9 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
         head = _HEADER.pack(frame.kind, frame.flags, 0, 0, frame.call_id, frame.ref, len(payload))
         return [head + payload] if len(payload) <= _INLINE_PAYLOAD else [head, payload]
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in frame.buffers]
-    lengths = struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
+    lengths = (
+        _U64.pack(views[0].nbytes) if len(views) == 1 else struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
+    )
     if frame.flags & COMPRESSED:
         lengths += struct.pack(f"!{len(views)}Q", *(frame.decoded_sizes or [0] * len(views)))
     head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(payload))
