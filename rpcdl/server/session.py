@@ -124,7 +124,7 @@ class ClientConnection:
             if frame.kind == Kind.RESULT and not in_segment:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
-        elif self._holding_back == threading.get_ident():
+        elif self._holding_back and self._holding_back == threading.get_ident():  # nobody holding back: no id to ask
             pieces = encode_frame(frame)
             with self._lock:
                 self._outbox += pieces
