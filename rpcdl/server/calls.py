@@ -2,7 +2,7 @@
 
 Threading: :meth:`CallRunner.run` runs in whichever thread holds the call's slot
 (see :mod:`rpcdl.server.slots`); it touches no state of its own, only the RRef
-store and the counters, which have their own locks.
+store, which has its own lock, and the counters, where each thread counts in its own tally.
 """
 
 from __future__ import annotations
