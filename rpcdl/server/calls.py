@@ -21,6 +21,7 @@ from .counters import Counters
 log = logging.getLogger("rpcdl.worker")
 
 _SURELY_UNDER_LIMITS = 1024  # a payload this small, without buffers, is under any Limits
+_RESULT = Kind.RESULT  # read on every call: an enum member's lookup through its class costs ~0.1 us (3.11)
 
 
 class CallRunner:
@@ -60,7 +61,7 @@ class CallRunner:
             self.counters.ran(time.perf_counter() - started, True)
             return Frame(Kind.ERROR, frame.call_id, 0, self.error_report(exc))
         self.counters.ran(time.perf_counter() - started, False)
-        return Frame(Kind.RESULT, frame.call_id, 0, payload, buffers)
+        return Frame(_RESULT, frame.call_id, 0, payload, buffers)
 
     def _check_limits(self, func: Any, payload: bytes, buffers: list[memoryview]) -> None:
         """Raise :class:`~rpcdl.errors.LimitExceeded` if the answer ``payload, buffers`` of ``func`` breaks a limit."""

@@ -57,6 +57,12 @@ class Turn(enum.Enum):
     CLOSED = "closed"  #: the connection is closed: no one reads again
 
 
+# The turns as module constants: the hot path reads them on every call, and an enum member's
+# lookup through its class costs ~0.1 us in Python 3.11.
+_OFFERED, _READING, _LENT, _CLOSED = Turn.OFFERED, Turn.READING, Turn.LENT, Turn.CLOSED
+_RESULT = Kind.RESULT
+
+
 class ClientConnection:
     """The worker's side of one client connection (see the module for its threads).
 
@@ -84,7 +90,7 @@ class ClientConnection:
         self.compressor = compressor or Compressor("off")
         self.store_view = StoreView(worker.store, self, worker.timeout)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
-        self._turn = Turn.OFFERED
+        self._turn = _OFFERED
         self._lent_at = 0.0
         self._standby = False  # a service thread waits for the turn
         self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
@@ -101,7 +107,7 @@ class ClientConnection:
     @property
     def closed(self) -> bool:
         """Whether the connection is closed."""
-        return self._turn is Turn.CLOSED
+        return self._turn is _CLOSED
 
     @property
     def has_standby(self) -> bool:
@@ -116,12 +122,12 @@ class ClientConnection:
     def send(self, frame: Frame, answers_call: bool = False) -> None:
         """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
         that cannot take it is closed."""
-        if self._turn is Turn.CLOSED:
+        if self._turn is _CLOSED:
             self.worker.counters.sent(0, int(answers_call))
             return
         if frame.buffers:
-            in_segment = self.segment is not None and frame.kind == Kind.RESULT and self.segment.place(frame)
-            if frame.kind == Kind.RESULT and not in_segment:
+            in_segment = self.segment is not None and frame.kind is _RESULT and self.segment.place(frame)
+            if frame.kind is _RESULT and not in_segment:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
         elif self._holding_back and self._holding_back == threading.get_ident():  # nobody holding back: no id to ask
@@ -168,9 +174,9 @@ class ClientConnection:
     def close(self) -> None:
         """Close the connection (once) and have the worker forget it and the RRefs it held."""
         with self._condition:  # never held during a send, which may block for the whole timeout
-            if self._turn is Turn.CLOSED:
+            if self._turn is _CLOSED:
                 return
-            self._turn = Turn.CLOSED
+            self._turn = _CLOSED
             self._condition.notify_all()
         shutdown_socket(self.sock)
         if self.segment is not None:
@@ -195,11 +201,11 @@ class ClientConnection:
 
     def offer_if_lent_before(self, moment: float) -> None:
         """Offer the turn to the standby if it was lent before ``moment`` (``time.monotonic()``)."""
-        if self._turn is not Turn.LENT or self._lent_at > moment:  # the usual case, decided without the lock
+        if self._turn is not _LENT or self._lent_at > moment:  # the usual case, decided without the lock
             return
         with self._condition:
-            if self._turn is Turn.LENT and self._lent_at <= moment:
-                self._turn = Turn.OFFERED
+            if self._turn is _LENT and self._lent_at <= moment:
+                self._turn = _OFFERED
                 self._condition.notify()
 
     # ------------------------------------------------------------------ the read turn
@@ -216,12 +222,12 @@ class ClientConnection:
         """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
         with self._condition:
             self._standby = True
-            while self._turn is not Turn.OFFERED and self._turn is not Turn.CLOSED:
+            while self._turn is not _OFFERED and self._turn is not _CLOSED:
                 self._condition.wait()
             self._standby = False
-            if self._turn is Turn.CLOSED:
+            if self._turn is _CLOSED:
                 return False
-            self._turn = Turn.READING
+            self._turn = _READING
             return True
 
     def _read_while_holding(self) -> None:
@@ -281,20 +287,20 @@ class ClientConnection:
 
     def _lend(self, offer: bool) -> None:
         with self._lock:
-            if self._turn is not Turn.READING:
+            if self._turn is not _READING:
                 return
             if offer:
-                self._turn = Turn.OFFERED
+                self._turn = _OFFERED
                 self._condition.notify()
             else:
-                self._turn = Turn.LENT
+                self._turn = _LENT
                 self._lent_at = time.monotonic()
 
     def _take_back(self) -> bool:
         """Take the turn back after a call if nobody took it; ``False``: the other thread reads (or closed)."""
         with self._lock:
-            if self._turn is Turn.LENT or self._turn is Turn.OFFERED:
-                self._turn = Turn.READING
+            if self._turn is _LENT or self._turn is _OFFERED:
+                self._turn = _READING
                 return True
             return False
 

@@ -34,6 +34,9 @@ class SlotsState(enum.Enum):
     STOPPED = "stopped"  #: executors gone; queued calls stay unanswered (their connections are closed)
 
 
+_OPEN = SlotsState.OPEN  # read on every call: an enum member's lookup through its class costs ~0.1 us (3.11)
+
+
 class Slots:
     """``parallel`` slots and the queue in front of them.
 
@@ -83,7 +86,7 @@ class Slots:
     def take(self) -> bool:
         """Take a slot for a call to run in this thread; ``False`` if none is free or calls are queued."""
         with self._lock:
-            if self._running < self.parallel and not self._queue and self._state is SlotsState.OPEN:
+            if self._running < self.parallel and not self._queue and self._state is _OPEN:
                 self._running += 1
                 return True
             return False
@@ -109,7 +112,7 @@ class Slots:
             finally:
                 large = answer is not None and bool(answer.buffers) and answer.buffer_bytes >= LARGE_ANSWER
                 with self._lock:
-                    if self._queue and self._state is SlotsState.OPEN and not large:
+                    if self._queue and self._state is _OPEN and not large:
                         queued = self._queue.popleft()
                     else:
                         self._running -= 1

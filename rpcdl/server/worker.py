@@ -61,6 +61,10 @@ class Phase(enum.Enum):
     STOPPED = "stopped"
 
 
+# Read on every call: an enum member's lookup through its class costs ~0.1 us in Python 3.11.
+_CALL, _SERVING = Kind.CALL, Phase.SERVING
+
+
 class Worker:
     """An rpcdl worker to embed in a process: serves calls from background threads.
 
@@ -324,9 +328,9 @@ class Worker:
         """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now
         (in a slot taken for it: see :meth:`Slots.run <rpcdl.server.slots.Slots.run>`)."""
         kind = frame.kind
-        self.counters.received(bytes_in, kind is Kind.CALL)
-        if kind is Kind.CALL:
-            if self._phase is not Phase.SERVING:
+        self.counters.received(bytes_in, kind is _CALL)
+        if kind is _CALL:
+            if self._phase is not _SERVING:
                 self.counters.add(calls_rejected=1)
                 connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()))
                 return False
