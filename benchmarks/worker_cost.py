@@ -21,6 +21,10 @@ compares two versions of the worker::
     python benchmarks/worker_cost.py --python /root/.pyenv/versions/3.11.7/bin/python \\
         --python /work/venvs/NAME/bin/python --rounds 3
 
+``--floor`` adds, for the no-op scenarios, the same client against a floor: a
+one-thread loop in this script that takes the handshake, then reads a frame,
+unpickles, calls, pickles and sends the answer, nothing else.
+
 Not a test: it asserts nothing about speed; it prints medians over the rounds.
 """
 
@@ -28,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -42,9 +48,10 @@ from rpcdl.cli.bench.workloads import SmallDataset, noop
 from rpcdl.data.fetch import fetch_batch
 from rpcdl.rpc.rref import _rref_from_wire
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import client_negotiate
+from rpcdl.transport.handshake import client_negotiate, server_negotiate
 from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
+_FLOOR = "floor"
 _ROWS = 9600
 _BATCH = 32
 
@@ -87,16 +94,52 @@ class RawClient:
         self.sock.close()
 
 
+def serve_floor() -> None:
+    """The floor: one thread, one client at a time, a frame in, an answer out (no slots, no counters)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"127.0.0.1:{listener.getsockname()[1]}", flush=True)
+    head = struct.Struct("!BBHIQQQ")
+    while True:
+        sock, _ = listener.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        server_negotiate(sock, None, "floor", "off", 0)
+        sock.settimeout(None)
+        buffer = bytearray(1 << 18)
+        view, start, end = memoryview(buffer), 0, 0
+        try:
+            while True:
+                while end - start < head.size:
+                    if start == end:
+                        start = end = 0
+                    received = sock.recv_into(view[end:])
+                    if not received:
+                        raise EOFError
+                    end += received
+                _, _, _, _, call_id, _, size = head.unpack_from(buffer, start)
+                start += head.size
+                while end - start < size:
+                    received = sock.recv_into(view[end:])
+                    if not received:
+                        raise EOFError
+                    end += received
+                func, args, kwargs = pickle.loads(view[start : start + size])
+                start += size
+                answer = pickle.dumps(func(*args, **kwargs), protocol=5)
+                sock.sendall(head.pack(Kind.RESULT, 0, 0, 0, call_id, 0, len(answer)) + answer)
+        except (EOFError, OSError):
+            sock.close()
+
+
 class WorkerProcess:
-    """``python -m rpcdl worker --port 0`` run by ``python`` from a neutral folder."""
+    """``python -m rpcdl worker --port 0`` run by ``python`` from a neutral folder (or the floor loop)."""
 
     def __init__(self, python: str):
         self.python = python
         self._folder = tempfile.TemporaryDirectory()
-        self.process = subprocess.Popen(
-            [python, "-m", "rpcdl", "worker", "--port", "0", "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, cwd=self._folder.name, text=True,
-        )  # fmt: skip
+        command = [python, "-m", "rpcdl", "worker", "--port", "0", "--log-level", "WARNING"]
+        if python == _FLOOR:
+            command = [sys.executable, os.path.abspath(__file__), "--serve-floor"]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, cwd=self._folder.name, text=True)
         self.address = self.process.stdout.readline().strip()
         if not self.address:
             raise RuntimeError(f"{python} -m rpcdl worker did not start")
@@ -184,6 +227,8 @@ def run_round(python: str, args: argparse.Namespace) -> dict[str, dict[str, floa
     try:
         results = {}
         for scenario in args.scenario:
+            if python == _FLOOR and scenario == "small":
+                continue  # the floor holds no RRefs
             client = RawClient(worker.address)
             try:
                 if scenario == "latency":
@@ -206,8 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5000, help="calls per round (pipelined: 4 times as many)")
     parser.add_argument("--window", type=int, default=64, help="pipelined calls in flight")
+    parser.add_argument("--floor", action="store_true", help="also measure the floor loop (no-op scenarios)")
+    parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    pythons = args.python or [sys.executable]
+    if args.serve_floor:
+        serve_floor()
+        return 0
+    pythons = (args.python or [sys.executable]) + ([_FLOOR] if args.floor else [])
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     for round_index in range(args.rounds):
         for python in pythons:
