@@ -2,7 +2,7 @@
 
 Threading: :meth:`CallRunner.run` runs in whichever thread holds the call's slot
 (see :mod:`rpcdl.server.slots`); it touches no state of its own, only the RRef
-store and the counters, which have their own locks.
+store, which has its own lock, and the counters, where each thread counts in its own tally.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .counters import Counters
 log = logging.getLogger("rpcdl.worker")
 
 _SURELY_UNDER_LIMITS = 1024  # a payload this small, without buffers, is under any Limits
+_RESULT = Kind.RESULT  # read on every call: an enum member's lookup through its class costs ~0.1 us (3.11)
 
 
 class CallRunner:
@@ -40,7 +41,6 @@ class CallRunner:
     def run(self, session: Any, frame: Frame) -> Frame:
         """Run the call of ``frame`` from ``session``; return its answer: a RESULT or an ERROR frame."""
         started = time.perf_counter()
-        failed = True
         try:
             with peer_context(session.peer, session.store_view), answering_into(session.segment):
                 func, args, kwargs = loads(frame.payload, frame.buffers)
@@ -53,17 +53,22 @@ class CallRunner:
                 except Exception as exc:
                     raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
                 if buffers or len(payload) > _SURELY_UNDER_LIMITS:
-                    sizes = [b.nbytes for b in buffers]
-                    self.limits.check_outgoing(len(payload), sizes, f"the result of {_name(func)}")
-            failed = False
-            return Frame(Kind.RESULT, frame.call_id, payload=payload, buffers=buffers)
+                    self._check_limits(func, payload, buffers)
         except BaseException as exc:
             if frame.ref:
                 self.store.complete(frame.ref, error=exc)
             log.debug("call from %s raised %s", session.peer, type(exc).__name__)
-            return Frame(Kind.ERROR, frame.call_id, payload=self.error_report(exc))
-        finally:
-            self.counters.ran(time.perf_counter() - started, failed)
+            self.counters.ran(time.perf_counter() - started, True)
+            return Frame(Kind.ERROR, frame.call_id, 0, self.error_report(exc))
+        self.counters.ran(time.perf_counter() - started, False)
+        return Frame(_RESULT, frame.call_id, 0, payload, buffers)
+
+    def _check_limits(self, func: Any, payload: bytes, buffers: list[memoryview]) -> None:
+        """Raise :class:`~rpcdl.errors.LimitExceeded` if the answer ``payload, buffers`` of ``func`` breaks a limit."""
+        limits = self.limits
+        sizes = [b.nbytes for b in buffers]
+        if len(sizes) > limits.max_buffers or len(payload) + sum(sizes) > limits.max_message_bytes:
+            limits.check_outgoing(len(payload), sizes, f"the result of {_name(func)}")
 
     def error_report(self, exc: BaseException) -> bytes:
         """The report of ``exc`` for the client; a shorter one if it would break the message limit."""

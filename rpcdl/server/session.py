@@ -57,6 +57,12 @@ class Turn(enum.Enum):
     CLOSED = "closed"  #: the connection is closed: no one reads again
 
 
+# The turns as module constants: the hot path reads them on every call, and an enum member's
+# lookup through its class costs ~0.1 us in Python 3.11.
+_OFFERED, _READING, _LENT, _CLOSED = Turn.OFFERED, Turn.READING, Turn.LENT, Turn.CLOSED
+_RESULT = Kind.RESULT
+
+
 class ClientConnection:
     """The worker's side of one client connection (see the module for its threads).
 
@@ -84,7 +90,7 @@ class ClientConnection:
         self.compressor = compressor or Compressor("off")
         self.store_view = StoreView(worker.store, self, worker.timeout)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
-        self._turn = Turn.OFFERED
+        self._turn = _OFFERED
         self._lent_at = 0.0
         self._standby = False  # a service thread waits for the turn
         self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
@@ -101,7 +107,7 @@ class ClientConnection:
     @property
     def closed(self) -> bool:
         """Whether the connection is closed."""
-        return self._turn is Turn.CLOSED
+        return self._turn is _CLOSED
 
     @property
     def has_standby(self) -> bool:
@@ -116,15 +122,15 @@ class ClientConnection:
     def send(self, frame: Frame, answers_call: bool = False) -> None:
         """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
         that cannot take it is closed."""
-        if self._turn is Turn.CLOSED:
+        if self._turn is _CLOSED:
             self.worker.counters.sent(0, int(answers_call))
             return
         if frame.buffers:
-            in_segment = self.segment is not None and frame.kind == Kind.RESULT and self.segment.place(frame)
-            if frame.kind == Kind.RESULT and not in_segment:
+            in_segment = self.segment is not None and frame.kind is _RESULT and self.segment.place(frame)
+            if frame.kind is _RESULT and not in_segment:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
-        elif self._holding_back == threading.get_ident():
+        elif self._holding_back and self._holding_back == threading.get_ident():  # nobody holding back: no id to ask
             pieces = encode_frame(frame)
             with self._lock:
                 self._outbox += pieces
@@ -136,9 +142,12 @@ class ClientConnection:
         sent = 0
         try:
             with self._send_lock:
-                started = time.perf_counter()
-                sent = send_pieces(self.sock, pieces)
-                self.compressor.sent(sent, time.perf_counter() - started)
+                if self.compressor.mode != "auto":  # nothing to decide from the time a send takes
+                    sent = send_pieces(self.sock, pieces)
+                else:
+                    started = time.perf_counter()
+                    sent = send_pieces(self.sock, pieces)
+                    self.compressor.sent(sent, time.perf_counter() - started)
         except OSError as exc:
             log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
             self.close()
@@ -165,9 +174,9 @@ class ClientConnection:
     def close(self) -> None:
         """Close the connection (once) and have the worker forget it and the RRefs it held."""
         with self._condition:  # never held during a send, which may block for the whole timeout
-            if self._turn is Turn.CLOSED:
+            if self._turn is _CLOSED:
                 return
-            self._turn = Turn.CLOSED
+            self._turn = _CLOSED
             self._condition.notify_all()
         shutdown_socket(self.sock)
         if self.segment is not None:
@@ -192,67 +201,77 @@ class ClientConnection:
 
     def offer_if_lent_before(self, moment: float) -> None:
         """Offer the turn to the standby if it was lent before ``moment`` (``time.monotonic()``)."""
-        if self._turn is not Turn.LENT or self._lent_at > moment:  # the usual case, decided without the lock
+        if self._turn is not _LENT or self._lent_at > moment:  # the usual case, decided without the lock
             return
         with self._condition:
-            if self._turn is Turn.LENT and self._lent_at <= moment:
-                self._turn = Turn.OFFERED
+            if self._turn is _LENT and self._lent_at <= moment:
+                self._turn = _OFFERED
                 self._condition.notify()
 
     # ------------------------------------------------------------------ the read turn
 
     def _serve(self) -> None:
-        while self._wait_for_turn():
-            self._read_while_holding()
-            self._flush()  # answers held back go out, or are counted if the connection closed
+        try:
+            while self._wait_for_turn():
+                self._read_while_holding()
+                self._flush()  # answers held back go out, or are counted if the connection closed
+        finally:
+            self.worker.counters.retire()
 
     def _wait_for_turn(self) -> bool:
         """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
         with self._condition:
             self._standby = True
-            while self._turn is not Turn.OFFERED and self._turn is not Turn.CLOSED:
+            while self._turn is not _OFFERED and self._turn is not _CLOSED:
                 self._condition.wait()
             self._standby = False
-            if self._turn is Turn.CLOSED:
+            if self._turn is _CLOSED:
                 return False
-            self._turn = Turn.READING
+            self._turn = _READING
             return True
 
     def _read_while_holding(self) -> None:
         """Read and dispatch frames until the turn goes to the other thread or the connection closes."""
-        worker = self.worker
+        worker, reader, slots = self.worker, self.reader, self.worker.slots
+        waiting = reader.holds_frame  # a frame waits in the receive buffer: the next read does not wait
         while True:
-            if self._outbox and not self.reader.holds_frame:  # the read may wait: no answer waits with it
+            if self._outbox and not waiting:  # the read may wait: no answer waits with it
                 self._flush()
             frame = self._read_frame()
             if frame is None:
                 if self.closed:
                     return
+                waiting = reader.holds_frame
                 continue
-            bytes_in, self._counted = self.reader.bytes_read - self._counted, self.reader.bytes_read
+            bytes_in, self._counted = reader.bytes_read - self._counted, reader.bytes_read
             try:
                 run_here = worker.dispatch(self, frame, bytes_in)
             except ProtocolError as exc:
                 log.warning("closed connection from %s: %s", self.peer, exc)
                 self.close()
                 return
+            waiting = reader.holds_frame
             if not run_here:
                 continue
-            self._lend(offer=worker.slots.has_free)
-            started = time.perf_counter()
-            if self.reader.holds_frame and self._outbox_answers < _OUTBOX_ANSWERS:
-                self._holding_back = threading.get_ident()
-            try:
-                worker.slots.run(self, frame)
-            finally:
-                self._holding_back = 0
-            if self._outbox and (
-                time.perf_counter() - started > _QUICK_CALL or self._outbox_answers >= _OUTBOX_ANSWERS
-            ):
-                self._flush()
+            self._lend(offer=slots.has_free)
+            if waiting and self._outbox_answers < _OUTBOX_ANSWERS:
+                self._run_holding_back(frame)
+            else:
+                slots.run(self, frame)
             if not self._take_back():
                 self._flush()
                 return
+
+    def _run_holding_back(self, frame: Frame) -> None:
+        """Run a call inline, its answer held back in the outbox; send the outbox after a slow call or when full."""
+        started = time.perf_counter()
+        self._holding_back = threading.get_ident()
+        try:
+            self.worker.slots.run(self, frame)
+        finally:
+            self._holding_back = 0
+        if time.perf_counter() - started > _QUICK_CALL or self._outbox_answers >= _OUTBOX_ANSWERS:
+            self._flush()
 
     def _read_frame(self) -> Frame | None:
         """The next frame, or ``None`` if none came within the idle tick or the connection closed."""
@@ -268,20 +287,20 @@ class ClientConnection:
 
     def _lend(self, offer: bool) -> None:
         with self._lock:
-            if self._turn is not Turn.READING:
+            if self._turn is not _READING:
                 return
             if offer:
-                self._turn = Turn.OFFERED
+                self._turn = _OFFERED
                 self._condition.notify()
             else:
-                self._turn = Turn.LENT
+                self._turn = _LENT
                 self._lent_at = time.monotonic()
 
     def _take_back(self) -> bool:
         """Take the turn back after a call if nobody took it; ``False``: the other thread reads (or closed)."""
         with self._lock:
-            if self._turn is Turn.LENT or self._turn is Turn.OFFERED:
-                self._turn = Turn.READING
+            if self._turn is _LENT or self._turn is _OFFERED:
+                self._turn = _READING
                 return True
             return False
 

@@ -34,6 +34,9 @@ class SlotsState(enum.Enum):
     STOPPED = "stopped"  #: executors gone; queued calls stay unanswered (their connections are closed)
 
 
+_OPEN = SlotsState.OPEN  # read on every call: an enum member's lookup through its class costs ~0.1 us (3.11)
+
+
 class Slots:
     """``parallel`` slots and the queue in front of them.
 
@@ -83,7 +86,7 @@ class Slots:
     def take(self) -> bool:
         """Take a slot for a call to run in this thread; ``False`` if none is free or calls are queued."""
         with self._lock:
-            if self._running < self.parallel and not self._queue and self._state is SlotsState.OPEN:
+            if self._running < self.parallel and not self._queue and self._state is _OPEN:
                 self._running += 1
                 return True
             return False
@@ -104,11 +107,12 @@ class Slots:
         while True:
             queued = answer = None
             try:
-                answer = self._answer(session, frame)
+                # a closed session has nobody to answer: its calls are not run
+                answer = self._refuse(frame) if session.closed else self._execute(session, frame)
             finally:
-                large = answer is not None and answer.buffer_bytes >= LARGE_ANSWER
+                large = answer is not None and bool(answer.buffers) and answer.buffer_bytes >= LARGE_ANSWER
                 with self._lock:
-                    if self._queue and self._state is SlotsState.OPEN and not large:
+                    if self._queue and self._state is _OPEN and not large:
                         queued = self._queue.popleft()
                     else:
                         self._running -= 1
@@ -119,12 +123,10 @@ class Slots:
                 return
             session, frame = queued
 
-    def _answer(self, session: Any, frame: Frame) -> Frame:
-        if session.closed:  # nobody to answer: do not run it
-            if frame.ref:
-                self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
-            return Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
-        return self._execute(session, frame)
+    def _refuse(self, frame: Frame) -> Frame:
+        if frame.ref:
+            self._store.complete(frame.ref, error=ConnectionLost("the client disconnected"))
+        return Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
 
     def _executor(self) -> None:
         while True:

@@ -61,6 +61,10 @@ class Phase(enum.Enum):
     STOPPED = "stopped"
 
 
+# Read on every call: an enum member's lookup through its class costs ~0.1 us in Python 3.11.
+_CALL, _SERVING = Kind.CALL, Phase.SERVING
+
+
 class Worker:
     """An rpcdl worker to embed in a process: serves calls from background threads.
 
@@ -217,32 +221,31 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """The worker's counters, as :func:`rpcdl.stats` returns them."""
-        c = self.counters
         with self._connections_lock:  # not under the counters' lock: forget() takes this one first
             compressing = sum(connection.compressor.active for connection in self._connections)
-        with c.lock:
-            return {
-                "address": self.address,
-                "pid": os.getpid(),
-                "uptime_s": round(time.monotonic() - self._started_at, 3),
-                "parallel": self.parallel,
-                "calls_served": c.calls_served,
-                "calls_failed": c.calls_failed,
-                "calls_rejected": c.calls_rejected,
-                "calls_in_flight": c.outstanding,
-                "busy_s": round(c.busy_seconds, 6),
-                "bytes_in": c.bytes_in,
-                "bytes_out": c.bytes_out,
-                "clients": c.clients,
-                "connections_total": c.connections_total,
-                "connections_refused": c.connections_refused,
-                "rrefs": len(self.store),
-                "draining": self._phase is not Phase.SERVING,
-                "tls": self._ssl is not None,
-                "authenticated": self._token is not None,
-                "compression_mode": self.compression,
-                "connections_compressing": compressing,
-            }
+        c = self.counters.totals()
+        return {
+            "address": self.address,
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - self._started_at, 3),
+            "parallel": self.parallel,
+            "calls_served": c["calls_served"],
+            "calls_failed": c["calls_failed"],
+            "calls_rejected": c["calls_rejected"],
+            "calls_in_flight": c["outstanding"],
+            "busy_s": round(c["busy_seconds"], 6),
+            "bytes_in": c["bytes_in"],
+            "bytes_out": c["bytes_out"],
+            "clients": c["clients"],
+            "connections_total": c["connections_total"],
+            "connections_refused": c["connections_refused"],
+            "rrefs": len(self.store),
+            "draining": self._phase is not Phase.SERVING,
+            "tls": self._ssl is not None,
+            "authenticated": self._token is not None,
+            "compression_mode": self.compression,
+            "connections_compressing": compressing,
+        }
 
     # ------------------------------------------------------------------ threads
 
@@ -325,9 +328,9 @@ class Worker:
         """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now
         (in a slot taken for it: see :meth:`Slots.run <rpcdl.server.slots.Slots.run>`)."""
         kind = frame.kind
-        self.counters.received(bytes_in, kind is Kind.CALL)
-        if kind is Kind.CALL:
-            if self._phase is not Phase.SERVING:
+        self.counters.received(bytes_in, kind is _CALL)
+        if kind is _CALL:
+            if self._phase is not _SERVING:
                 self.counters.add(calls_rejected=1)
                 connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()))
                 return False

@@ -34,6 +34,7 @@ from . import compression
 from .tls_stream import TLSStream
 
 _HEADER = struct.Struct("!BBHIQQQ")
+_U64 = struct.Struct("!Q")
 _INLINE_PAYLOAD = 64 * 1024
 _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
@@ -150,7 +151,7 @@ class Limits:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     """One message: a kind, identifiers, a payload and out-of-band buffers."""
 
@@ -182,7 +183,9 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
         head = _HEADER.pack(frame.kind, frame.flags, 0, 0, frame.call_id, frame.ref, len(payload))
         return [head + payload] if len(payload) <= _INLINE_PAYLOAD else [head, payload]
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in frame.buffers]
-    lengths = struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
+    lengths = (
+        _U64.pack(views[0].nbytes) if len(views) == 1 else struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
+    )
     if frame.flags & COMPRESSED:
         lengths += struct.pack(f"!{len(views)}Q", *(frame.decoded_sizes or [0] * len(views)))
     head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(payload))
@@ -328,12 +331,14 @@ class FrameReader:
             ProtocolError: the frame breaks the protocol.
             TimeoutError: the peer stalled in the middle of a frame.
         """
-        try:
-            self._fill(_HEADER.size, idle=True)
-        except _Idle:
-            return None
-        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, self._start)
-        self._start += _HEADER.size
+        if self._end - self._start < _HEADER.size:
+            try:
+                self._fill(_HEADER.size, idle=True)
+            except _Idle:
+                return None
+        start = self._start
+        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, start)
+        self._start = start = start + _HEADER.size
         kind = _KINDS.get(number)
         if kind is None:
             raise ProtocolError(f"unknown frame kind {number}")
@@ -348,6 +353,9 @@ class FrameReader:
                 call_id,
             )
         if not count and not flags:  # the common small frame: a header and a payload
+            if self._end - start >= payload_size:  # all here already
+                self._start = start + payload_size
+                return Frame(kind, call_id, ref, bytes(self._view[start : start + payload_size]))
             return Frame(kind, call_id, ref, self._read_payload(payload_size))
         compressed = bool(flags & COMPRESSED)
         if compressed and not self._decompress:
@@ -457,5 +465,4 @@ class FrameReader:
             if not received:
                 raise ConnectionLost("the peer closed the connection")
             self.bytes_read += received
-            self._progress = time.monotonic()
             return received
