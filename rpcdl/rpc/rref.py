@@ -260,12 +260,39 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def remote_id(rref: RRef) -> int:
+    """The id of a remote reference on its owner: a call to the owner can name the object by it.
+
+    The caller keeps ``rref`` alive until the call is sent (while it holds the
+    reference, the owner keeps the object). On the owner, :func:`resolve_here`
+    turns the id back into the object.
+
+    Raises:
+        ValueError: ``rref`` is local (it has no owner to name it to).
+    """
+    handle = rref._handle
+    if handle is None:
+        raise ValueError("a local RRef has no remote id: it is not kept by a worker")
+    return handle.uid
+
+
+def resolve_here(uid: int) -> Any:
+    """The object a worker keeps under ``uid`` (:func:`remote_id`), for the call being run on it.
+
+    Raises:
+        RRefNotFound: this process is not a worker running a call, or it holds
+            no object under ``uid`` (freed, or the worker restarted).
+    """
+    store = current_peer()[1]
+    if store is None:
+        raise RRefNotFound(f"RRef {uid:#x} was sent to its owner, but this process is not an rpcdl worker")
+    return store.resolve(uid)
+
+
 def _rref_from_wire(kind: str, uid: int, owner: str | None = None) -> Any:
     peer, store = current_peer()
     if kind == "recipient":
-        if store is None:
-            raise RRefNotFound(f"RRef {uid:#x} was sent to its owner, but this process is not an rpcdl worker")
-        return store.resolve(uid)
+        return resolve_here(uid)
     if kind == "sender":
         if peer is None:
             raise RRefNotFound(f"RRef {uid:#x} arrived outside an rpcdl call")
