@@ -37,7 +37,9 @@ _shape_and_dtype = operator.attrgetter("shape", "dtype")
 def _stack_in_segment(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | None = None) -> torch.Tensor:
     first = batch[0]
     plain = first.layout == torch.strided and first.device.type == "cpu" and not first.requires_grad
-    if plain and len(set(map(_shape_and_dtype, batch))) == 1:
+    # A batch smaller than a span never goes in the segment: no need to ask for one.
+    big = plain and not first.is_nested and len(batch) * first.numel() * first.element_size() >= shm.MIN_SPAN_BYTES
+    if big and len(set(map(_shape_and_dtype, batch))) == 1:
         out = shm.empty((len(batch), *first.shape), first.dtype)
         if out is not None:
             return torch.stack(list(batch), 0, out=out)
