@@ -30,7 +30,6 @@ from ..rpc.rref import resolve_here
 from ..seeding import set_random_seeds
 from ..transport import shm
 
-
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
 
 

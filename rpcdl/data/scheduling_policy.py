@@ -346,10 +346,7 @@ def active(slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
 
 def any_active(slots: Sequence[WorkerSlot]) -> bool:
     """Whether a worker may be given tasks."""
-    for slot in slots:
-        if slot.state is _ACTIVE:
-            return True
-    return False
+    return any(slot.state is _ACTIVE for slot in slots)
 
 
 _ACTIVE, _DOWN = WorkerState.ACTIVE, WorkerState.DOWN

@@ -290,10 +290,10 @@ def resolve_here(uid: int) -> Any:
 
 
 def _rref_from_wire(kind: str, uid: int, owner: str | None = None) -> Any:
-    peer, store = current_peer()
     if kind == "recipient":
         return resolve_here(uid)
     if kind == "sender":
+        peer = current_peer()[0]
         if peer is None:
             raise RRefNotFound(f"RRef {uid:#x} arrived outside an rpcdl call")
         return RRef._from_handle(holding_handle(peer, uid, current_connection()))
