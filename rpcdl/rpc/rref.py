@@ -102,7 +102,7 @@ class RRefStore:
         entry = self._entries.get(uid)
         if entry is None:
             raise RRefNotFound(f"this worker holds no object for RRef {uid:#x}: it was freed, or the worker restarted")
-        if not entry.ready.wait(timeout):
+        if not entry.ready.is_set() and not entry.ready.wait(timeout):  # set: no lock to take
             raise TimeoutError(f"the call creating RRef {uid:#x} did not finish within {timeout}s")
         if entry.error is not None:
             raise entry.error
