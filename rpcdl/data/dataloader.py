@@ -24,10 +24,10 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from ..checks import check_int, check_loader_timeout, check_positive_int
 from ..errors import is_transient
 from ..rpc.client import ping_async, rpc_async
-from ..rpc.rref import RRefNotFound
+from ..rpc.rref import RRefNotFound, remote_id
 from ..seeding import derive_seed, set_random_seeds
 from .dataset import RPCDataset
-from .fetch import fetch_batch, fetch_sample
+from .fetch import fetch_batch_at, fetch_sample_at
 from .loader_state import check_state, loader_shape
 from .scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
@@ -396,7 +396,11 @@ class _EpochIterator(Iterator[Any]):
         batches = (
             (seq, indices) for seq, indices in itertools.islice(enumerate(source), skip_prefix, None) if seq not in skip
         )
-        self._fetch = fetch_batch if loader.batch_sampler is not None else fetch_sample
+        batched = loader.batch_sampler is not None
+        self._fetch = fetch_batch_at if batched else fetch_sample_at
+        # torch's default collate (convert) function is named by None: nothing to pickle per batch.
+        default = default_collate if batched else default_convert
+        self._collate_fn = None if loader.collate_fn is default else loader.collate_fn
         if loader.seed is not None:
             self._reseed_workers()
         self._dispatch = loader._pool.start(batches, self._call, in_order=loader.in_order)
@@ -443,7 +447,7 @@ class _EpochIterator(Iterator[Any]):
         seq, indices = task.payload
         seed = derive_seed(loader.seed, self.epoch, seq) if loader.seed is not None else None
         return rpc_async(
-            slot.address, self._fetch, (rref, indices, loader.collate_fn, seed),
+            slot.address, self._fetch, (remote_id(rref), indices, self._collate_fn, seed),
             pin_memory=loader.pin_memory, timeout=loader._call_timeout,
         )  # fmt: skip
 

@@ -4,25 +4,41 @@ As ``torch.utils.data._utils.fetch._MapDatasetFetcher``: a batch goes through
 the dataset's ``__getitems__`` when it defines one, else sample by sample, then
 through ``collate_fn``. torch's ``default_collate`` stacks tensors straight into
 the connection's shared segment when it has one (see :mod:`rpcdl.transport.shm`).
+
+A loader's call names its dataset by the id of its RRef (:func:`fetch_batch_at`,
+:func:`fetch_sample_at`) and torch's default collate or convert function by
+``None``: what does not change within an epoch costs the pickler nothing per batch.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate, default_collate_fn_map
+from torch.utils.data._utils.collate import (
+    collate,
+    collate_tensor_fn,
+    default_collate,
+    default_collate_fn_map,
+    default_convert,
+)
 
+from ..rpc.rref import resolve_here
 from ..seeding import set_random_seeds
 from ..transport import shm
+
+_shape_and_dtype = operator.attrgetter("shape", "dtype")
 
 
 def _stack_in_segment(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | None = None) -> torch.Tensor:
     first = batch[0]
     plain = first.layout == torch.strided and first.device.type == "cpu" and not first.requires_grad
-    if plain and all(t.shape == first.shape and t.dtype == first.dtype for t in batch):
+    # A batch smaller than a span never goes in the segment: no need to ask for one.
+    big = plain and not first.is_nested and len(batch) * first.numel() * first.element_size() >= shm.MIN_SPAN_BYTES
+    if big and len(set(map(_shape_and_dtype, batch))) == 1:
         out = shm.empty((len(batch), *first.shape), first.dtype)
         if out is not None:
             return torch.stack(list(batch), 0, out=out)
@@ -36,13 +52,14 @@ def fetch_batch(dataset: Any, indices: Sequence[Any], collate_fn: Callable, seed
     """Load the samples at ``indices`` and collate them; seed the random generators first when ``seed`` is set."""
     if seed is not None:
         set_random_seeds(seed, 0)
-    if collate_fn is default_collate:
-        collate_fn = _collate_in_segment
     # As torch's _MapDatasetFetcher: a dataset's own batched read when it defines one.
     getitems = getattr(dataset, "__getitems__", None)
-    if getitems:
-        return collate_fn(getitems(indices))
-    return collate_fn([dataset[i] for i in indices])
+    samples = getitems(indices) if getitems else [dataset[i] for i in indices]
+    if collate_fn is not default_collate:
+        return collate_fn(samples)
+    if type(samples) is list and samples and type(samples[0]) is torch.Tensor:  # default_collate's own dispatch
+        return _stack_in_segment(samples)
+    return _collate_in_segment(samples)
 
 
 def fetch_sample(dataset: Any, index: Any, convert_fn: Callable, seed: int | None) -> Any:
@@ -50,3 +67,15 @@ def fetch_sample(dataset: Any, index: Any, convert_fn: Callable, seed: int | Non
     if seed is not None:
         set_random_seeds(seed, 0)
     return convert_fn(dataset[index])
+
+
+def fetch_batch_at(dataset_id: int, indices: Sequence[Any], collate_fn: Callable | None, seed: int | None) -> Any:
+    """:func:`fetch_batch` on the dataset the caller's RRef ``dataset_id`` names (``collate_fn=None``: torch's
+    ``default_collate``); see :func:`rpcdl.rpc.rref.remote_id`."""
+    return fetch_batch(resolve_here(dataset_id), indices, default_collate if collate_fn is None else collate_fn, seed)
+
+
+def fetch_sample_at(dataset_id: int, index: Any, convert_fn: Callable | None, seed: int | None) -> Any:
+    """:func:`fetch_sample` on the dataset the caller's RRef ``dataset_id`` names (``convert_fn=None``: torch's
+    ``default_convert``)."""
+    return fetch_sample(resolve_here(dataset_id), index, default_convert if convert_fn is None else convert_fn, seed)

@@ -163,6 +163,8 @@ class WorkerPool:
     def release_answered(self, reader: queue.SimpleQueue) -> None:
         """Free the worker slots of calls answered for the other passes than ``reader``'s (its events queue):
         a pass that is not being advanced must not hold workers its answers no longer use."""
+        if len(self._passes) < 2:  # a pass alone: the calls in flight are its own (a closed pass drops its own)
+            return
         for slot in self.slots:
             answered = [a for a in slot.in_flight if a.events is not reader and a.future.done()]
             slot.in_flight.difference_update(answered)
@@ -192,17 +194,19 @@ class Dispatch(Iterator[Task]):
         # left room in the window: top it up now, before waiting. (Not as a task is handed out:
         # the consumer still holds the one before, so the window would hold one batch more.)
         self._handle_events(wait=False)
-        self._dispatch()
         while True:
+            self._dispatch()
             task = self._pop_finished()
             if task is not None:
                 return task
             if self._source_done and not self._outstanding:
                 self.close()
                 raise StopIteration
-            self._dispatch()
             self._probe_due()
             self._handle_events()
+            task = self._pop_finished()  # before topping up: see above
+            if task is not None:
+                return task
 
     def close(self) -> None:
         """End the pass; answers still in flight are dropped when they arrive."""
@@ -227,7 +231,7 @@ class Dispatch(Iterator[Task]):
             self._end()  # the pool's weak set has already dropped this pass (and a finalizer must not take its lock)
 
     def _head(self) -> Task:
-        return self._outstanding[min(self._outstanding)]
+        return next(iter(self._outstanding.values()))  # tasks go in in source order: the first is the oldest
 
     def _pop_finished(self) -> Task | None:
         if self.in_order:
@@ -259,9 +263,10 @@ class Dispatch(Iterator[Task]):
             self._send_waiting()
 
     def _send_waiting(self) -> None:
+        window = self._window()
         while True:
             if not self._waiting:
-                if self._source_done or len(self._outstanding) >= self._window():
+                if self._source_done or len(self._outstanding) >= window:
                     break
                 try:
                     with outside_held_blocks():  # the source may be another stage that waits for its answers
@@ -276,6 +281,8 @@ class Dispatch(Iterator[Task]):
             if slot is None:
                 break
             self._send(self._waiting.popleft(), slot)
+            if slot.state is not WorkerState.ACTIVE:  # it failed: the pass's window shrank
+                window = self._window()
 
     def _send(self, task: Task, slot: WorkerSlot) -> None:
         attempt = _Attempt(task, slot, self.pool.clock(), self.events)
@@ -313,8 +320,9 @@ class Dispatch(Iterator[Task]):
         timeout = self._wait_time() if wait else 0.0
         if read_answers(in_flight, timeout) is not None:  # read here (their events are queued), or none came in time
             timeout = 0.0
+        events = self.events
         try:
-            event = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
+            event = events.get(timeout=timeout) if timeout > 0 else (None if events.empty() else events.get_nowait())
         except queue.Empty:
             event = None
         while event is not None:
@@ -325,10 +333,10 @@ class Dispatch(Iterator[Task]):
                 self._retry(subject)
                 self._waiting = collections.deque(sorted(self._waiting, key=lambda task: task.seq))
             try:
-                event = self.events.get_nowait()
+                event = None if events.empty() else events.get_nowait()
             except queue.Empty:
                 event = None
-        while True:
+        while not self.pool.events.empty():
             try:
                 _, slot, future = self.pool.events.get_nowait()
             except queue.Empty:

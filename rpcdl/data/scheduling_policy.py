@@ -47,6 +47,8 @@ __all__ = [
     "SLOW_FACTOR",
     "AllDownWatch",
     "SchedulingPolicy",
+    "active",
+    "any_active",
     "is_worker_failure",
 ]
 
@@ -105,11 +107,18 @@ class SchedulingPolicy:
         """
         if slot.service_time is None:
             return 1
-        return min(max(slot.window or self.prefetch_factor, self.prefetch_factor), self.max_window)
+        window = slot.window
+        if window is None or window <= self.prefetch_factor:
+            return self.prefetch_factor
+        return window if window < self.max_window else self.max_window
 
     def pass_window(self, slots: Sequence[WorkerSlot]) -> int:
         """How many tasks a pass may hold pulled and not handed out: the active workers' windows together."""
-        return sum(self.window(slot) for slot in active(slots)) or self.prefetch_factor
+        total = 0
+        for slot in slots:
+            if slot.state is _ACTIVE:
+                total += self.window(slot)
+        return total or self.prefetch_factor
 
     def sent(self, slot: WorkerSlot, attempt: _Attempt) -> None:
         """Record a call sent to ``slot``."""
@@ -170,8 +179,12 @@ class SchedulingPolicy:
 
     def default_service_time(self, slots: Sequence[WorkerSlot]) -> float:
         """The service time assumed for a worker not measured yet: the best measured one (1 s if none)."""
-        times = [slot.service_time for slot in slots if slot.service_time is not None]
-        return min(times) if times else 1.0
+        best = None
+        for slot in slots:
+            time = slot.service_time
+            if time is not None and (best is None or time < best):
+                best = time
+        return 1.0 if best is None else best
 
     def due_for_trial(self, slot: WorkerSlot, now: float) -> bool:
         """An idle worker passed over as slow gets a task again after idling one service time."""
@@ -181,24 +194,33 @@ class SchedulingPolicy:
         """The active worker expected to finish a new task first, with room in its window; ``None`` when
         none has room, or when the one with room is much slower than the best could be (better wait),
         unless it is due for a trial."""
-        candidates = [slot for slot in active(slots) if slot is not exclude]
-        if not candidates:
-            return None
         default = self.default_service_time(slots)
-        best_possible = min(slot.expected_done(default) for slot in candidates)
-        free = [slot for slot in candidates if len(slot.in_flight) < self.window(slot)]
-        if not free:
+        best_possible = float("inf")
+        chosen, chosen_key = None, None
+        for slot in slots:  # one pass: the best any candidate could do, and the best one with room
+            if slot.state is not _ACTIVE or slot is exclude:
+                continue
+            calls = len(slot.in_flight)
+            done = (calls + 1) * (slot.service_time or default)  # slot.expected_done(default)
+            if done < best_possible:
+                best_possible = done
+            if calls < self.window(slot):
+                key = (done, calls, slot.index)
+                if chosen_key is None or key < chosen_key:
+                    chosen, chosen_key = slot, key
+        if chosen is None:
             return None
-        chosen = min(free, key=lambda slot: (slot.expected_done(default), len(slot.in_flight), slot.index))
-        if chosen.expected_done(default) > SLOW_FACTOR * best_possible and not self.due_for_trial(chosen, now):
+        if chosen_key[0] > SLOW_FACTOR * best_possible and not self.due_for_trial(chosen, now):
             return None
         return chosen
 
     def hedge(self, head: Task, slots: Sequence[WorkerSlot], now: float) -> WorkerSlot | None:
         """Another worker to send a copy of ``head`` (the task the consumer waits for) to: when it is late
         on its worker, or another is expected to finish it much sooner (a slow worker's trial task)."""
+        if head.done or len(head.attempts) > 2:
+            return None
         live = [attempt for attempt in head.attempts if attempt.live]
-        if head.done or len(live) != 1 or len(head.attempts) > 2:
+        if len(live) != 1:
             return None
         attempt = live[0]
         default = self.default_service_time(slots)
@@ -244,7 +266,7 @@ class SchedulingPolicy:
 
     def probes_due(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
         """The down workers whose probe is due; they are ``PROBING`` from now on."""
-        due = [slot for slot in slots if slot.state == WorkerState.DOWN and slot.probe_at <= now]
+        due = [slot for slot in slots if slot.state is _DOWN and slot.probe_at <= now]
         for slot in due:
             slot.state = WorkerState.PROBING
         return due
@@ -283,9 +305,9 @@ class SchedulingPolicy:
         """How long the pass may wait for an answer before it must act: a probe falls due, or the task the
         consumer waits for (``awaiting_head``) may need a copy."""
         deadline = now + IDLE_WAIT
-        probes = [slot.probe_at for slot in slots if slot.state == WorkerState.DOWN]
-        if probes:
-            deadline = min(deadline, min(probes))
+        for slot in slots:
+            if slot.state is _DOWN and slot.probe_at < deadline:
+                deadline = slot.probe_at
         if awaiting_head:
             deadline = min(deadline, now + max(MIN_HEDGE_AGE, self.default_service_time(slots)))
         return max(0.0, deadline - now)
@@ -305,7 +327,7 @@ class AllDownWatch:
     def check(self, slots: Sequence[WorkerSlot], now: float) -> str | None:
         """``None`` while a worker is active or may still come back in time; else the error to raise,
         naming every worker, its state and its last failure."""
-        if active(slots):
+        if any_active(slots):
             self.all_down_since = None
             return None
         if self.all_down_since is None:
@@ -319,4 +341,12 @@ class AllDownWatch:
 
 def active(slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
     """The workers that may be given tasks."""
-    return [slot for slot in slots if slot.state == WorkerState.ACTIVE]
+    return [slot for slot in slots if slot.state is _ACTIVE]
+
+
+def any_active(slots: Sequence[WorkerSlot]) -> bool:
+    """Whether a worker may be given tasks."""
+    return any(slot.state is _ACTIVE for slot in slots)
+
+
+_ACTIVE, _DOWN = WorkerState.ACTIVE, WorkerState.DOWN

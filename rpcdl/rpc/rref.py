@@ -102,7 +102,7 @@ class RRefStore:
         entry = self._entries.get(uid)
         if entry is None:
             raise RRefNotFound(f"this worker holds no object for RRef {uid:#x}: it was freed, or the worker restarted")
-        if not entry.ready.wait(timeout):
+        if not entry.ready.is_set() and not entry.ready.wait(timeout):  # set: no lock to take
             raise TimeoutError(f"the call creating RRef {uid:#x} did not finish within {timeout}s")
         if entry.error is not None:
             raise entry.error
@@ -260,13 +260,40 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def remote_id(rref: RRef) -> int:
+    """The id of a remote reference on its owner: a call to the owner can name the object by it.
+
+    The caller keeps ``rref`` alive until the call is sent (while it holds the
+    reference, the owner keeps the object). On the owner, :func:`resolve_here`
+    turns the id back into the object.
+
+    Raises:
+        ValueError: ``rref`` is local (it has no owner to name it to).
+    """
+    handle = rref._handle
+    if handle is None:
+        raise ValueError("a local RRef has no remote id: it is not kept by a worker")
+    return handle.uid
+
+
+def resolve_here(uid: int) -> Any:
+    """The object a worker keeps under ``uid`` (:func:`remote_id`), for the call being run on it.
+
+    Raises:
+        RRefNotFound: this process is not a worker running a call, or it holds
+            no object under ``uid`` (freed, or the worker restarted).
+    """
+    store = current_peer()[1]
+    if store is None:
+        raise RRefNotFound(f"RRef {uid:#x} was sent to its owner, but this process is not an rpcdl worker")
+    return store.resolve(uid)
+
+
 def _rref_from_wire(kind: str, uid: int, owner: str | None = None) -> Any:
-    peer, store = current_peer()
     if kind == "recipient":
-        if store is None:
-            raise RRefNotFound(f"RRef {uid:#x} was sent to its owner, but this process is not an rpcdl worker")
-        return store.resolve(uid)
+        return resolve_here(uid)
     if kind == "sender":
+        peer = current_peer()[0]
         if peer is None:
             raise RRefNotFound(f"RRef {uid:#x} arrived outside an rpcdl call")
         return RRef._from_handle(holding_handle(peer, uid, current_connection()))
