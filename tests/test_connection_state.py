@@ -19,7 +19,7 @@ def test_the_reading_role_is_held_by_one_reader_at_a_time():
     assert role.free and role.holder is Reader.NOBODY
     assert role.take(Reader.CALLER)
     assert not role.take(Reader.BACKGROUND) and role.holder is Reader.CALLER
-    role.give_back()
+    role.give_back(now=1.0)
     assert role.take(Reader.BACKGROUND) and role.holder is Reader.BACKGROUND
 
 
