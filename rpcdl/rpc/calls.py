@@ -38,6 +38,8 @@ class AnswerReader(Protocol):
 
 _CFuture = torch._C.Future  # the methods of torch.futures.Future, minus its Python wrappers
 _NO_DEVICES: list = []
+future_done: Callable[[torch.futures.Future], bool] = _CFuture.done  #: ``future.done()``, one call less
+set_future_result: Callable[[torch.futures.Future, Any], None] = _CFuture.set_result  #: ``future.set_result(v)``
 
 
 class CallFuture(torch.futures.Future):

@@ -63,7 +63,7 @@ from ..transport.security import Token
 from ..transport.tls_stream import TLSStream
 from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 from . import held
-from .calls import Call, ReadBy
+from .calls import Call, ReadBy, future_done, set_future_result
 from .dial import dial
 from .live_threads import live_thread
 from .outbox import Outbox
@@ -178,7 +178,7 @@ class Connection:
         """Wait until ``call`` is answered (or fails), reading answers meanwhile."""
         held.send_held()
         future, calls, role, call_id = call.future, self._calls, self._role, call.call_id
-        while not future.done():
+        while not future_done(future):
             with self._lock:
                 while call_id in calls and not (role.free and self._state is ConnectionState.OPEN):
                     left = call.deadline - time.monotonic()
@@ -361,7 +361,7 @@ class Connection:
             exc.add_note(f"while unpickling the answer of worker {self.address} to {call.what}")
             call.future.set_exception(exc)
             return
-        call.future.set_result(result)
+        set_future_result(call.future, result)
 
     # ------------------------------------------------------------------ thread
 
