@@ -21,9 +21,10 @@ Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state
   caller reads or waits to and none has for ``_BACKGROUND_DELAY``
   (:meth:`~rpcdl.rpc.state.ReadingRole.background_turn`): it does not compete
   with callers for the role and the GIL, yet the callbacks of a thread that
-  never waits still run within a millisecond or two. The holder reads a frame,
-  then gives the role back *before* it completes its future, so a callback
-  that waits for another answer can take it.
+  never waits still run within a millisecond or two. The holder reads the
+  frames there are (one system call at most), then gives the role back
+  *before* it completes their futures, so a callback that waits for another
+  answer can take it.
 * A call leaves :class:`~rpcdl.rpc.state.PendingCalls` exactly once: answered
   (by the reader, while it still holds the role, so nobody reads again for an
   answer already here), overdue, or failed by the close. Whoever removes it
@@ -73,6 +74,7 @@ _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
 _BACKGROUND_DELAY = 0.001  # the connection's thread reads background answers once no caller has been here this long
+_BATCH = 64  # frames read in one turn with the reading role, at most
 
 
 _ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
@@ -296,30 +298,40 @@ class Connection:
     # ------------------------------------------------------------------ reading
 
     def _read(self) -> None:
-        """Read a frame; give the role back; deliver it. The caller holds the reading role.
+        """Read the frames there are; give the role back; deliver them. The caller holds the reading role.
 
-        One frame only: the next may have begun to arrive and no more (a large one, a slow link), and
-        a caller reading several connections must not wait for it here. The frames a ``recv`` brought
-        together are read from the reader's buffer by the next turns, without a system call.
-        """
-        frame = call = error = None
+        One system call at most: after the first frame, only those whole in the reader's buffer, up to one
+        with buffers (the next may have begun to arrive and no more; a caller reading several connections
+        must not wait for it here)."""
+        frames: list[Frame] = []
+        reader, error = self._reader, None
         try:
-            frame = self._reader.read_frame(self._allocate)
+            frame = reader.read_frame(self._allocate)
+            while frame is not None:
+                frames.append(frame)
+                if frame.buffers or frame.kind not in _ANSWERS or len(frames) >= _BATCH or not reader.holds_frame:
+                    break
+                frame = reader.read_frame(self._allocate)
         except (OSError, ProtocolError) as exc:  # FrameTooLarge included
             error = exc
-        answer = frame is not None and frame.kind in _ANSWERS
+        answered = []
+        unexpected = frames[-1] if frames and frames[-1].kind not in _ANSWERS else None
         with self._lock:
-            # taken while still reading: a thread waiting for this call must not take the role to read
-            # an answer that is already here
+            # taken while still reading: a thread waiting for these calls must not take the role to read
+            # answers that are already here
             self._role.give_back(time.monotonic())
-            if answer:
-                call = self._calls.pop(frame.call_id)
+            for frame in frames:
+                call = self._calls.pop(frame.call_id) if frame is not unexpected else None
+                if call is not None:  # otherwise its caller gave up waiting
+                    answered.append((frame, call))
+            if frames and unexpected is None:
+                frame = frames[-1]
                 size = len(frame.payload) + frame.buffer_bytes if frame.buffers else len(frame.payload)
                 self._calls.answers_are_large = size >= buffers.MIN_BYTES
             if self._role.waiters:
                 self._cond.notify_all()
             self._caller_left()
-        if call is not None:  # otherwise its caller gave up waiting
+        for frame, call in answered:
             self._deliver(frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
             with self._lock:
@@ -328,8 +340,8 @@ class Connection:
                 call.future.set_exception(error.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
         if error is not None:
             self._fail(f"lost the connection to worker {self.address}: {error or type(error).__name__}")
-        elif frame is not None and not answer:
-            self._fail(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
+        elif unexpected is not None:
+            self._fail(f"worker {self.address} sent an unexpected {unexpected.kind.name} frame")
 
     def _pins(self, call_id: int) -> bool:
         return getattr(self._calls.get(call_id), "pin_memory", False) and shm.can_pin()
@@ -430,8 +442,7 @@ class Connection:
         return bool(self._calls.background) and self._role.free and self._role.background_turn() <= time.monotonic()
 
     def _caller_left(self) -> None:
-        """After a caller gave the role back or stopped waiting: the background answers' turn may come (under
-        ``_lock``)."""
+        """A caller gave the role back or stopped waiting: the background answers' turn may come (under ``_lock``)."""
         if self._serve_wakes_at and self._calls.background:
             self._wake_serve_by(self._role.background_turn())
 

@@ -166,7 +166,11 @@ class PendingCalls:
         """Remove and return the call of that id (answered), or ``None`` if it is not pending."""
         call = self._calls.pop(call_id, None)
         if call is not None:
-            self._count(call, -1)
+            read_by = call.read_by
+            if read_by is ReadBy.BACKGROUND:
+                self._background -= 1
+            elif read_by is ReadBy.CALLER:
+                self._callers -= 1
         return call
 
     def caller_came(self, now: float) -> None:
