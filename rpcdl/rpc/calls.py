@@ -3,7 +3,7 @@
 Threading model: a :class:`Call` is made by the calling thread and then read by
 whichever thread reads its answer; its fields do not change after it is made,
 except :attr:`Call.read_by`, which only its connection changes, under its
-lock (see :class:`rpcdl.rpc.pending.PendingCalls`).
+lock (see :class:`rpcdl.rpc.state.PendingCalls`).
 """
 
 from __future__ import annotations
