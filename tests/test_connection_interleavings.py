@@ -138,8 +138,10 @@ def test_a_caller_holding_the_role_delivers_background_answers_then_its_own(work
     caller.start()
     _until(lambda: connection._role.holder is Reader.CALLER, "the caller reads")
     delivered_on = []
-    background = rpcdl.rpc_async(address, abs, (-4,))
+    answer = _gate("background")  # opened once the callback is on: it cannot run here, on an answer already in
+    background = rpcdl.rpc_async(address, gated, ("background", 4))
     background.add_done_callback(lambda _: (delivered_on.append(threading.current_thread().name), gate.set()))
+    answer.set()
     caller.join(10)
     assert not caller.is_alive() and result == [3]
     assert background.wait() == 4
@@ -171,8 +173,10 @@ def test_background_answers_nobody_waits_for_are_read_by_the_connections_thread_
     connection = client.connection_to(address)
     assert rpcdl.rpc_sync(address, abs, (-1,)) == 1  # a caller read, and left
     done, read_on = threading.Event(), []
-    future = rpcdl.rpc_async(address, abs, (-2,))
+    answer = _gate("answer")  # opened once the callback is on: it cannot run here, on an answer already in
+    future = rpcdl.rpc_async(address, gated, ("answer", 2))
     future.add_done_callback(lambda _: (read_on.append(threading.current_thread().name), done.set()))
+    answer.set()
     assert done.wait(5)  # without any wait() of this thread
     assert read_on == [connection._thread.name] and future.value() == 2
 

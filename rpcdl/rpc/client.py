@@ -36,7 +36,7 @@ from .._lifecycle import ExitPhase, at_exit, in_forked_child
 from ..address import format_address, parse_address
 from ..checks import check_timeout
 from ..errors import WorkerUnavailable
-from ..serialization.pickling import dumps, peer_context
+from ..serialization.pickling import dumps_for
 from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
 from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, Kind, Limits
 from .calls import Call, CallFuture, ReadBy, describe
@@ -263,8 +263,7 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
     elif type(kwargs) is not dict and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     try:
-        with peer_context(host):
-            payload, buffers = dumps((func, tuple(args), dict(kwargs)))
+        payload, buffers = dumps_for(host, (func, tuple(args), dict(kwargs)))
     except Exception as exc:
         raise TypeError(f"cannot send {describe(func)} and its arguments to worker {host}: {exc}") from exc
     if buffers or len(payload) > _SURELY_UNDER_LIMITS:

@@ -56,7 +56,7 @@ from ..errors import (
     WorkerTimeout,
     WorkerUnavailable,
 )
-from ..serialization.pickling import load_exception, loads, peer_context
+from ..serialization.pickling import load_exception, loads_from
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import decode_rejected, decode_stats, encode_release
@@ -355,8 +355,7 @@ class Connection:
     def _deliver(self, frame: Frame, call: Call) -> None:
         try:
             if frame.kind == Kind.RESULT:
-                with peer_context(self.address, None, self):
-                    value = loads(frame.payload, frame.buffers)
+                value = loads_from(self.address, self, frame.payload, frame.buffers)
                 result = call.transform(value) if call.transform is not None else value
             elif frame.kind == Kind.STATS_REPLY:
                 result = decode_stats(frame.payload)

@@ -205,10 +205,14 @@ def dumps_inline(obj: Any) -> bytes:
 
 # ---------------------------------------------------------------------------- peer context
 
-_context = threading.local()
-
-
 _NO_PEER = (None, None, None)
+
+
+class _PeerContext(threading.local):
+    value: tuple = _NO_PEER  #: (peer, local_store, connection) of the message (un)pickled in this thread
+
+
+_context = _PeerContext()
 
 
 class peer_context:  # a class: cheaper per call than a generator-based context manager
@@ -226,21 +230,43 @@ class peer_context:  # a class: cheaper per call than a generator-based context 
         self._value = (peer, local_store, connection)
 
     def __enter__(self) -> None:
-        self._previous = getattr(_context, "value", _NO_PEER)
+        self._previous = _context.value
         _context.value = self._value
 
     def __exit__(self, *exc_info: Any) -> None:
         _context.value = self._previous
 
 
+def dumps_for(peer: str, obj: Any) -> tuple[bytes, list[memoryview]]:
+    """:func:`dumps` under ``peer_context(peer)``, without making a context manager per message."""
+    context = _context
+    previous = context.value
+    context.value = (peer, None, None)
+    try:
+        return dumps(obj)
+    finally:
+        context.value = previous
+
+
+def loads_from(peer: str, connection: Any, payload: Any, buffers: Iterable[Any]) -> Any:
+    """:func:`loads` under ``peer_context(peer, None, connection)``, without making a context manager."""
+    context = _context
+    previous = context.value
+    context.value = (peer, None, connection)
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    finally:
+        context.value = previous
+
+
 def current_peer() -> tuple[str | None, Any]:
     """Return ``(peer, local_store)`` of the message being (un)pickled, or ``(None, None)``."""
-    return getattr(_context, "value", _NO_PEER)[:2]
+    return _context.value[:2]
 
 
 def current_connection() -> Any:
     """Return the client connection carrying the message being unpickled, or ``None``."""
-    return getattr(_context, "value", _NO_PEER)[2]
+    return _context.value[2]
 
 
 # ---------------------------------------------------------------------------- exceptions
