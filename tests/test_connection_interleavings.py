@@ -138,12 +138,47 @@ def test_a_caller_holding_the_role_delivers_background_answers_then_its_own(work
     caller.start()
     _until(lambda: connection._role.holder is Reader.CALLER, "the caller reads")
     delivered_on = []
-    background = rpcdl.rpc_async(address, abs, (-4,))
+    answer = _gate("background")  # opened once the callback is on: it cannot run here, on an answer already in
+    background = rpcdl.rpc_async(address, gated, ("background", 4))
     background.add_done_callback(lambda _: (delivered_on.append(threading.current_thread().name), gate.set()))
+    answer.set()
     caller.join(10)
     assert not caller.is_alive() and result == [3]
     assert background.wait() == 4
     assert delivered_on == ["caller"]  # read by the caller in recv when it arrived, its callback run there
+
+
+def test_a_thread_waiting_for_its_answers_reads_the_background_ones_and_the_connections_thread_stays_out(
+    worker, monkeypatch
+):
+    monkeypatch.setattr(rpcdl.rpc.connection, "_BACKGROUND_DELAY", 60.0)  # its turn never comes in this test
+    address = worker.address
+    rpcdl.ping(address)  # a fresh connection; a caller was here just now
+    connection = client.connection_to(address)
+    read_on = []
+    in_flight = []
+    for k in range(200):
+        if len(in_flight) >= 16:
+            assert in_flight.pop(0).wait() >= 0
+        future = rpcdl.rpc_async(address, abs, (-k,))  # background answers: waiting for them reads them
+        future.add_done_callback(lambda _: read_on.append(threading.current_thread().name))
+        in_flight.append(future)
+    assert [future.wait() for future in in_flight] == list(range(184, 200))
+    assert len(read_on) == 200 and set(read_on) == {"MainThread"}
+    assert connection._role.free and len(connection._calls) == 0
+
+
+def test_background_answers_nobody_waits_for_are_read_by_the_connections_thread_soon_after_a_caller_left(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    assert rpcdl.rpc_sync(address, abs, (-1,)) == 1  # a caller read, and left
+    done, read_on = threading.Event(), []
+    answer = _gate("answer")  # opened once the callback is on: it cannot run here, on an answer already in
+    future = rpcdl.rpc_async(address, gated, ("answer", 2))
+    future.add_done_callback(lambda _: (read_on.append(threading.current_thread().name), done.set()))
+    answer.set()
+    assert done.wait(5)  # without any wait() of this thread
+    assert read_on == [connection._thread.name] and future.value() == 2
 
 
 def test_answers_read_here_are_left_to_their_caller_while_the_background_reader_reads_others(worker):

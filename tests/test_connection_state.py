@@ -19,7 +19,7 @@ def test_the_reading_role_is_held_by_one_reader_at_a_time():
     assert role.free and role.holder is Reader.NOBODY
     assert role.take(Reader.CALLER)
     assert not role.take(Reader.BACKGROUND) and role.holder is Reader.CALLER
-    role.give_back()
+    role.give_back(now=1.0)
     assert role.take(Reader.BACKGROUND) and role.holder is Reader.BACKGROUND
 
 
@@ -77,3 +77,29 @@ def test_overdue_calls_are_removed_once_and_the_next_check_moves_on():
     assert calls.latest_deadline() == later.deadline
     calls.pop(later.call_id)
     assert calls.pop_overdue(later.deadline + 1) == [] and calls.check_at == float("inf")
+
+
+def test_the_connections_thread_reads_only_once_no_caller_has_been_here_for_the_delay():
+    role = ReadingRole(background_delay=0.001)
+    assert not role.callers_present and role.background_turn() == float("-inf")  # no caller yet: at once
+    assert role.take(Reader.CALLER)
+    assert role.callers_present and role.background_turn() == float("inf")  # a caller reads: never
+    role.give_back(now=5.0)
+    assert not role.callers_present and role.background_turn() == 5.001  # it may come back: not before
+    role.begin_waiting()
+    role.begin_waiting()
+    assert role.waiters == 2 and role.callers_present and role.background_turn() == float("inf")
+    role.end_waiting(now=6.0)
+    assert role.waiters == 1 and role.background_turn() == float("inf")  # another still waits
+    role.end_waiting(now=6.5)
+    assert role.waiters == 0 and role.background_turn() == 6.501
+
+
+def test_the_connections_own_reads_do_not_move_its_turn():
+    role = ReadingRole(background_delay=0.001)
+    role.take(Reader.CALLER)
+    role.give_back(now=1.0)
+    assert role.take(Reader.BACKGROUND)
+    assert not role.callers_present and not role.free
+    role.give_back(now=2.0)
+    assert role.free and role.background_turn() == 1.001  # only callers leaving move it

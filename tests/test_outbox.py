@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from rpcdl.rpc import outbox as outbox_module
 from rpcdl.rpc.outbox import Outbox
 
 pytestmark = pytest.mark.timeout(20)
@@ -25,7 +26,9 @@ def _receive_all(sock: socket.socket, size: int) -> bytes:
     return bytes(received)
 
 
-def test_threads_sending_at_once_each_keep_their_order_and_lose_nothing():
+@pytest.mark.parametrize("rounds", [1, outbox_module._ROUNDS])
+def test_threads_sending_at_once_each_keep_their_order_and_lose_nothing(rounds, monkeypatch):
+    monkeypatch.setattr(outbox_module, "_ROUNDS", rounds)  # 1: the sender hands the role on after every write
     ours, theirs = socket.socketpair()
     with ours, theirs:
         outbox = Outbox(ours, [b"first"])

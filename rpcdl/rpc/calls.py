@@ -3,7 +3,7 @@
 Threading model: a :class:`Call` is made by the calling thread and then read by
 whichever thread reads its answer; its fields do not change after it is made,
 except :attr:`Call.read_by`, which only its connection changes, under its
-condition (see :class:`rpcdl.rpc.pending.PendingCalls`).
+lock (see :class:`rpcdl.rpc.state.PendingCalls`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ class AnswerReader(Protocol):
     def wait(self, call: Call) -> None: ...
 
 
+_CFuture = torch._C.Future  # the methods of torch.futures.Future, minus its Python wrappers
+_NO_DEVICES: list = []
+future_done: Callable[[torch.futures.Future], bool] = _CFuture.done  #: ``future.done()``, one call less
+set_future_result: Callable[[torch.futures.Future, Any], None] = _CFuture.set_result  #: ``future.set_result(v)``
+
+
 class CallFuture(torch.futures.Future):
     """The future of a call: waiting on it reads answers from the worker meanwhile.
 
@@ -47,34 +53,64 @@ class CallFuture(torch.futures.Future):
     _connection: AnswerReader | None = None
     _call: Callable[[], Call | None] = staticmethod(lambda: None)  # a weak reference: no cycle holds the result
 
+    def __init__(self) -> None:
+        _CFuture.__init__(self, _NO_DEVICES)  # no CUDA devices: what torch.futures.Future() does
+
     def wait(self) -> Any:
         call = self._call()  # None once answered: the result is there or being set
-        if call is not None and not self.done() and self._connection is not None:
+        if call is not None and self._connection is not None and not _CFuture.done(self):
             self._connection.wait(call)
-        return super().wait()
+        return _CFuture.wait(self)
+
+
+def describe(func: Callable) -> str:
+    """How messages name a call of ``func``: ``"name()"``."""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
+    return f"{name}()"
 
 
 class Call:
-    """One call: its id, deadline, what it is (for messages), and who reads its answer."""
+    """One call: its id, deadline, what it is (for messages), and who reads its answer.
+
+    Args:
+        timeout: seconds from now until the call is overdue.
+        what: what the call is, for messages (``"a ping"``), or the function it calls, described only when a
+            message needs it.
+        sync: whether the thread making it blocks until it is answered (it reads the answer).
+        pin_memory: receive its tensors into pinned memory.
+        transform: applied to the result before the future completes.
+    """
 
     __slots__ = (
-        "__weakref__", "call_id", "deadline", "future", "pin_memory", "read_by", "started", "timeout", "transform",
-        "what",
+        "__weakref__", "_what", "call_id", "deadline", "future", "pin_memory", "read_by", "started", "timeout",
+        "transform",
     )  # fmt: skip
 
     def __init__(
-        self, timeout: float, what: str, *, sync: bool, pin_memory: bool = False, transform: Callable | None = None
+        self,
+        timeout: float,
+        what: str | Callable,
+        *,
+        sync: bool,
+        pin_memory: bool = False,
+        transform: Callable | None = None,
     ):
         self.call_id = next(_call_ids)
-        self.future = CallFuture()
-        self.future._call = weakref.ref(self)
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout
+        self.future = future = CallFuture()
+        future._call = weakref.ref(self)
+        self.started = started = time.monotonic()
+        self.deadline = started + timeout
         self.timeout = timeout
         self.pin_memory = pin_memory
-        self.what = what
+        self._what = what
         self.transform = transform
         if sync:
             self.read_by = ReadBy.WAITER
         else:
             self.read_by = ReadBy.CALLER if held.reads_here() else ReadBy.BACKGROUND
+
+    @property
+    def what(self) -> str:
+        """What the call is, for messages: ``"f()"``, ``"a ping"``."""
+        what = self._what
+        return what if type(what) is str else describe(what)

@@ -9,8 +9,8 @@ little before their workers; a peer that is not an rpcdl worker is named at
 once (see :mod:`rpcdl.rpc.dial`). A process forked from a client never reuses its
 parent's connections.
 
-Threading model: any thread may call; the pool of connections is shared
-under ``_pool_lock``; each connection has its own thread
+Threading model: any thread may call; the pool of connections is shared,
+changed under ``_pool_lock`` (and read without it); each connection has its own thread
 (``rpcdl-connection-HOST:PORT``, see :mod:`rpcdl.rpc.connection`); what a thread
 holds back is its own (:mod:`rpcdl.rpc.held`).
 
@@ -36,10 +36,10 @@ from .._lifecycle import ExitPhase, at_exit, in_forked_child
 from ..address import format_address, parse_address
 from ..checks import check_timeout
 from ..errors import WorkerUnavailable
-from ..serialization.pickling import dumps, peer_context
+from ..serialization.pickling import dumps_for
 from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
 from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, Kind, Limits
-from .calls import Call, CallFuture, ReadBy
+from .calls import Call, CallFuture, ReadBy, describe
 from .connection import _IDLE_TICK, Connection, _Closed
 from .dial import connect_grace
 from .environment import Variables
@@ -136,6 +136,9 @@ def connection_to(
         if ssl_context is None:
             ssl_context = default_client_tls()
         key = _key(address, token, ssl_context)
+    connection = _pool.get(key)  # a read: the lock is for opening one
+    if connection is not None and not connection.closed:
+        return connection
     with _pool_lock:
         connection = _pool.get(key)
         if connection is None or connection.closed:
@@ -198,6 +201,7 @@ _CREDENTIALS = Variables(TOKEN_ENV, TOKEN_FILE_ENV, TLS_CA_ENV)
 _LIMITS = Variables(MAX_MESSAGE_BYTES_ENV, MAX_BUFFERS_ENV)
 _addresses: dict[str, str] = {}  # each address as given -> as checked (a few per process)
 _limits: dict[tuple[str | None, str | None], Limits] = {}  # by the environment variables they come from
+_SURELY_UNDER_LIMITS = 1024  # a payload this small, without buffers, is under any Limits (see Limits.__post_init__)
 
 
 def _check_address(host: Any) -> str:
@@ -218,16 +222,11 @@ def _outgoing_limits() -> Limits:
     return limits
 
 
-def _describe(func: Callable) -> str:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
-    return f"{name}()"
-
-
 def _submit(
     kind: Kind,
     host: str,
     timeout: float,
-    what: str,
+    what: str | Callable,
     payload: bytes = b"",
     buffers: Sequence = (),
     *,
@@ -261,14 +260,14 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
         raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__}")
     if kwargs is None:
         kwargs = {}
-    elif not isinstance(kwargs, Mapping):
+    elif type(kwargs) is not dict and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     try:
-        with peer_context(host):
-            payload, buffers = dumps((func, tuple(args), dict(kwargs)))
+        payload, buffers = dumps_for(host, (func, tuple(args), dict(kwargs)))
     except Exception as exc:
-        raise TypeError(f"cannot send {_describe(func)} and its arguments to worker {host}: {exc}") from exc
-    _outgoing_limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {_describe(func)}")
+        raise TypeError(f"cannot send {describe(func)} and its arguments to worker {host}: {exc}") from exc
+    if buffers or len(payload) > _SURELY_UNDER_LIMITS:
+        _outgoing_limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {describe(func)}")
     return payload, buffers
 
 
@@ -286,18 +285,23 @@ def _call(
     ssl_context: ssl.SSLContext | None = None,
 ) -> Call:
     address = _check_address(host)
-    timeout = check_timeout(timeout)
+    if type(timeout) is not float or not timeout > 0.0:
+        timeout = check_timeout(timeout)
     payload, buffers = _serialize_call(address, func, args, kwargs)
+    if not rref:
+        return _submit(
+            Kind.CALL, address, timeout, func, payload, buffers, sync=sync, pin_memory=pin_memory, token=token,
+            ssl_context=ssl_context,
+        )  # fmt: skip
     options: dict[str, Any] = {"sync": sync, "pin_memory": pin_memory, "token": token, "ssl_context": ssl_context}
-    if rref:
-        uid = new_uid()
-        handles: list = []
-        options.update(
-            ref=uid,
-            transform=lambda _: RRef._from_handle(handles[-1]),
-            on_connection=lambda connection: handles.append(holding_handle(address, uid, connection)),
-        )
-    return _submit(Kind.CALL, address, timeout, _describe(func), payload, buffers, **options)
+    uid = new_uid()
+    handles: list = []
+    options.update(
+        ref=uid,
+        transform=lambda _: RRef._from_handle(handles[-1]),
+        on_connection=lambda connection: handles.append(holding_handle(address, uid, connection)),
+    )
+    return _submit(Kind.CALL, address, timeout, func, payload, buffers, **options)
 
 
 def rpc_async(

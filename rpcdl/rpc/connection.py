@@ -8,17 +8,23 @@ Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state
   flushes RRef releases, until the connection closes.
 * Any thread may make calls and send; threads sending at once share system calls
   (:class:`~rpcdl.rpc.outbox.Outbox`).
-* All state lives in three objects changed only under ``_cond``: the
+* All state lives in three objects changed only under ``_lock``: the
   :class:`~rpcdl.rpc.state.ConnectionState` (CONNECTING -> OPEN -> CLOSED,
   never back), the :class:`~rpcdl.rpc.state.ReadingRole` and the
   :class:`~rpcdl.rpc.state.PendingCalls`. No socket I/O and no user code
-  (callbacks, unpickling) run under ``_cond``.
+  (callbacks, unpickling) run under it.
 * Reading the socket is a role one thread holds at a time. A thread waiting for
   a call's answer (:meth:`Connection.wait`) or in
-  :func:`rpcdl.rpc.client.read_answers` takes it when it is free; the
-  connection's thread takes it while background answers are pending. The holder
-  reads the frames there are, then gives the role back *before* it completes
-  their futures, so a callback that waits for another answer can take it.
+  :func:`rpcdl.rpc.client.read_answers` (a *caller*) takes it when it is free,
+  and reads every frame that arrives, background answers included. The
+  connection's thread takes it only for background answers, and only when no
+  caller reads or waits to and none has for ``_BACKGROUND_DELAY``
+  (:meth:`~rpcdl.rpc.state.ReadingRole.background_turn`): it does not compete
+  with callers for the role and the GIL, yet the callbacks of a thread that
+  never waits still run within a millisecond or two. The holder reads the
+  frames there are (one system call at most), then gives the role back
+  *before* it completes their futures, so a callback that waits for another
+  answer can take it.
 * A call leaves :class:`~rpcdl.rpc.state.PendingCalls` exactly once: answered
   (by the reader, while it still holds the role, so nobody reads again for an
   answer already here), overdue, or failed by the close. Whoever removes it
@@ -50,7 +56,7 @@ from ..errors import (
     WorkerTimeout,
     WorkerUnavailable,
 )
-from ..serialization.pickling import load_exception, loads, peer_context
+from ..serialization.pickling import load_exception, loads_from
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import decode_rejected, decode_stats, encode_release
@@ -58,7 +64,7 @@ from ..transport.security import Token
 from ..transport.tls_stream import TLSStream
 from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 from . import held
-from .calls import Call, ReadBy
+from .calls import Call, ReadBy, future_done, set_future_result
 from .dial import dial
 from .live_threads import live_thread
 from .outbox import Outbox
@@ -67,6 +73,8 @@ from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
 _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
+_BACKGROUND_DELAY = 0.001  # the connection's thread reads background answers once no caller has been here this long
+_BATCH = 64  # frames read in one turn with the reading role, at most
 
 
 _ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
@@ -82,7 +90,8 @@ class Connection:
     Use the functions of :mod:`rpcdl.rpc.client` rather than this class. A
     thread blocked in :func:`rpcdl.rpc_sync` reads its own answer (no thread
     switch on the way back); the connection's own thread reads the answers of
-    asynchronous calls, except those made under
+    asynchronous calls while no caller reads (a thread in ``future.wait()``
+    reads them all), except those made under
     :func:`rpcdl.rpc.client.answers_read_here`, whose caller reads them (unless it
     leaves them unread for ``_CALLER_PATIENCE``). Whoever reads completes the
     futures of the answers it reads. The module docstring states the threading model.
@@ -116,12 +125,12 @@ class Connection:
         self.compression = resolve_mode()
         self._offers_shm = shm.resolve_bytes() > 0  # RPCDL_SHM_BYTES=0 turns shared memory off
         self._segment: shm.ClientSegment | None = None  # once connected: the worker's, if this process mapped it
-        lock = threading.Lock()
+        self._lock = lock = threading.Lock()  # taken as itself: entering a Condition is a Python call
         self._cond = threading.Condition(lock)  # wakes threads waiting for the role or their answer
         self._serve_cond = threading.Condition(lock)  # wakes the connection's thread alone
         self._outbox: Outbox | None = None  # once OPEN
         self._state = ConnectionState.CONNECTING
-        self._role = ReadingRole()
+        self._role = ReadingRole(_BACKGROUND_DELAY)
         self._calls = PendingCalls(_CALLER_PATIENCE)
         self._serve_wakes_at = 0.0  # when the connection's thread, asleep in _serve, looks again; 0 when awake
         self._queued: list[Frame] = []  # frames of calls made while CONNECTING
@@ -148,17 +157,17 @@ class Connection:
     # ------------------------------------------------------------------ calls
 
     def submit(self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> None:
-        frame = Frame(kind, call.call_id, ref, payload, list(buffers))
+        frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers))
         call.future._connection = self
-        with self._cond:
-            if self._state is ConnectionState.CLOSED:
+        with self._lock:
+            state = self._state
+            if state is ConnectionState.CLOSED:
                 raise _Closed(self._error)
-            self._calls.add(call, time.monotonic())
-            if self._serve_wakes_at and (
-                (call.read_by is ReadBy.BACKGROUND and self._role.free) or call.deadline < self._serve_wakes_at
-            ):
-                self._wake_serve()  # it has an answer to read, or sleeps past this call's deadline
-            if self._state is ConnectionState.CONNECTING:
+            self._calls.add(call, call.started)
+            if self._serve_wakes_at:  # it sleeps: wake it for this call's deadline, or for its answer
+                turn = self._role.background_turn() if call.read_by is ReadBy.BACKGROUND else call.deadline
+                self._wake_serve_by(min(turn, call.deadline))
+            if state is ConnectionState.CONNECTING:
                 self._queued.append(frame)
                 return
         if held.hold(self, frame):
@@ -170,24 +179,24 @@ class Connection:
     def wait(self, call: Call) -> None:
         """Wait until ``call`` is answered (or fails), reading answers meanwhile."""
         held.send_held()
-        future = call.future
-        while not future.done():
-            with self._cond:
-                while (
-                    call.call_id in self._calls
-                    and not (self._role.free and self._state is ConnectionState.OPEN)
-                    and time.monotonic() < call.deadline
-                ):
-                    self._role.waiters += 1
+        future, calls, role, call_id = call.future, self._calls, self._role, call.call_id
+        while not future_done(future):
+            with self._lock:
+                while call_id in calls and not (role.free and self._state is ConnectionState.OPEN):
+                    left = call.deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    role.begin_waiting()
                     try:
-                        self._cond.wait(min(call.deadline - time.monotonic(), _RELEASE_TICK))
+                        self._cond.wait(min(left, _RELEASE_TICK))
                     finally:
-                        self._role.waiters -= 1
-                if call.call_id not in self._calls:
+                        role.end_waiting(time.monotonic())
+                        self._caller_left()
+                if call_id not in calls:
                     break  # answered or failed: whoever took it from the pending calls completes the future
                 overdue = time.monotonic() >= call.deadline
                 if not overdue:
-                    self._role.take(Reader.CALLER)
+                    role.take(Reader.CALLER)
             if overdue:
                 self._expire(time.monotonic())
             else:
@@ -201,7 +210,7 @@ class Connection:
             ``None`` if another thread is reading (it delivers what comes) or
             the connection is closed.
         """
-        with self._cond:
+        with self._lock:
             self._calls.caller_came(time.monotonic())
             if not self._role.free or self._state is ConnectionState.CLOSED:
                 return None
@@ -217,9 +226,9 @@ class Connection:
 
     def read_in_background(self, call: Call) -> None:
         """Let this connection's thread read the answer to ``call``."""
-        with self._cond:
+        with self._lock:
             if self._calls.adopt([call]):
-                self._wake_serve()
+                self._wake_serve_by(self._role.background_turn())
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker (safe to call from a finalizer)."""
@@ -249,7 +258,7 @@ class Connection:
 
     def _expire(self, now: float) -> None:
         """Fail the calls past their deadline."""
-        with self._cond:
+        with self._lock:
             overdue = self._calls.pop_overdue(now)
             if overdue:
                 self._cond.notify_all()
@@ -267,7 +276,7 @@ class Connection:
             call.future.set_exception(error)
 
     def _fail(self, reason: str, error_type: type[Exception] = ConnectionLost) -> None:
-        with self._cond:
+        with self._lock:
             if self._state is ConnectionState.CLOSED:
                 return
             self._state = ConnectionState.CLOSED
@@ -289,41 +298,50 @@ class Connection:
     # ------------------------------------------------------------------ reading
 
     def _read(self) -> None:
-        """Read a frame; give the role back; deliver it. The caller holds the reading role.
+        """Read the frames there are; give the role back; deliver them. The caller holds the reading role.
 
-        One frame only: the next may have begun to arrive and no more (a large one, a slow link), and
-        a caller reading several connections must not wait for it here. The frames a ``recv`` brought
-        together are read from the reader's buffer by the next turns, without a system call.
-        """
-        frame = call = error = None
+        One system call at most: after the first frame, only those whole in the reader's buffer, up to one
+        with buffers (the next may have begun to arrive and no more; a caller reading several connections
+        must not wait for it here)."""
+        frames: list[Frame] = []
+        reader, error = self._reader, None
         try:
-            frame = self._reader.read_frame(self._allocate)
+            frame = reader.read_frame(self._allocate)
+            while frame is not None:
+                frames.append(frame)
+                if frame.buffers or frame.kind not in _ANSWERS or len(frames) >= _BATCH or not reader.holds_frame:
+                    break
+                frame = reader.read_frame(self._allocate)
         except (OSError, ProtocolError) as exc:  # FrameTooLarge included
             error = exc
-        answer = frame is not None and frame.kind in _ANSWERS
-        with self._cond:
-            # taken while still reading: a thread waiting for this call must not take the role to read
-            # an answer that is already here
-            self._role.give_back()
-            if answer:
-                call = self._calls.pop(frame.call_id)
-                size = len(frame.payload) + frame.buffer_bytes
+        answered = []
+        unexpected = frames[-1] if frames and frames[-1].kind not in _ANSWERS else None
+        with self._lock:
+            # taken while still reading: a thread waiting for these calls must not take the role to read
+            # answers that are already here
+            self._role.give_back(time.monotonic())
+            for frame in frames:
+                call = self._calls.pop(frame.call_id) if frame is not unexpected else None
+                if call is not None:  # otherwise its caller gave up waiting
+                    answered.append((frame, call))
+            if frames and unexpected is None:
+                frame = frames[-1]
+                size = len(frame.payload) + frame.buffer_bytes if frame.buffers else len(frame.payload)
                 self._calls.answers_are_large = size >= buffers.MIN_BYTES
             if self._role.waiters:
                 self._cond.notify_all()
-            if self._calls.background:
-                self._wake_serve()  # not for nothing: waking the idle connection thread costs a thread switch
-        if call is not None:  # otherwise its caller gave up waiting
+            self._caller_left()
+        for frame, call in answered:
             self._deliver(frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
-            with self._cond:
+            with self._lock:
                 call = self._calls.pop(error.call_id)
             if call is not None:
                 call.future.set_exception(error.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
         if error is not None:
             self._fail(f"lost the connection to worker {self.address}: {error or type(error).__name__}")
-        elif frame is not None and not answer:
-            self._fail(f"worker {self.address} sent an unexpected {frame.kind.name} frame")
+        elif unexpected is not None:
+            self._fail(f"worker {self.address} sent an unexpected {unexpected.kind.name} frame")
 
     def _pins(self, call_id: int) -> bool:
         return getattr(self._calls.get(call_id), "pin_memory", False) and shm.can_pin()
@@ -337,8 +355,7 @@ class Connection:
     def _deliver(self, frame: Frame, call: Call) -> None:
         try:
             if frame.kind == Kind.RESULT:
-                with peer_context(self.address, None, self):
-                    value = loads(frame.payload, frame.buffers)
+                value = loads_from(self.address, self, frame.payload, frame.buffers)
                 result = call.transform(value) if call.transform is not None else value
             elif frame.kind == Kind.STATS_REPLY:
                 result = decode_stats(frame.payload)
@@ -355,7 +372,7 @@ class Connection:
             exc.add_note(f"while unpickling the answer of worker {self.address} to {call.what}")
             call.future.set_exception(exc)
             return
-        call.future.set_result(result)
+        set_future_result(call.future, result)
 
     # ------------------------------------------------------------------ thread
 
@@ -373,7 +390,7 @@ class Connection:
 
     def _open(self, sock: socket.socket) -> bool:
         """CONNECTING -> OPEN over ``sock``, sending the frames queued meanwhile first; return whether it opened."""
-        with self._cond:
+        with self._lock:
             if self._state is ConnectionState.CLOSED:
                 sock.close()
                 return False
@@ -397,8 +414,8 @@ class Connection:
         """Until closed: read the background answers, fail overdue calls, flush RRef releases."""
         last_flush = time.monotonic()
         while True:
-            with self._cond:
-                if self._state is not ConnectionState.CLOSED and not (self._calls.background and self._role.free):
+            with self._lock:
+                if self._state is not ConnectionState.CLOSED and not self._background_turn_now():
                     self._sleep()
                 if self._state is ConnectionState.CLOSED:
                     return
@@ -410,26 +427,37 @@ class Connection:
             if (self._releases or getattr(self._segment, "releases_waiting", 0)) and now - last_flush > _RELEASE_TICK:
                 last_flush = now
                 self._send([])
-            with self._cond:
+            with self._lock:
                 take_role = (
-                    self._calls.background > 0
-                    and self._state is ConnectionState.OPEN
+                    self._state is ConnectionState.OPEN
+                    and self._background_turn_now()
                     and self._role.take(Reader.BACKGROUND)
                 )
             if take_role:
                 self._read()
 
-    def _wake_serve(self) -> None:
-        """Wake the connection's thread if it sleeps in :meth:`_sleep`, once (under ``_cond``)."""
-        if self._serve_wakes_at:
+    def _background_turn_now(self) -> bool:
+        """Whether the connection's thread may read background answers now (under ``_lock``)."""
+        return bool(self._calls.background) and self._role.free and self._role.background_turn() <= time.monotonic()
+
+    def _caller_left(self) -> None:
+        """A caller gave the role back or stopped waiting: the background answers' turn may come (under ``_lock``)."""
+        if self._serve_wakes_at and self._calls.background:
+            self._wake_serve_by(self._role.background_turn())
+
+    def _wake_serve_by(self, when: float) -> None:
+        """Wake the connection's thread if it sleeps in :meth:`_sleep` past ``when`` (under ``_lock``)."""
+        if self._serve_wakes_at > when:
             self._serve_wakes_at = 0.0
             self._serve_cond.notify()
 
     def _sleep(self) -> None:
-        """Wait in ``_serve_cond`` until woken or something is due (under ``_cond``)."""
+        """Wait in ``_serve_cond`` until woken or something is due (under ``_lock``)."""
         now = time.monotonic()
-        if self._calls.background or self._calls.left_to_callers:
-            tick = _IDLE_TICK  # waiting for the role, or watching answers left to a caller
+        if self._calls.background:  # until the background answers' turn; a caller leaving wakes it then
+            tick = min(max(self._role.background_turn() - now, 0.0), _IDLE_TICK)
+        elif self._calls.left_to_callers:
+            tick = _IDLE_TICK  # watching answers left to a caller
         else:
             tick = min(max(self._calls.check_at - now, 0.0) + 0.001, _RELEASE_TICK)
         self._serve_wakes_at = now + tick
@@ -449,7 +477,7 @@ class Connection:
 
     def _pause(self, seconds: float) -> None:
         """Wait between two attempts to connect; a close ends the wait."""
-        with self._cond:
+        with self._lock:
             if self._state is not ConnectionState.CLOSED:
                 self._cond.wait(seconds)
 
@@ -457,7 +485,7 @@ class Connection:
         """Note a failed attempt to connect; return until when calls still want a connection."""
         self._last_connect_error = exc
         self._expire(time.monotonic())
-        with self._cond:
+        with self._lock:
             if self._state is ConnectionState.CLOSED:
                 raise WorkerUnavailable(self._error)
             return max(self._connect_deadline, self._calls.latest_deadline())

@@ -33,15 +33,23 @@ class _Sender(Protocol):
     def _send(self, frames: list) -> None: ...
 
 
-_state = threading.local()
+class _ThreadState(threading.local):
+    """What one thread holds; the class attributes are each thread's start (read without a failed lookup)."""
+
+    frames: dict[_Sender, list] | None = None  #: the calls held by the innermost open block, by connection
+    suspended: list[dict[_Sender, list]] | None = None  #: those of enclosing blocks, suspended by outside_held_blocks
+    read_here = False  #: whether answers of calls made now are left to this thread
+
+
+_state = _ThreadState()
 
 
 def _frames() -> dict[_Sender, list] | None:
-    return getattr(_state, "frames", None)
+    return _state.frames
 
 
 def _suspended() -> list[dict[_Sender, list]]:
-    suspended = getattr(_state, "suspended", None)
+    suspended = _state.suspended
     if suspended is None:
         suspended = _state.suspended = []
     return suspended
@@ -49,7 +57,7 @@ def _suspended() -> list[dict[_Sender, list]]:
 
 def reads_here() -> bool:
     """Whether the answers of calls this thread makes now are left to it (see :func:`answers_read_here`)."""
-    return getattr(_state, "read_here", False)
+    return _state.read_here
 
 
 def hold(connection: _Sender, frame: Any) -> bool:
@@ -67,6 +75,9 @@ def hold(connection: _Sender, frame: Any) -> bool:
 
 def send_held() -> None:
     """Send every call this thread holds, those of suspended enclosing blocks first (they were made first)."""
+    state = _state
+    if not state.suspended and not state.frames:
+        return  # nothing held: the usual case
     for frames in [*_suspended(), _frames()]:
         if frames:
             held = list(frames.items())

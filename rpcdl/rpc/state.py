@@ -1,7 +1,7 @@
 """The state of one connection to a worker, as objects whose methods are its transitions.
 
 Threading model: nothing here locks. Every method is called by a
-:class:`~rpcdl.rpc.connection.Connection` under its condition, so each object
+:class:`~rpcdl.rpc.connection.Connection` under its lock, so each object
 changes from one consistent state to the next; there is no I/O here, which
 keeps these transitions testable without sockets.
 """
@@ -31,24 +31,43 @@ class Reader(enum.Enum):
 
 
 class ReadingRole:
-    """Who reads the socket now, and how many threads wait to.
+    """Who reads the socket now, how many callers wait to, and when the connection's thread may read.
 
-    Attributes:
-        holder: who reads now.
-        waiters: threads blocked until the role is free or their call is answered
-            (they must be woken when it is given back).
+    Callers come first: a thread waiting for an answer reads every frame that
+    arrives, background answers included, so while one reads or waits
+    (:attr:`callers_present`), the connection's thread does not compete with it
+    for the role (nor for the GIL). It takes the role only once no caller has
+    been here for ``background_delay`` seconds (:meth:`background_turn`): a
+    caller that reads answer after answer gives the role back between two, and
+    comes back within microseconds.
+
+    Args:
+        background_delay: seconds after the last caller left before the
+            connection's thread may read.
     """
 
-    __slots__ = ("holder", "waiters")
+    __slots__ = ("_caller_left_at", "_delay", "_waiters", "holder")
 
-    def __init__(self) -> None:
-        self.holder = Reader.NOBODY
-        self.waiters = 0
+    def __init__(self, background_delay: float = 0.001) -> None:
+        self.holder = Reader.NOBODY  #: who reads now
+        self._waiters = 0
+        self._caller_left_at = float("-inf")
+        self._delay = background_delay
 
     @property
     def free(self) -> bool:
         """Whether nobody reads."""
         return self.holder is Reader.NOBODY
+
+    @property
+    def waiters(self) -> int:
+        """Callers blocked until the role is free or their call is answered (woken when it is given back)."""
+        return self._waiters
+
+    @property
+    def callers_present(self) -> bool:
+        """Whether a caller reads or waits to."""
+        return self.holder is Reader.CALLER or self._waiters > 0
 
     def take(self, reader: Reader) -> bool:
         """Take the role for ``reader`` if nobody holds it; return whether it did."""
@@ -57,9 +76,26 @@ class ReadingRole:
         self.holder = reader
         return True
 
-    def give_back(self) -> None:
-        """Free the role (its holder read what it came for)."""
+    def give_back(self, now: float) -> None:
+        """Free the role at ``now`` (its holder read what it came for)."""
+        if self.holder is Reader.CALLER:
+            self._caller_left_at = now
         self.holder = Reader.NOBODY
+
+    def begin_waiting(self) -> None:
+        """A caller blocks until the role is free or its call is answered."""
+        self._waiters += 1
+
+    def end_waiting(self, now: float) -> None:
+        """A caller stops waiting at ``now`` (it takes the role next, or goes)."""
+        self._waiters -= 1
+        self._caller_left_at = now
+
+    def background_turn(self) -> float:
+        """From when the connection's thread may take the role: ``inf`` while a caller is present."""
+        if self.holder is Reader.CALLER or self._waiters > 0:
+            return float("inf")
+        return self._caller_left_at + self._delay
 
 
 class PendingCalls:
@@ -130,7 +166,11 @@ class PendingCalls:
         """Remove and return the call of that id (answered), or ``None`` if it is not pending."""
         call = self._calls.pop(call_id, None)
         if call is not None:
-            self._count(call, -1)
+            read_by = call.read_by
+            if read_by is ReadBy.BACKGROUND:
+                self._background -= 1
+            elif read_by is ReadBy.CALLER:
+                self._callers -= 1
         return call
 
     def caller_came(self, now: float) -> None:

@@ -29,7 +29,7 @@ keyed by the object:
   what the function stores on itself there (an attribute) stays on that
   worker from call to call, and never reaches the caller's copy.
 
-Threading: any thread may pickle; the cache is shared under a lock, and an
+Threading: any thread may pickle; the cache is written under a lock (read without), and an
 object pickled by two threads at once is pickled twice, the same way.
 """
 
@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import dis
 import functools
+import itertools
+import operator
 import threading
 import types
 import weakref
@@ -170,7 +172,7 @@ def _values(function: types.FunctionType) -> tuple | None:
         return None
     found: list[Any] = [function.__code__, function.__defaults__]
     scope = function.__globals__
-    found.extend(scope.get(name, _ABSENT) for name in names)
+    found.extend(map(scope.get, names, itertools.repeat(_ABSENT, len(names))))
     for cell in function.__closure__ or ():
         try:
             found.append(cell.cell_contents)
@@ -179,24 +181,24 @@ def _values(function: types.FunctionType) -> tuple | None:
     for mapping in (function.__kwdefaults__ or {}, function.__dict__):
         for key, value in mapping.items():
             found += (key, value)
-    return tuple(_ITSELF if value is function else value for value in found)
+    if id(function) in map(id, found):
+        return tuple(_ITSELF if value is function else value for value in found)
+    return tuple(found)
 
 
 def _still_frozen(function: types.FunctionType, checked: set) -> _Entry | None:
     """The cached entry of ``function`` if its frozen values are all the same objects still, else ``None``."""
-    with _entries_lock:
-        entry = _entries.get(function)
+    entry = _entries.get(function)  # a read: no lock needed
     if entry is None or entry.values is None:
         return None
     current = _values(function)
-    if current is None or len(current) != len(entry.values):
+    if current is None or len(current) != len(entry.values) or not all(map(operator.is_, current, entry.values)):
         return None
-    if any(now is not then for now, then in zip(current, entry.values, strict=True)):
-        return None
-    checked.add(function)
-    if all(other in checked or _still_frozen(other, checked) is not None for other in entry.functions):
-        return entry
-    return None
+    if entry.functions:
+        checked.add(function)
+        if not all(other in checked or _still_frozen(other, checked) is not None for other in entry.functions):
+            return None
+    return entry
 
 
 def _all_frozen(values: tuple, seen: set) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import threading
 import traceback
 import types
@@ -63,20 +64,63 @@ class _Pickler(cloudpickle.Pickler):
         kind = type(obj)
         if kind is torch.Tensor:
             reduced = _reduce_tensor(obj)
-            if reduced is not None:
-                return reduced
-        elif kind is types.FunctionType or kind is types.ModuleType or isinstance(obj, type):
-            if kind is types.ModuleType:
-                module_name, qualname = obj.__name__, ""
-            else:
-                module_name, qualname = obj.__module__, obj.__qualname__
-            if is_users_module(module_name) and self._outermost and lookup(module_name, qualname) is obj:
-                return import_or_define, (module_name, qualname, code_of(obj, _pickle_code))
+            return NotImplemented if reduced is None else reduced
+        if kind is types.FunctionType or kind is types.ModuleType or isinstance(obj, type):
+            if self._outermost:
+                known = _found_by_name.get(id(obj))
+                if known is not None and known[1].get(known[2]) is obj:
+                    return known[3]
+            return self._reduce_named(obj, kind)
+        return NotImplemented  # as cloudpickle's for anything but classes and functions
+
+    def _reduce_named(self, obj: Any, kind: type) -> Any:
+        """The reduction of a class, function or module; remembered when it is found by name."""
+        if kind is types.ModuleType:
+            module_name, qualname = obj.__name__, ""
+        else:
+            module_name, qualname = obj.__module__, obj.__qualname__
+        if is_users_module(module_name) and self._outermost and lookup(module_name, qualname) is obj:
+            reduced = import_or_define, (module_name, qualname, code_of(obj, _pickle_code))
+        else:
             if kind is types.FunctionType and self._outermost and obj is not self._by_value:
                 code = None if found_by_name(obj) else frozen_function_code(obj, _pickle_function)
                 if code is not None:
                     return define, (code,)
-        return super().reducer_override(obj)
+            reduced = super().reducer_override(obj)
+            if reduced is not NotImplemented:  # pickled by value (or as a builtin type): decided anew each time
+                return reduced
+        if self._outermost:
+            _remember_found_by_name(obj, module_name, qualname, reduced)
+        return reduced
+
+
+# id(obj) -> (obj, where its name is found, the name, its reduction), for functions, classes and modules pickled by
+# reference (or as a user's module's code) and found by their name at the top of their module (or in sys.modules):
+# their reduction never changes while the name is theirs
+_found_by_name: dict[int, tuple[Any, dict, str, Any]] = {}
+_MAX_FOUND_BY_NAME = 4096
+_by_value_modules: Any = getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", ())  # registered by value
+_by_value_modules_seen = len(_by_value_modules)
+
+
+def _remember_found_by_name(obj: Any, module_name: Any, qualname: Any, reduced: Any) -> None:
+    if not isinstance(module_name, str) or not isinstance(qualname, str) or "." in qualname:
+        return
+    if qualname:
+        module = sys.modules.get(module_name)
+        holder, name = getattr(module, "__dict__", None), qualname
+    else:
+        holder, name = sys.modules, module_name
+    if isinstance(holder, dict) and holder.get(name) is obj and len(_found_by_name) < _MAX_FOUND_BY_NAME:
+        _found_by_name[id(obj)] = (obj, holder, name, reduced)
+
+
+def _forget_if_registrations_changed() -> None:
+    """Forget the remembered reductions once a module is (un)registered with cloudpickle to go by value."""
+    global _by_value_modules_seen
+    if len(_by_value_modules) != _by_value_modules_seen:
+        _by_value_modules_seen = len(_by_value_modules)
+        _found_by_name.clear()
 
 
 class _CodePickler(_Pickler):
@@ -134,6 +178,7 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     elif reused.busy:  # called while pickling (a reducer pickles something apart): a pickler of its own
         reused = _ReusedPickler()
     reused.busy = True
+    _forget_if_registrations_changed()
     try:
         reused.pickler.dump(obj)
         return reused.stream.getvalue(), reused.buffers
@@ -160,10 +205,14 @@ def dumps_inline(obj: Any) -> bytes:
 
 # ---------------------------------------------------------------------------- peer context
 
-_context = threading.local()
-
-
 _NO_PEER = (None, None, None)
+
+
+class _PeerContext(threading.local):
+    value: tuple = _NO_PEER  #: (peer, local_store, connection) of the message (un)pickled in this thread
+
+
+_context = _PeerContext()
 
 
 class peer_context:  # a class: cheaper per call than a generator-based context manager
@@ -181,21 +230,43 @@ class peer_context:  # a class: cheaper per call than a generator-based context 
         self._value = (peer, local_store, connection)
 
     def __enter__(self) -> None:
-        self._previous = getattr(_context, "value", _NO_PEER)
+        self._previous = _context.value
         _context.value = self._value
 
     def __exit__(self, *exc_info: Any) -> None:
         _context.value = self._previous
 
 
+def dumps_for(peer: str, obj: Any) -> tuple[bytes, list[memoryview]]:
+    """:func:`dumps` under ``peer_context(peer)``, without making a context manager per message."""
+    context = _context
+    previous = context.value
+    context.value = (peer, None, None)
+    try:
+        return dumps(obj)
+    finally:
+        context.value = previous
+
+
+def loads_from(peer: str, connection: Any, payload: Any, buffers: Iterable[Any]) -> Any:
+    """:func:`loads` under ``peer_context(peer, None, connection)``, without making a context manager."""
+    context = _context
+    previous = context.value
+    context.value = (peer, None, connection)
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    finally:
+        context.value = previous
+
+
 def current_peer() -> tuple[str | None, Any]:
     """Return ``(peer, local_store)`` of the message being (un)pickled, or ``(None, None)``."""
-    return getattr(_context, "value", _NO_PEER)[:2]
+    return _context.value[:2]
 
 
 def current_connection() -> Any:
     """Return the client connection carrying the message being unpickled, or ``None``."""
-    return getattr(_context, "value", _NO_PEER)[2]
+    return _context.value[2]
 
 
 # ---------------------------------------------------------------------------- exceptions
