@@ -30,13 +30,23 @@ import torch
 
 from ..errors import RemoteError
 from .code_cache import code_of, found_by_name, frozen_function_code
+from .plain_pickle import NUMPY_DTYPES, PlainPickles
 from .user_code import define, import_or_define, is_users_module, lookup
 
 PROTOCOL = 5
 
 
+_UINT8 = np.dtype(np.uint8)
+_NUMPY_OF = {  # a received buffer of these is viewed and shaped in numpy, cheaper than in torch
+    dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in NUMPY_DTYPES
+}
+
+
 def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
-    if not memoryview(buffer).nbytes:
+    as_numpy = _NUMPY_OF.get(dtype)
+    if as_numpy is not None and type(buffer) is np.ndarray and buffer.dtype is _UINT8 and buffer.size:
+        tensor = torch.from_numpy(buffer.view(as_numpy).reshape(shape))  # a received buffer (flat, contiguous)
+    elif not memoryview(buffer).nbytes:
         tensor = torch.empty(shape, dtype=dtype)
     else:
         flat = (
@@ -191,6 +201,20 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
         reused.busy = False
 
 
+_plain_pickles = PlainPickles(_rebuild_tensor)
+_MAYBE_PLAIN = frozenset({torch.Tensor, tuple, list, dict})
+
+
+def dumps_answer(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """:func:`dumps` for a call's answer: the same bytes, written directly when the answer is plain
+    (tensors, and tuples, lists and dicts of them and of numbers: see :mod:`rpcdl.serialization.plain_pickle`)."""
+    if type(obj) in _MAYBE_PLAIN:
+        written = _plain_pickles.dumps(obj)
+        if written is not None:
+            return written
+    return dumps(obj)
+
+
 def loads(payload: bytes | bytearray | memoryview, buffers: Iterable[Any] = ()) -> Any:
     """Rebuild an object from :func:`dumps`'s payload and (received) buffers."""
     return pickle.loads(payload, buffers=buffers)
@@ -235,6 +259,15 @@ class peer_context:  # a class: cheaper per call than a generator-based context 
 
     def __exit__(self, *exc_info: Any) -> None:
         _context.value = self._previous
+
+
+def swap_peer(value: tuple) -> tuple:
+    """Set this thread's peer context (what :class:`peer_context` sets) to ``value``, ``(peer, local_store,
+    connection)``; return the one it replaces, which the caller sets back once done."""
+    context = _context
+    previous = context.value
+    context.value = value
+    return previous
 
 
 def dumps_for(peer: str, obj: Any) -> tuple[bytes, list[memoryview]]:

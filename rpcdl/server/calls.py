@@ -13,8 +13,8 @@ from typing import Any
 
 from ..errors import LimitExceeded
 from ..rpc.rref import RRefStore
-from ..serialization.pickling import dump_exception, dumps, loads, peer_context
-from ..transport.shm import answering_into
+from ..serialization.pickling import dump_exception, dumps_answer, loads, swap_peer
+from ..transport.shm import swap_answering
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits
 from .counters import Counters
 
@@ -41,19 +41,24 @@ class CallRunner:
     def run(self, session: Any, frame: Frame) -> Frame:
         """Run the call of ``frame`` from ``session``; return its answer: a RESULT or an ERROR frame."""
         started = time.perf_counter()
+        # the peer context of (un)pickling and the segment answers go in, set for this call in this thread
+        peer_before, segment_before = swap_peer(session.pickle_context), swap_answering(session.segment)
         try:
-            with peer_context(session.peer, session.store_view), answering_into(session.segment):
+            try:
                 func, args, kwargs = loads(frame.payload, frame.buffers)
                 value = func(*args, **kwargs)
                 if frame.ref:
                     self.store.complete(frame.ref, value)
                     value = None
                 try:
-                    payload, buffers = dumps(value)
+                    payload, buffers = dumps_answer(value)
                 except Exception as exc:
                     raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
                 if buffers or len(payload) > _SURELY_UNDER_LIMITS:
                     self._check_limits(func, payload, buffers)
+            finally:
+                swap_peer(peer_before)
+                swap_answering(segment_before)
         except BaseException as exc:
             if frame.ref:
                 self.store.complete(frame.ref, error=exc)

@@ -89,6 +89,7 @@ class ClientConnection:
         self.peer = peer
         self.compressor = compressor or Compressor("off")
         self.store_view = StoreView(worker.store, self, worker.timeout)
+        self.pickle_context = (peer, self.store_view, None)  #: the peer context its calls are (un)pickled in
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
         self._turn = _OFFERED
         self._lent_at = 0.0
