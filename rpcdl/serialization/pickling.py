@@ -29,6 +29,7 @@ import tblib
 import torch
 
 from ..errors import RemoteError
+from ..transport.context import SEGMENT, thread_context
 from .code_cache import code_of, found_by_name, frozen_function_code
 from .plain_pickle import NUMPY_DTYPES, PlainPickles
 from .user_code import define, import_or_define, is_users_module, lookup
@@ -229,14 +230,7 @@ def dumps_inline(obj: Any) -> bytes:
 
 # ---------------------------------------------------------------------------- peer context
 
-_NO_PEER = (None, None, None)
-
-
-class _PeerContext(threading.local):
-    value: tuple = _NO_PEER  #: (peer, local_store, connection) of the message (un)pickled in this thread
-
-
-_context = _PeerContext()
+_context = thread_context  # (peer, local_store, connection, segment): see rpcdl.transport.context
 
 
 class peer_context:  # a class: cheaper per call than a generator-based context manager
@@ -248,33 +242,24 @@ class peer_context:  # a class: cheaper per call than a generator-based context 
         connection: the client connection carrying the message, if any.
     """
 
-    __slots__ = ("_previous", "_value")
+    __slots__ = ("_peer", "_previous")
 
     def __init__(self, peer: str, local_store: Any = None, connection: Any = None):
-        self._value = (peer, local_store, connection)
+        self._peer = (peer, local_store, connection)
 
     def __enter__(self) -> None:
-        self._previous = _context.value
-        _context.value = self._value
+        self._previous = previous = _context.value
+        _context.value = (*self._peer, previous[SEGMENT])
 
     def __exit__(self, *exc_info: Any) -> None:
         _context.value = self._previous
-
-
-def swap_peer(value: tuple) -> tuple:
-    """Set this thread's peer context (what :class:`peer_context` sets) to ``value``, ``(peer, local_store,
-    connection)``; return the one it replaces, which the caller sets back once done."""
-    context = _context
-    previous = context.value
-    context.value = value
-    return previous
 
 
 def dumps_for(peer: str, obj: Any) -> tuple[bytes, list[memoryview]]:
     """:func:`dumps` under ``peer_context(peer)``, without making a context manager per message."""
     context = _context
     previous = context.value
-    context.value = (peer, None, None)
+    context.value = (peer, None, None, previous[SEGMENT])
     try:
         return dumps(obj)
     finally:
@@ -285,7 +270,7 @@ def loads_from(peer: str, connection: Any, payload: Any, buffers: Iterable[Any])
     """:func:`loads` under ``peer_context(peer, None, connection)``, without making a context manager."""
     context = _context
     previous = context.value
-    context.value = (peer, None, connection)
+    context.value = (peer, None, connection, previous[SEGMENT])
     try:
         return pickle.loads(payload, buffers=buffers)
     finally:

@@ -13,14 +13,15 @@ from typing import Any
 
 from ..errors import LimitExceeded
 from ..rpc.rref import RRefStore
-from ..serialization.pickling import dump_exception, dumps_answer, loads, swap_peer
-from ..transport.shm import swap_answering
+from ..serialization.pickling import dump_exception, dumps_answer, loads
+from ..transport.context import thread_context
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits
 from .counters import Counters
 
 log = logging.getLogger("rpcdl.worker")
 
 _SURELY_UNDER_LIMITS = 1024  # a payload this small, without buffers, is under any Limits
+_clock = time.perf_counter
 _RESULT = Kind.RESULT  # read on every call: an enum member's lookup through its class costs ~0.1 us (3.11)
 
 
@@ -40,9 +41,9 @@ class CallRunner:
 
     def run(self, session: Any, frame: Frame) -> Frame:
         """Run the call of ``frame`` from ``session``; return its answer: a RESULT or an ERROR frame."""
-        started = time.perf_counter()
-        # the peer context of (un)pickling and the segment answers go in, set for this call in this thread
-        peer_before, segment_before = swap_peer(session.pickle_context), swap_answering(session.segment)
+        started = _clock()
+        context = thread_context  # the session's peer and segment, for this call in this thread
+        previous, context.value = context.value, session.call_context
         try:
             try:
                 func, args, kwargs = loads(frame.payload, frame.buffers)
@@ -57,15 +58,14 @@ class CallRunner:
                 if buffers or len(payload) > _SURELY_UNDER_LIMITS:
                     self._check_limits(func, payload, buffers)
             finally:
-                swap_peer(peer_before)
-                swap_answering(segment_before)
+                context.value = previous
         except BaseException as exc:
             if frame.ref:
                 self.store.complete(frame.ref, error=exc)
             log.debug("call from %s raised %s", session.peer, type(exc).__name__)
-            self.counters.ran(time.perf_counter() - started, True)
+            self.counters.ran(_clock() - started, True)
             return Frame(Kind.ERROR, frame.call_id, 0, self.error_report(exc))
-        self.counters.ran(time.perf_counter() - started, False)
+        self.counters.ran(_clock() - started, False)
         return Frame(_RESULT, frame.call_id, 0, payload, buffers)
 
     def _check_limits(self, func: Any, payload: bytes, buffers: list[memoryview]) -> None:

@@ -73,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
+from .context import SEGMENT, thread_context
 from .control import encode_span_release
 from .wire import IN_SEGMENT, NOT_IN_SEGMENT, Frame, Kind
 
@@ -86,13 +87,6 @@ HEADER_BYTES = 4096  #: the segment's first page: the nonce
 NONCE_BYTES = 32
 _ALIGN = 4096
 _cuda: bool | None = None
-
-
-class _Answering(threading.local):
-    segment: Any = None  #: the WorkerSegment of the call this thread runs, if any
-
-
-_answering = _Answering()
 
 
 def can_pin() -> bool:
@@ -440,19 +434,11 @@ class answering_into:  # a class: cheaper per call than a generator-based contex
         self._segment = segment
 
     def __enter__(self) -> None:
-        self._previous = _answering.segment
-        _answering.segment = self._segment
+        self._previous = previous = thread_context.value
+        thread_context.value = (*previous[:SEGMENT], self._segment)
 
     def __exit__(self, *exc_info: Any) -> None:
-        _answering.segment = self._previous
-
-
-def swap_answering(segment: WorkerSegment | None) -> WorkerSegment | None:
-    """Set the segment :func:`empty` allocates in for this thread (what :class:`answering_into` sets);
-    return the one it replaces, which the caller sets back once done."""
-    previous = _answering.segment
-    _answering.segment = segment
-    return previous
+        thread_context.value = self._previous
 
 
 def empty(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -461,7 +447,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> Any:
     ``None`` also where the segment has no room or the tensor is smaller than
     ``MIN_SPAN_BYTES``: the caller allocates as usual then.
     """
-    segment = _answering.segment
+    segment = thread_context.value[SEGMENT]
     if segment is None:
         return None
     nbytes = math.prod(shape) * dtype.itemsize  # not numpy's prod: it costs microseconds per batch
