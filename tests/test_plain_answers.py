@@ -112,3 +112,7 @@ def test_a_rebuilt_tensor_shares_the_received_memory():
     buffer[:4] = np.frombuffer(np.float32(1.5).tobytes(), np.uint8)
     assert tensor[0, 0].item() == 1.5
     assert _rebuild_tensor(buffer, torch.float32, (4,), True).requires_grad
+
+
+def test_none_is_pickled_as_the_pickler_does():
+    assert dumps_answer(None) == dumps(None) and loads(*dumps_answer(None)) is None

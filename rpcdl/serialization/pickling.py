@@ -204,11 +204,14 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
 
 _plain_pickles = PlainPickles(_rebuild_tensor)
 _MAYBE_PLAIN = frozenset({torch.Tensor, tuple, list, dict})
+_NONE_PAYLOAD = pickle.dumps(None, protocol=PROTOCOL)
 
 
 def dumps_answer(obj: Any) -> tuple[bytes, list[memoryview]]:
     """:func:`dumps` for a call's answer: the same bytes, written directly when the answer is plain
     (tensors, and tuples, lists and dicts of them and of numbers: see :mod:`rpcdl.serialization.plain_pickle`)."""
+    if obj is None:  # a call run for its effect, or whose result stays on the worker under an RRef
+        return _NONE_PAYLOAD, []
     if type(obj) in _MAYBE_PLAIN:
         written = _plain_pickles.dumps(obj)
         if written is not None:
