@@ -29,14 +29,25 @@ import tblib
 import torch
 
 from ..errors import RemoteError
+from ..transport.context import SEGMENT, thread_context
 from .code_cache import code_of, found_by_name, frozen_function_code
+from .plain_pickle import NUMPY_DTYPES, PlainPickles
 from .user_code import define, import_or_define, is_users_module, lookup
 
 PROTOCOL = 5
 
 
+_UINT8 = np.dtype(np.uint8)
+_NUMPY_OF = {  # a received buffer of these is viewed and shaped in numpy, cheaper than in torch
+    dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in NUMPY_DTYPES
+}
+
+
 def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
-    if not memoryview(buffer).nbytes:
+    as_numpy = _NUMPY_OF.get(dtype)
+    if as_numpy is not None and type(buffer) is np.ndarray and buffer.dtype is _UINT8 and buffer.size:
+        tensor = torch.from_numpy(buffer.view(as_numpy).reshape(shape))  # a received buffer (flat, contiguous)
+    elif not memoryview(buffer).nbytes:
         tensor = torch.empty(shape, dtype=dtype)
     else:
         flat = (
@@ -191,6 +202,23 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
         reused.busy = False
 
 
+_plain_pickles = PlainPickles(_rebuild_tensor)
+_MAYBE_PLAIN = frozenset({torch.Tensor, tuple, list, dict})
+_NONE_PAYLOAD = pickle.dumps(None, protocol=PROTOCOL)
+
+
+def dumps_answer(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """:func:`dumps` for a call's answer: the same bytes, written directly when the answer is plain
+    (tensors, and tuples, lists and dicts of them and of numbers: see :mod:`rpcdl.serialization.plain_pickle`)."""
+    if obj is None:  # a call run for its effect, or whose result stays on the worker under an RRef
+        return _NONE_PAYLOAD, []
+    if type(obj) in _MAYBE_PLAIN:
+        written = _plain_pickles.dumps(obj)
+        if written is not None:
+            return written
+    return dumps(obj)
+
+
 def loads(payload: bytes | bytearray | memoryview, buffers: Iterable[Any] = ()) -> Any:
     """Rebuild an object from :func:`dumps`'s payload and (received) buffers."""
     return pickle.loads(payload, buffers=buffers)
@@ -205,14 +233,7 @@ def dumps_inline(obj: Any) -> bytes:
 
 # ---------------------------------------------------------------------------- peer context
 
-_NO_PEER = (None, None, None)
-
-
-class _PeerContext(threading.local):
-    value: tuple = _NO_PEER  #: (peer, local_store, connection) of the message (un)pickled in this thread
-
-
-_context = _PeerContext()
+_context = thread_context  # (peer, local_store, connection, segment): see rpcdl.transport.context
 
 
 class peer_context:  # a class: cheaper per call than a generator-based context manager
@@ -224,14 +245,14 @@ class peer_context:  # a class: cheaper per call than a generator-based context 
         connection: the client connection carrying the message, if any.
     """
 
-    __slots__ = ("_previous", "_value")
+    __slots__ = ("_peer", "_previous")
 
     def __init__(self, peer: str, local_store: Any = None, connection: Any = None):
-        self._value = (peer, local_store, connection)
+        self._peer = (peer, local_store, connection)
 
     def __enter__(self) -> None:
-        self._previous = _context.value
-        _context.value = self._value
+        self._previous = previous = _context.value
+        _context.value = (*self._peer, previous[SEGMENT])
 
     def __exit__(self, *exc_info: Any) -> None:
         _context.value = self._previous
@@ -241,7 +262,7 @@ def dumps_for(peer: str, obj: Any) -> tuple[bytes, list[memoryview]]:
     """:func:`dumps` under ``peer_context(peer)``, without making a context manager per message."""
     context = _context
     previous = context.value
-    context.value = (peer, None, None)
+    context.value = (peer, None, None, previous[SEGMENT])
     try:
         return dumps(obj)
     finally:
@@ -252,7 +273,7 @@ def loads_from(peer: str, connection: Any, payload: Any, buffers: Iterable[Any])
     """:func:`loads` under ``peer_context(peer, None, connection)``, without making a context manager."""
     context = _context
     previous = context.value
-    context.value = (peer, None, connection)
+    context.value = (peer, None, connection, previous[SEGMENT])
     try:
         return pickle.loads(payload, buffers=buffers)
     finally:

@@ -89,6 +89,8 @@ class ClientConnection:
         self.peer = peer
         self.compressor = compressor or Compressor("off")
         self.store_view = StoreView(worker.store, self, worker.timeout)
+        #: the context its calls run in (see rpcdl.transport.context): (un)pickled for the peer, answers in the segment
+        self.call_context = (peer, self.store_view, None, segment)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
         self._turn = _OFFERED
         self._lent_at = 0.0

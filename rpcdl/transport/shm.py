@@ -73,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
+from .context import SEGMENT, thread_context
 from .control import encode_span_release
 from .wire import IN_SEGMENT, NOT_IN_SEGMENT, Frame, Kind
 
@@ -86,7 +87,6 @@ HEADER_BYTES = 4096  #: the segment's first page: the nonce
 NONCE_BYTES = 32
 _ALIGN = 4096
 _cuda: bool | None = None
-_answering = threading.local()  # .segment: the WorkerSegment of the call this thread runs, if any
 
 
 def can_pin() -> bool:
@@ -434,11 +434,11 @@ class answering_into:  # a class: cheaper per call than a generator-based contex
         self._segment = segment
 
     def __enter__(self) -> None:
-        self._previous = getattr(_answering, "segment", None)
-        _answering.segment = self._segment
+        self._previous = previous = thread_context.value
+        thread_context.value = (*previous[:SEGMENT], self._segment)
 
     def __exit__(self, *exc_info: Any) -> None:
-        _answering.segment = self._previous
+        thread_context.value = self._previous
 
 
 def empty(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -447,7 +447,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> Any:
     ``None`` also where the segment has no room or the tensor is smaller than
     ``MIN_SPAN_BYTES``: the caller allocates as usual then.
     """
-    segment = getattr(_answering, "segment", None)
+    segment = thread_context.value[SEGMENT]
     if segment is None:
         return None
     nbytes = math.prod(shape) * dtype.itemsize  # not numpy's prod: it costs microseconds per batch
