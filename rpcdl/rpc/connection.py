@@ -67,7 +67,7 @@ from . import held
 from .calls import Call, ReadBy, future_done, set_future_result
 from .dial import dial
 from .live_threads import live_thread
-from .outbox import Outbox
+from .outbox import Outbox, OutboxState
 from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
@@ -75,6 +75,8 @@ _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
 _BACKGROUND_DELAY = 0.001  # the connection's thread reads background answers once no caller has been here this long
 _BATCH = 64  # frames read in one turn with the reading role, at most
+_DEFER_DELAY = 0.0005  # seconds a frame deferred while the worker is busy may wait for the next, at most
+_DEFER_FRAMES = 32  # frames deferred together that leave at once
 
 
 _ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
@@ -163,6 +165,7 @@ class Connection:
             state = self._state
             if state is ConnectionState.CLOSED:
                 raise _Closed(self._error)
+            busy = len(self._calls) > 0  # the worker has calls of ours to run: this one may wait for the next
             self._calls.add(call, call.started)
             if self._serve_wakes_at:  # it sleeps: wake it for this call's deadline, or for its answer
                 turn = self._role.background_turn() if call.read_by is ReadBy.BACKGROUND else call.deadline
@@ -174,11 +177,20 @@ class Connection:
             if call.read_by is ReadBy.WAITER:  # after what this thread holds, in the order it made the calls
                 held.send_held()
             return
-        self._send([frame])
+        if call.read_by is ReadBy.WAITER:  # it waits: what it holds (enclosing blocks' calls) leaves first
+            held.send_held()
+            self._send([frame])
+        elif busy and not frame.buffers:
+            self._defer(frame)
+        else:
+            self._send([frame])
 
     def wait(self, call: Call) -> None:
         """Wait until ``call`` is answered (or fails), reading answers meanwhile."""
         held.send_held()
+        outbox = self._outbox
+        if outbox is not None and outbox.state is OutboxState.DEFERRED:  # another thread's, maybe this call
+            self._send([])
         future, calls, role, call_id = call.future, self._calls, self._role, call.call_id
         while not future_done(future):
             with self._lock:
@@ -249,12 +261,29 @@ class Connection:
             frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
         frames = [*self._segment.release_frames(), *frames] if self._segment else frames
         if not frames:
-            return
-        pieces = encode_frame(frames[0]) if len(frames) == 1 else [p for frame in frames for p in encode_frame(frame)]
+            pieces: list = []  # flushes what is deferred
+        elif len(frames) == 1:
+            pieces = encode_frame(frames[0])
+        else:
+            pieces = [p for frame in frames for p in encode_frame(frame)]
         try:
             self._outbox.send(pieces)
         except OSError as exc:
             self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
+
+    def _defer(self, frame: Frame) -> None:
+        """Queue ``frame`` (no buffers) to leave with the next ones (see :meth:`Outbox.defer`)."""
+        try:
+            self._outbox.defer(encode_frame(frame))
+        except OSError as exc:
+            self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
+            return
+        held.deferred_on(self)
+
+    def _deferral_started(self, until: float) -> None:
+        """Frames wait in the outbox: make sure the connection's thread flushes them by ``until``."""
+        with self._lock:
+            self._wake_serve_by(until)
 
     def _expire(self, now: float) -> None:
         """Fail the calls past their deadline."""
@@ -399,7 +428,10 @@ class Connection:
                 sock, self._limits, self._io_timeout, decompress=self.compression != "off",
                 segment=shm.receiver(self._segment, self._pins, self._allocate),
             )  # fmt: skip
-            self._outbox = Outbox(sock, [piece for frame in self._queued for piece in encode_frame(frame)])
+            self._outbox = Outbox(
+                sock, [piece for frame in self._queued for piece in encode_frame(frame)],
+                delay=_DEFER_DELAY, max_deferred=_DEFER_FRAMES, on_deferred=self._deferral_started,
+            )  # fmt: skip
             self._queued = []
             self._state = ConnectionState.OPEN
             self._cond.notify_all()
@@ -424,6 +456,8 @@ class Connection:
                 expire = now >= self._calls.check_at
             if expire:
                 self._expire(now)  # without the reading role: callbacks may wait for answers
+            if self._outbox.deferred_until <= now:
+                self._send([])  # frames deferred by a thread that went on with something else
             if (self._releases or getattr(self._segment, "releases_waiting", 0)) and now - last_flush > _RELEASE_TICK:
                 last_flush = now
                 self._send([])
@@ -460,6 +494,8 @@ class Connection:
             tick = _IDLE_TICK  # watching answers left to a caller
         else:
             tick = min(max(self._calls.check_at - now, 0.0) + 0.001, _RELEASE_TICK)
+        if self._outbox is not None:  # None while connecting
+            tick = min(tick, max(self._outbox.deferred_until - now, 0.0))
         self._serve_wakes_at = now + tick
         try:
             self._serve_cond.wait(tick)

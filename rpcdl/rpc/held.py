@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 
 class _Sender(Protocol):
-    def _send(self, frames: list) -> None: ...
+    def _send(self, frames: list) -> None: ...  # [] flushes what the connection deferred
 
 
 class _ThreadState(threading.local):
@@ -39,6 +39,7 @@ class _ThreadState(threading.local):
     frames: dict[_Sender, list] | None = None  #: the calls held by the innermost open block, by connection
     suspended: list[dict[_Sender, list]] | None = None  #: those of enclosing blocks, suspended by outside_held_blocks
     read_here = False  #: whether answers of calls made now are left to this thread
+    deferred: set[_Sender] | None = None  #: connections where this thread deferred calls since it last waited
 
 
 _state = _ThreadState()
@@ -73,9 +74,27 @@ def hold(connection: _Sender, frame: Any) -> bool:
     return True
 
 
+def deferred_on(connection: _Sender) -> None:
+    """Note that this thread deferred a call on ``connection``: it leaves before this thread waits.
+
+    (A connection defers a call made while the worker is busy with others, so
+    that it leaves with the next ones, see :meth:`rpcdl.rpc.outbox.Outbox.defer`.)
+    """
+    deferred = _state.deferred
+    if deferred is None:
+        deferred = _state.deferred = set()
+    deferred.add(connection)
+
+
 def send_held() -> None:
-    """Send every call this thread holds, those of suspended enclosing blocks first (they were made first)."""
+    """Send every call this thread holds, those of suspended enclosing blocks first (they were made first), and
+    those it deferred."""
     state = _state
+    if state.deferred:
+        deferred = list(state.deferred)
+        state.deferred.clear()
+        for connection in deferred:
+            connection._send([])
     if not state.suspended and not state.frames:
         return  # nothing held: the usual case
     for frames in [*_suspended(), _frames()]:
