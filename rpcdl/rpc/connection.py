@@ -4,10 +4,17 @@ Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state
 
 * Each :class:`Connection` has one thread of its own, ``rpcdl-connection-HOST:PORT``.
   It opens the connection (:mod:`rpcdl.rpc.dial`), then reads the answers of
-  :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls, fails overdue calls and
-  flushes RRef releases, until the connection closes.
+  :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls, fails overdue calls,
+  flushes RRef releases and deferred calls, until the connection closes.
 * Any thread may make calls and send; threads sending at once share system calls
   (:class:`~rpcdl.rpc.outbox.Outbox`).
+* A call goes at once, except an asynchronous one without tensors (buffers) made
+  while others are in flight (the worker is busy with them anyway): it is
+  *deferred* in the outbox (:attr:`~rpcdl.rpc.outbox.OutboxState.DEFERRED`) and
+  leaves with the next call sent at once, with the ``_DEFER_FRAMES``-th deferred,
+  before any thread that deferred it waits for answers (:func:`rpcdl.rpc.held.send_held`,
+  :meth:`Connection.wait`), or, sent by the connection's thread, ``_DEFER_DELAY``
+  after the first of them was deferred, whichever comes first. Order is kept.
 * All state lives in three objects changed only under ``_lock``: the
   :class:`~rpcdl.rpc.state.ConnectionState` (CONNECTING -> OPEN -> CLOSED,
   never back), the :class:`~rpcdl.rpc.state.ReadingRole` and the
@@ -37,7 +44,6 @@ from __future__ import annotations
 
 import collections
 import os
-import select
 import socket
 import ssl
 import threading
@@ -53,18 +59,17 @@ from ..errors import (
     ConnectionLost,
     FrameTooLarge,
     ProtocolError,
-    WorkerTimeout,
     WorkerUnavailable,
 )
-from ..serialization.pickling import load_exception, loads_from
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
-from ..transport.control import decode_rejected, decode_stats, encode_release
+from ..transport.control import encode_release
 from ..transport.security import Token
-from ..transport.tls_stream import TLSStream
 from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 from . import held
-from .calls import Call, ReadBy, future_done, set_future_result
+from .answers import ANSWERS as _ANSWERS
+from .answers import deliver, overdue_error, readable
+from .calls import Call, ReadBy, future_done
 from .dial import dial
 from .live_threads import live_thread
 from .outbox import Outbox, OutboxState
@@ -77,9 +82,6 @@ _BACKGROUND_DELAY = 0.001  # the connection's thread reads background answers on
 _BATCH = 64  # frames read in one turn with the reading role, at most
 _DEFER_DELAY = 0.0005  # seconds a frame deferred while the worker is busy may wait for the next, at most
 _DEFER_FRAMES = 32  # frames deferred together that leave at once
-
-
-_ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
 
 
 class _Closed(Exception):
@@ -226,7 +228,7 @@ class Connection:
             self._calls.caller_came(time.monotonic())
             if not self._role.free or self._state is ConnectionState.CLOSED:
                 return None
-            if self._state is ConnectionState.CONNECTING or not (self._reader.buffered or _readable(self._sock)):
+            if self._state is ConnectionState.CONNECTING or not (self._reader.buffered or readable(self._sock)):
                 return False
             self._role.take(Reader.CALLER)
         self._read()
@@ -293,16 +295,7 @@ class Connection:
                 self._cond.notify_all()
             connected = self._state is not ConnectionState.CONNECTING
         for call in overdue:  # outside the lock: callbacks may make calls
-            if connected:
-                error: Exception = WorkerTimeout(
-                    f"worker {self.address} did not answer {call.what} within {call.timeout:g}s"
-                )
-            else:
-                error = WorkerUnavailable(
-                    f"could not connect to rpcdl worker {self.address} within {call.timeout:g}s "
-                    f"(last error: {self._last_connect_error or 'still connecting'})"
-                )
-            call.future.set_exception(error)
+            call.future.set_exception(overdue_error(self.address, call, connected, self._last_connect_error))
 
     def _fail(self, reason: str, error_type: type[Exception] = ConnectionLost) -> None:
         with self._lock:
@@ -361,7 +354,7 @@ class Connection:
                 self._cond.notify_all()
             self._caller_left()
         for frame, call in answered:
-            self._deliver(frame, call)
+            deliver(self.address, self, frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
             with self._lock:
                 call = self._calls.pop(error.call_id)
@@ -380,28 +373,6 @@ class Connection:
         if size >= buffers.MIN_BYTES and not pin:
             return buffers.take(size)
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
-
-    def _deliver(self, frame: Frame, call: Call) -> None:
-        try:
-            if frame.kind == Kind.RESULT:
-                value = loads_from(self.address, self, frame.payload, frame.buffers)
-                result = call.transform(value) if call.transform is not None else value
-            elif frame.kind == Kind.STATS_REPLY:
-                result = decode_stats(frame.payload)
-            elif frame.kind == Kind.PONG:
-                result = time.monotonic() - call.started
-            elif frame.kind == Kind.ERROR:
-                call.future.set_exception(load_exception(frame.payload, self.address))
-                return
-            else:
-                reason = decode_rejected(frame.payload)
-                call.future.set_exception(WorkerUnavailable(f"worker {self.address} did not run {call.what}: {reason}"))
-                return
-        except Exception as exc:
-            exc.add_note(f"while unpickling the answer of worker {self.address} to {call.what}")
-            call.future.set_exception(exc)
-            return
-        set_future_result(call.future, result)
 
     # ------------------------------------------------------------------ thread
 
@@ -525,11 +496,3 @@ class Connection:
             if self._state is ConnectionState.CLOSED:
                 raise WorkerUnavailable(self._error)
             return max(self._connect_deadline, self._calls.latest_deadline())
-
-
-def _readable(sock: socket.socket) -> bool:
-    if isinstance(sock, TLSStream) and sock.pending():
-        return True
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))

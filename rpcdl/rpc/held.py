@@ -115,7 +115,10 @@ def sent_together() -> Iterator[None]:
     fills its prefetch window). Order is kept: waiting for a future in the
     block, or making a synchronous call (:func:`rpcdl.rpc_sync`, :func:`rpcdl.ping`,
     :func:`rpcdl.stats`), first sends what the thread holds. Other threads' calls are
-    not held, nor are those made under :func:`outside_held_blocks`.
+    not held, nor are those made under :func:`outside_held_blocks` (those may still
+    be deferred briefly, as any call made while others are in flight, see
+    :func:`rpcdl.rpc_async`). When the block ends, the calls it held are sent at
+    once, along with any deferred before them.
 
     Example::
 
