@@ -324,7 +324,7 @@ def rpc_async(
     tensors (which the caller may change once this returns); otherwise it may
     wait briefly, to leave with the next calls in one system call: until the
     thread waits for any answer, 32 calls wait, or 0.5 ms pass, whichever
-    comes first (see :mod:`rpcdl.rpc.connection`). Functions and arguments go
+    comes first. Deferring never reorders calls. Functions and arguments go
     through cloudpickle, so lambdas and closures work; tensors travel without
     extra copies. An exception raised by ``func`` is raised by
     ``future.wait()`` with its own type, the remote traceback and the worker's
