@@ -147,3 +147,12 @@ def test_many_threads_pipelining_on_one_connection_get_every_answer(workers):
     assert not any(thread.is_alive() for thread in threads)
     for index in range(4):
         assert results[index] == [(index, number) for number in range(300)]
+
+
+def test_a_call_creating_an_rref_is_never_deferred(workers):
+    address = workers[0].address
+    gate, busy = _busy(address)
+    rref = rpcdl.remote(address, echo, (5,))
+    assert _outbox(address).state is OutboxState.IDLE  # another worker may name it at once
+    gate.set()
+    assert rref.to_here() == 5 and busy.wait() == 0

@@ -320,8 +320,8 @@ def rpc_async(
 
     The call goes over this process's connection to the worker, and the
     future completes when the answer arrives. It is sent at once when no
-    other call to that worker is in flight, or when its arguments hold
-    tensors (which the caller may change once this returns); otherwise it may
+    other call to that worker is in flight, when its arguments hold tensors
+    (which the caller may change once this returns), or with ``rref=True``; otherwise it may
     wait briefly, to leave with the next calls in one system call: until the
     thread waits for any answer, 32 calls wait, or 0.5 ms pass, whichever
     comes first. Deferring never reorders calls. Functions and arguments go

@@ -8,9 +8,9 @@ Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state
   flushes RRef releases and deferred calls, until the connection closes.
 * Any thread may make calls and send; threads sending at once share system calls
   (:class:`~rpcdl.rpc.outbox.Outbox`).
-* A call goes at once, except an asynchronous one without tensors (buffers) made
-  while others are in flight (the worker is busy with them anyway): it is
-  *deferred* in the outbox (:attr:`~rpcdl.rpc.outbox.OutboxState.DEFERRED`) and
+* A call goes at once, except an asynchronous one without tensors (buffers) that
+  creates no RRef, made while others are in flight (the worker is busy with them
+  anyway): it is *deferred* (:attr:`~rpcdl.rpc.outbox.OutboxState.DEFERRED`) and
   leaves with the next call sent at once, with the ``_DEFER_FRAMES``-th deferred,
   before any thread that deferred it waits for answers (:func:`rpcdl.rpc.held.send_held`,
   :meth:`Connection.wait`), or, sent by the connection's thread, ``_DEFER_DELAY``
@@ -182,7 +182,7 @@ class Connection:
         if call.read_by is ReadBy.WAITER:  # it waits: what it holds (enclosing blocks' calls) leaves first
             held.send_held()
             self._send([frame])
-        elif busy and not frame.buffers:
+        elif busy and not frame.buffers and not ref:  # an RRef's creation leaves at once: others may name it
             self._defer(frame)
         else:
             self._send([frame])
@@ -263,6 +263,8 @@ class Connection:
             frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
         frames = [*self._segment.release_frames(), *frames] if self._segment else frames
         if not frames:
+            if os.getpid() != self._pid:
+                return  # a forked child: the deferred frames are the parent's to send
             pieces: list = []  # flushes what is deferred
         elif len(frames) == 1:
             pieces = encode_frame(frames[0])

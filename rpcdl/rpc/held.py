@@ -28,6 +28,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from .._lifecycle import in_forked_child
+
 
 class _Sender(Protocol):
     def _send(self, frames: list) -> None: ...  # [] flushes what the connection deferred
@@ -43,6 +45,13 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
+
+
+def _after_fork_in_child() -> None:
+    _state.deferred = None  # the parent's connections: the child never sends on them
+
+
+in_forked_child(_after_fork_in_child)
 
 
 def _frames() -> dict[_Sender, list] | None:
