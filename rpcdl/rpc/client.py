@@ -318,8 +318,13 @@ def rpc_async(
 ) -> torch.futures.Future[_T]:
     """Run ``func(*args, **kwargs)`` on a worker; return a future of the result.
 
-    The call is sent at once over this process's connection to the worker and
-    the future completes when the answer arrives. Functions and arguments go
+    The call goes over this process's connection to the worker, and the
+    future completes when the answer arrives. It is sent at once when no
+    other call to that worker is in flight, when its arguments hold tensors
+    (which the caller may change once this returns), or with ``rref=True``; otherwise it may
+    wait briefly, to leave with the next calls in one system call: until the
+    thread waits for any answer, 32 calls wait, or 0.5 ms pass, whichever
+    comes first. Deferring never reorders calls. Functions and arguments go
     through cloudpickle, so lambdas and closures work; tensors travel without
     extra copies. An exception raised by ``func`` is raised by
     ``future.wait()`` with its own type, the remote traceback and the worker's

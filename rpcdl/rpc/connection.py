@@ -4,10 +4,17 @@ Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state
 
 * Each :class:`Connection` has one thread of its own, ``rpcdl-connection-HOST:PORT``.
   It opens the connection (:mod:`rpcdl.rpc.dial`), then reads the answers of
-  :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls, fails overdue calls and
-  flushes RRef releases, until the connection closes.
+  :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls, fails overdue calls,
+  flushes RRef releases and deferred calls, until the connection closes.
 * Any thread may make calls and send; threads sending at once share system calls
   (:class:`~rpcdl.rpc.outbox.Outbox`).
+* A call goes at once, except an asynchronous one without tensors (buffers) that
+  creates no RRef, made while others are in flight (the worker is busy with them
+  anyway): it is *deferred* (:attr:`~rpcdl.rpc.outbox.OutboxState.DEFERRED`) and
+  leaves with the next call sent at once, with the ``_DEFER_FRAMES``-th deferred,
+  before any thread that deferred it waits for answers (:func:`rpcdl.rpc.held.send_held`,
+  :meth:`Connection.wait`), or, sent by the connection's thread, ``_DEFER_DELAY``
+  after the first of them was deferred, whichever comes first. Order is kept.
 * All state lives in three objects changed only under ``_lock``: the
   :class:`~rpcdl.rpc.state.ConnectionState` (CONNECTING -> OPEN -> CLOSED,
   never back), the :class:`~rpcdl.rpc.state.ReadingRole` and the
@@ -37,7 +44,6 @@ from __future__ import annotations
 
 import collections
 import os
-import select
 import socket
 import ssl
 import threading
@@ -53,21 +59,20 @@ from ..errors import (
     ConnectionLost,
     FrameTooLarge,
     ProtocolError,
-    WorkerTimeout,
     WorkerUnavailable,
 )
-from ..serialization.pickling import load_exception, loads_from
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
-from ..transport.control import decode_rejected, decode_stats, encode_release
+from ..transport.control import encode_release
 from ..transport.security import Token
-from ..transport.tls_stream import TLSStream
 from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 from . import held
-from .calls import Call, ReadBy, future_done, set_future_result
+from .answers import ANSWERS as _ANSWERS
+from .answers import deliver, overdue_error, readable
+from .calls import Call, ReadBy, future_done
 from .dial import dial
 from .live_threads import live_thread
-from .outbox import Outbox
+from .outbox import Outbox, OutboxState
 from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 
 _IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
@@ -75,9 +80,8 @@ _RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
 _BACKGROUND_DELAY = 0.001  # the connection's thread reads background answers once no caller has been here this long
 _BATCH = 64  # frames read in one turn with the reading role, at most
-
-
-_ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))
+_DEFER_DELAY = 0.0005  # seconds a frame deferred while the worker is busy may wait for the next, at most
+_DEFER_FRAMES = 32  # frames deferred together that leave at once
 
 
 class _Closed(Exception):
@@ -163,6 +167,7 @@ class Connection:
             state = self._state
             if state is ConnectionState.CLOSED:
                 raise _Closed(self._error)
+            busy = len(self._calls) > 0  # the worker has calls of ours to run: this one may wait for the next
             self._calls.add(call, call.started)
             if self._serve_wakes_at:  # it sleeps: wake it for this call's deadline, or for its answer
                 turn = self._role.background_turn() if call.read_by is ReadBy.BACKGROUND else call.deadline
@@ -174,11 +179,20 @@ class Connection:
             if call.read_by is ReadBy.WAITER:  # after what this thread holds, in the order it made the calls
                 held.send_held()
             return
-        self._send([frame])
+        if call.read_by is ReadBy.WAITER:  # it waits: what it holds (enclosing blocks' calls) leaves first
+            held.send_held()
+            self._send([frame])
+        elif busy and not frame.buffers and not ref:  # an RRef's creation leaves at once: others may name it
+            self._defer(frame)
+        else:
+            self._send([frame])
 
     def wait(self, call: Call) -> None:
         """Wait until ``call`` is answered (or fails), reading answers meanwhile."""
         held.send_held()
+        outbox = self._outbox
+        if outbox is not None and outbox.state is OutboxState.DEFERRED:  # another thread's, maybe this call
+            self._send([])
         future, calls, role, call_id = call.future, self._calls, self._role, call.call_id
         while not future_done(future):
             with self._lock:
@@ -214,7 +228,7 @@ class Connection:
             self._calls.caller_came(time.monotonic())
             if not self._role.free or self._state is ConnectionState.CLOSED:
                 return None
-            if self._state is ConnectionState.CONNECTING or not (self._reader.buffered or _readable(self._sock)):
+            if self._state is ConnectionState.CONNECTING or not (self._reader.buffered or readable(self._sock)):
                 return False
             self._role.take(Reader.CALLER)
         self._read()
@@ -249,12 +263,31 @@ class Connection:
             frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
         frames = [*self._segment.release_frames(), *frames] if self._segment else frames
         if not frames:
-            return
-        pieces = encode_frame(frames[0]) if len(frames) == 1 else [p for frame in frames for p in encode_frame(frame)]
+            if os.getpid() != self._pid:
+                return  # a forked child: the deferred frames are the parent's to send
+            pieces: list = []  # flushes what is deferred
+        elif len(frames) == 1:
+            pieces = encode_frame(frames[0])
+        else:
+            pieces = [p for frame in frames for p in encode_frame(frame)]
         try:
             self._outbox.send(pieces)
         except OSError as exc:
             self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
+
+    def _defer(self, frame: Frame) -> None:
+        """Queue ``frame`` (no buffers) to leave with the next ones (see :meth:`Outbox.defer`)."""
+        try:
+            self._outbox.defer(encode_frame(frame))
+        except OSError as exc:
+            self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
+            return
+        held.deferred_on(self)
+
+    def _deferral_started(self, until: float) -> None:
+        """Frames wait in the outbox: make sure the connection's thread flushes them by ``until``."""
+        with self._lock:
+            self._wake_serve_by(until)
 
     def _expire(self, now: float) -> None:
         """Fail the calls past their deadline."""
@@ -264,16 +297,7 @@ class Connection:
                 self._cond.notify_all()
             connected = self._state is not ConnectionState.CONNECTING
         for call in overdue:  # outside the lock: callbacks may make calls
-            if connected:
-                error: Exception = WorkerTimeout(
-                    f"worker {self.address} did not answer {call.what} within {call.timeout:g}s"
-                )
-            else:
-                error = WorkerUnavailable(
-                    f"could not connect to rpcdl worker {self.address} within {call.timeout:g}s "
-                    f"(last error: {self._last_connect_error or 'still connecting'})"
-                )
-            call.future.set_exception(error)
+            call.future.set_exception(overdue_error(self.address, call, connected, self._last_connect_error))
 
     def _fail(self, reason: str, error_type: type[Exception] = ConnectionLost) -> None:
         with self._lock:
@@ -332,7 +356,7 @@ class Connection:
                 self._cond.notify_all()
             self._caller_left()
         for frame, call in answered:
-            self._deliver(frame, call)
+            deliver(self.address, self, frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
             with self._lock:
                 call = self._calls.pop(error.call_id)
@@ -351,28 +375,6 @@ class Connection:
         if size >= buffers.MIN_BYTES and not pin:
             return buffers.take(size)
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
-
-    def _deliver(self, frame: Frame, call: Call) -> None:
-        try:
-            if frame.kind == Kind.RESULT:
-                value = loads_from(self.address, self, frame.payload, frame.buffers)
-                result = call.transform(value) if call.transform is not None else value
-            elif frame.kind == Kind.STATS_REPLY:
-                result = decode_stats(frame.payload)
-            elif frame.kind == Kind.PONG:
-                result = time.monotonic() - call.started
-            elif frame.kind == Kind.ERROR:
-                call.future.set_exception(load_exception(frame.payload, self.address))
-                return
-            else:
-                reason = decode_rejected(frame.payload)
-                call.future.set_exception(WorkerUnavailable(f"worker {self.address} did not run {call.what}: {reason}"))
-                return
-        except Exception as exc:
-            exc.add_note(f"while unpickling the answer of worker {self.address} to {call.what}")
-            call.future.set_exception(exc)
-            return
-        set_future_result(call.future, result)
 
     # ------------------------------------------------------------------ thread
 
@@ -399,7 +401,10 @@ class Connection:
                 sock, self._limits, self._io_timeout, decompress=self.compression != "off",
                 segment=shm.receiver(self._segment, self._pins, self._allocate),
             )  # fmt: skip
-            self._outbox = Outbox(sock, [piece for frame in self._queued for piece in encode_frame(frame)])
+            self._outbox = Outbox(
+                sock, [piece for frame in self._queued for piece in encode_frame(frame)],
+                delay=_DEFER_DELAY, max_deferred=_DEFER_FRAMES, on_deferred=self._deferral_started,
+            )  # fmt: skip
             self._queued = []
             self._state = ConnectionState.OPEN
             self._cond.notify_all()
@@ -424,6 +429,8 @@ class Connection:
                 expire = now >= self._calls.check_at
             if expire:
                 self._expire(now)  # without the reading role: callbacks may wait for answers
+            if self._outbox.deferred_until <= now:
+                self._send([])  # frames deferred by a thread that went on with something else
             if (self._releases or getattr(self._segment, "releases_waiting", 0)) and now - last_flush > _RELEASE_TICK:
                 last_flush = now
                 self._send([])
@@ -460,6 +467,8 @@ class Connection:
             tick = _IDLE_TICK  # watching answers left to a caller
         else:
             tick = min(max(self._calls.check_at - now, 0.0) + 0.001, _RELEASE_TICK)
+        if self._outbox is not None:  # None while connecting
+            tick = min(tick, max(self._outbox.deferred_until - now, 0.0))
         self._serve_wakes_at = now + tick
         try:
             self._serve_cond.wait(tick)
@@ -489,11 +498,3 @@ class Connection:
             if self._state is ConnectionState.CLOSED:
                 raise WorkerUnavailable(self._error)
             return max(self._connect_deadline, self._calls.latest_deadline())
-
-
-def _readable(sock: socket.socket) -> bool:
-    if isinstance(sock, TLSStream) and sock.pending():
-        return True
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))

@@ -28,9 +28,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from .._lifecycle import in_forked_child
+
 
 class _Sender(Protocol):
-    def _send(self, frames: list) -> None: ...
+    def _send(self, frames: list) -> None: ...  # [] flushes what the connection deferred
 
 
 class _ThreadState(threading.local):
@@ -39,9 +41,17 @@ class _ThreadState(threading.local):
     frames: dict[_Sender, list] | None = None  #: the calls held by the innermost open block, by connection
     suspended: list[dict[_Sender, list]] | None = None  #: those of enclosing blocks, suspended by outside_held_blocks
     read_here = False  #: whether answers of calls made now are left to this thread
+    deferred: set[_Sender] | None = None  #: connections where this thread deferred calls since it last waited
 
 
 _state = _ThreadState()
+
+
+def _after_fork_in_child() -> None:
+    _state.deferred = None  # the parent's connections: the child never sends on them
+
+
+in_forked_child(_after_fork_in_child)
 
 
 def _frames() -> dict[_Sender, list] | None:
@@ -73,9 +83,27 @@ def hold(connection: _Sender, frame: Any) -> bool:
     return True
 
 
+def deferred_on(connection: _Sender) -> None:
+    """Note that this thread deferred a call on ``connection``: it leaves before this thread waits.
+
+    (A connection defers a call made while the worker is busy with others, so
+    that it leaves with the next ones, see :meth:`rpcdl.rpc.outbox.Outbox.defer`.)
+    """
+    deferred = _state.deferred
+    if deferred is None:
+        deferred = _state.deferred = set()
+    deferred.add(connection)
+
+
 def send_held() -> None:
-    """Send every call this thread holds, those of suspended enclosing blocks first (they were made first)."""
+    """Send every call this thread holds, those of suspended enclosing blocks first (they were made first), and
+    those it deferred."""
     state = _state
+    if state.deferred:
+        deferred = list(state.deferred)
+        state.deferred.clear()
+        for connection in deferred:
+            connection._send([])
     if not state.suspended and not state.frames:
         return  # nothing held: the usual case
     for frames in [*_suspended(), _frames()]:
@@ -96,7 +124,10 @@ def sent_together() -> Iterator[None]:
     fills its prefetch window). Order is kept: waiting for a future in the
     block, or making a synchronous call (:func:`rpcdl.rpc_sync`, :func:`rpcdl.ping`,
     :func:`rpcdl.stats`), first sends what the thread holds. Other threads' calls are
-    not held, nor are those made under :func:`outside_held_blocks`.
+    not held, nor are those made under :func:`outside_held_blocks` (those may still
+    be deferred briefly, as any call made while others are in flight, see
+    :func:`rpcdl.rpc_async`). When the block ends, the calls it held are sent at
+    once, along with any deferred before them.
 
     Example::
 
