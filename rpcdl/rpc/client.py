@@ -38,7 +38,7 @@ from ..checks import check_timeout
 from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps_for
 from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
-from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, Kind, Limits
+from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
 from .calls import Call, CallFuture, ReadBy, describe
 from .connection import _IDLE_TICK, Connection, _Closed
 from .dial import connect_grace
@@ -201,7 +201,6 @@ _CREDENTIALS = Variables(TOKEN_ENV, TOKEN_FILE_ENV, TLS_CA_ENV)
 _LIMITS = Variables(MAX_MESSAGE_BYTES_ENV, MAX_BUFFERS_ENV)
 _addresses: dict[str, str] = {}  # each address as given -> as checked (a few per process)
 _limits: dict[tuple[str | None, str | None], Limits] = {}  # by the environment variables they come from
-_SURELY_UNDER_LIMITS = 1024  # a payload this small, without buffers, is under any Limits (see Limits.__post_init__)
 
 
 def _check_address(host: Any) -> str:
@@ -266,8 +265,9 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
         payload, buffers = dumps_for(host, (func, tuple(args), dict(kwargs)))
     except Exception as exc:
         raise TypeError(f"cannot send {describe(func)} and its arguments to worker {host}: {exc}") from exc
-    if buffers or len(payload) > _SURELY_UNDER_LIMITS:
-        _outgoing_limits().check_outgoing(len(payload), [b.nbytes for b in buffers], f"the call of {describe(func)}")
+    if buffers or len(payload) > SMALLEST_MESSAGE_LIMIT:
+        sizes = [b.nbytes for b in buffers]
+        _outgoing_limits().check_outgoing(len(payload), sizes, lambda: f"the call of {describe(func)}")
     return payload, buffers
 
 

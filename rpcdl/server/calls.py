@@ -12,15 +12,15 @@ import time
 from typing import Any
 
 from ..errors import LimitExceeded
+from ..rpc.calls import describe
 from ..rpc.rref import RRefStore
 from ..serialization.pickling import dump_exception, dumps_answer, loads
 from ..transport.context import thread_context
-from ..transport.wire import MAX_MESSAGE_BYTES_ENV, Frame, Kind, Limits
+from ..transport.wire import MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Frame, Kind, Limits
 from .counters import Counters
 
 log = logging.getLogger("rpcdl.worker")
 
-_SURELY_UNDER_LIMITS = 1024  # a payload this small, without buffers, is under any Limits
 _clock = time.perf_counter
 _RESULT = Kind.RESULT  # read on every call: an enum member's lookup through its class costs ~0.1 us (3.11)
 
@@ -54,9 +54,10 @@ class CallRunner:
                 try:
                     payload, buffers = dumps_answer(value)
                 except Exception as exc:
-                    raise TypeError(f"the result of {_name(func)} could not be pickled: {exc}") from exc
-                if buffers or len(payload) > _SURELY_UNDER_LIMITS:
-                    self._check_limits(func, payload, buffers)
+                    raise TypeError(f"the result of {describe(func)} could not be pickled: {exc}") from exc
+                if buffers or len(payload) > SMALLEST_MESSAGE_LIMIT:
+                    sizes = [b.nbytes for b in buffers]
+                    self.limits.check_outgoing(len(payload), sizes, lambda: f"the result of {describe(func)}")
             finally:
                 context.value = previous
         except BaseException as exc:
@@ -67,13 +68,6 @@ class CallRunner:
             return Frame(Kind.ERROR, frame.call_id, 0, self.error_report(exc))
         self.counters.ran(_clock() - started, False)
         return Frame(_RESULT, frame.call_id, 0, payload, buffers)
-
-    def _check_limits(self, func: Any, payload: bytes, buffers: list[memoryview]) -> None:
-        """Raise :class:`~rpcdl.errors.LimitExceeded` if the answer ``payload, buffers`` of ``func`` breaks a limit."""
-        limits = self.limits
-        sizes = [b.nbytes for b in buffers]
-        if len(sizes) > limits.max_buffers or len(payload) + sum(sizes) > limits.max_message_bytes:
-            limits.check_outgoing(len(payload), sizes, f"the result of {_name(func)}")
 
     def error_report(self, exc: BaseException) -> bytes:
         """The report of ``exc`` for the client; a shorter one if it would break the message limit."""
@@ -87,7 +81,3 @@ class CallRunner:
                 f"{self.limits.max_message_bytes} bytes in one message ({MAX_MESSAGE_BYTES_ENV}); it began: {began}"
             )
         )
-
-
-def _name(func: Any) -> str:
-    return f"{getattr(func, '__qualname__', type(func).__name__)}()"

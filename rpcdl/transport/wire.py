@@ -36,6 +36,7 @@ from .tls_stream import TLSStream
 _HEADER = struct.Struct("!BBHIQQQ")
 _U64 = struct.Struct("!Q")
 _INLINE_PAYLOAD = 64 * 1024
+SMALLEST_MESSAGE_LIMIT = 1024  #: the lowest max_message_bytes: a payload this small, without buffers, fits any limits
 _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
 IN_SEGMENT = 2  #: frame flag: an offset follows the lengths, and buffers with one are in the shared segment
@@ -112,22 +113,24 @@ class Limits:
     handshake_timeout: float = 10.0
 
     def __post_init__(self):
-        if self.max_message_bytes < 1024:
+        if self.max_message_bytes < SMALLEST_MESSAGE_LIMIT:
             raise ValueError(
-                f"max_message_bytes ({MAX_MESSAGE_BYTES_ENV}) must be at least 1024, got {self.max_message_bytes}"
+                f"max_message_bytes ({MAX_MESSAGE_BYTES_ENV}) must be at least {SMALLEST_MESSAGE_LIMIT}, "
+                f"got {self.max_message_bytes}"
             )
         if not 1 <= self.max_buffers <= _MAX_COUNT:
             raise ValueError(f"max_buffers ({MAX_BUFFERS_ENV}) must be in 1..{_MAX_COUNT}, got {self.max_buffers}")
         if self.handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be positive, got {self.handshake_timeout}")
 
-    def check_outgoing(self, payload_bytes: int, buffer_sizes: Sequence[int], what: str) -> None:
+    def check_outgoing(self, payload_bytes: int, buffer_sizes: Sequence[int], what: str | Callable[[], str]) -> None:
         """Raise :class:`~rpcdl.errors.LimitExceeded` if a frame to send would break a limit.
 
         Args:
             payload_bytes: size of the pickled payload.
             buffer_sizes: size of each out-of-band buffer.
-            what: the message, for the error (``"the result of load()"``).
+            what: what the frame is, for the error (``"the result of load()"``), or a function
+                returning it, called only when a limit is broken.
 
         Example::
 
@@ -135,6 +138,7 @@ class Limits:
             LimitExceeded: the result of f() holds 3 tensors or arrays (out-of-band buffers), more than ...
         """
         if len(buffer_sizes) > self.max_buffers:
+            what = what if isinstance(what, str) else what()
             raise LimitExceeded(
                 f"{what} holds {len(buffer_sizes)} tensors or arrays (out-of-band buffers), more than the limit of "
                 f"{self.max_buffers} in one message: send fewer, larger ones (stack them, in a collate_fn say), or "
@@ -143,6 +147,7 @@ class Limits:
             )
         total = payload_bytes + sum(buffer_sizes)
         if total > self.max_message_bytes:
+            what = what if isinstance(what, str) else what()
             raise LimitExceeded(
                 f"{what} is {total} bytes, more than the limit of {self.max_message_bytes} bytes in one message: "
                 f"send it in parts, or raise the limit with {MAX_MESSAGE_BYTES_ENV}=N in the environment of the "
