@@ -258,6 +258,36 @@ def test_a_batch_that_times_out_raises_a_runtime_error(embedded_worker):
     assert isinstance(info.value, WorkerTimeout)
 
 
+class SlowAtOneIndex(helpers.RangeDataset):
+    """Sample ``slow_index`` takes ``seconds``; the others none."""
+
+    def __init__(self, n: int, slow_index: int, seconds: float):
+        super().__init__(n)
+        self.slow_index, self.seconds = slow_index, seconds
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.slow_index:
+            time.sleep(self.seconds)
+        return torch.tensor(index)
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_slower_than_the_timeout_fails_alone_and_every_other_batch_comes_once(embedded_worker):
+    workers = [embedded_worker().address for _ in range(2)]
+    dataset = rpcdl.RPCDataset(workers, SlowAtOneIndex, 200, 11, 2.0)
+    batches, failures = iter(rpcdl.RPCDataloader(dataset, timeout=0.3)), []
+    seen = []
+    while True:
+        try:
+            seen.append(next(batches).item())
+        except StopIteration:
+            break
+        except WorkerTimeout as failure:  # the batch is lost, the epoch goes on, as with torch's worker errors
+            failures.append(failure)
+    assert len(failures) == 1 and "timed out on 2 workers" in "".join(failures[0].__notes__)
+    assert seen == [i for i in range(200) if i != 11]  # in order, none lost, none twice
+
+
 # ---------------------------------------------------------------------------- attributes and arguments
 
 

@@ -16,7 +16,7 @@ import torch
 
 from rpcdl import DatasetMismatch
 from rpcdl.data.scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot, WorkerState
-from rpcdl.data.scheduler_parts import FIRST_PROBE_DELAY, _Attempt
+from rpcdl.data.scheduler_parts import FIRST_PROBE_DELAY, _Attempt, _StillBusy
 from rpcdl.data.scheduling_policy import MAX_PROBE_DELAY, AllDownWatch, SchedulingPolicy
 from rpcdl.errors import WorkerTimeout, WorkerUnavailable
 
@@ -225,6 +225,37 @@ def test_lost_worker_tasks_go_elsewhere_probed_with_backoff_and_it_rejoins():
         next(dispatch)
 
 
+def test_a_worker_still_running_a_call_that_timed_out_is_probed_until_it_is_free():
+    clock, calls = Clock(), Calls()
+    probes: list[torch.futures.Future] = []
+
+    def revive(slot: WorkerSlot) -> torch.futures.Future:
+        probes.append(torch.futures.Future())
+        return probes[-1]
+
+    pool = WorkerPool(["w0:1"], prefetch_factor=1, timeout=1.0, revive=revive, clock=clock)
+    dispatch = pool.start(iter(range(2)), calls)
+    dispatch._dispatch()
+    calls.future(0, "w0:1").set_exception(WorkerTimeout("w0:1 did not answer within 1s"))
+    dispatch._handle_events(wait=False)
+    assert pool.states()["w0:1"] == "down"
+    clock.advance(FIRST_PROBE_DELAY)
+    dispatch._probe_due()
+    for attempt in range(1, 5):  # alive, but still running the call: asked again at once, the pass waits
+        probes[-1].set_exception(_StillBusy("still running calls"))
+        clock.advance(1.0)
+        dispatch._handle_events(wait=False)
+        assert len(probes) == attempt + 1 and pool.states()["w0:1"] == "probing"
+    probes[-1].set_result(None)
+    dispatch._handle_events(wait=False)
+    assert pool.states()["w0:1"] == "active"
+    assert isinstance(next(dispatch).error, WorkerTimeout)  # it timed out on every worker: its result
+    dispatch._dispatch()
+    assert calls.where()[1:] == [(1, "w0:1")]  # the next task, to the worker back
+    calls.future(1, "w0:1").set_result(1)
+    assert next(dispatch).value == 1
+
+
 def test_probe_backoff_is_capped_and_a_deterministic_failure_excludes():
     policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
     slot = WorkerSlot("w0:1", 0)
@@ -271,8 +302,11 @@ def test_none_left_watch_resets_when_one_comes_back_and_gives_up_at_once_when_no
     assert watch.check(slots, now=0.0) is None
     slots[1].state = WorkerState.ACTIVE
     assert watch.check(slots, now=4.0) is None
-    slots[1].state = WorkerState.PROBING
+    slots[1].state = WorkerState.DOWN
     assert watch.check(slots, now=8.0) is None  # the wait starts again
+    slots[0].state = WorkerState.PROBING
+    assert watch.check(slots, now=30.0) is None  # a probe in flight ends by its own timeout
+    slots[0].state = WorkerState.DOWN
     assert watch.check(slots, now=12.9) is None
     assert watch.check(slots, now=13.0) is not None
     excluded = [WorkerSlot("w2:3", 0)]

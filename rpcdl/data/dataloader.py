@@ -23,13 +23,13 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ..checks import check_int, check_loader_timeout, check_positive_int
 from ..errors import is_transient
-from ..rpc.client import ping_async, rpc_async
+from ..rpc.client import rpc_async
 from ..rpc.rref import RRefNotFound, remote_id
 from ..seeding import derive_seed, set_random_seeds
 from .dataset import RPCDataset
 from .fetch import fetch_batch_at, fetch_sample_at
 from .loader_state import check_state, loader_shape
-from .scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot
+from .scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot, probe_async
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
 
 log = logging.getLogger("rpcdl.dataloader")
@@ -337,10 +337,9 @@ class RPCDataloader:
         self._resume = state
 
     def _revive(self, slot: WorkerSlot) -> torch.futures.Future:
-        """Make a failed worker usable: rebuild the dataset where it was lost, else ping."""
-        address = self.dataset.rref(slot.address) and slot.address
-        if address:  # a batch will tell whether it still holds the dataset
-            return ping_async(address, timeout=min(self._call_timeout, 10.0))
+        """Make a failed worker usable: rebuild the dataset where it was lost, else probe it."""
+        if self.dataset.rref(slot.address):  # a batch will tell whether it still holds the dataset
+            return probe_async(slot, min(self._call_timeout, 10.0))
         built = self.dataset.build_async(slot.address)
         return built.then(lambda done: self.dataset.accept(slot.address, *done.wait()))
 

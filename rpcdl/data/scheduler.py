@@ -15,8 +15,9 @@ schedule. A :class:`Dispatch` is one pass over a source of payloads:
   the first answer wins;
 - an infrastructure failure (:func:`rpcdl.errors.is_transient`, or a worker
   that lost its state) takes the worker out: its tasks go to the others, it is
-  revived in the background and rejoins; a task that timed out on every worker
-  fails; an exception raised by user code is the task's result, not retried.
+  revived in the background and rejoins (see :func:`probe_async`); a task
+  that timed out on every worker fails; an exception raised by user code is
+  the task's result, not retried.
 
 The pool runs no thread of its own: everything happens in the consumer's
 ``next()``, fed by the futures' callbacks through a queue. Several passes over
@@ -50,13 +51,23 @@ from typing import Any
 import torch
 
 from ..errors import RPCDLError, WorkerTimeout
-from ..rpc.client import answers_read_here, ping_async, read_answers, read_in_background, sent_together
+from ..rpc.client import answers_read_here, ping_async, read_answers, read_in_background, rpc_async, sent_together
 from ..rpc.held import outside_held_blocks
 from ..rpc.rref import RRefNotFound
-from .scheduler_parts import Call, Revive, Task, WorkerSlot, WorkerState, _Attempt
+from .scheduler_parts import Call, Revive, Task, WorkerSlot, WorkerState, _Attempt, _StillBusy
 from .scheduling_policy import AllDownWatch, SchedulingPolicy, active, is_worker_failure
 
-__all__ = ["Call", "Dispatch", "NoWorkersLeft", "Revive", "Task", "WorkerPool", "WorkerSlot", "WorkerState"]
+__all__ = [
+    "Call",
+    "Dispatch",
+    "NoWorkersLeft",
+    "Revive",
+    "Task",
+    "WorkerPool",
+    "WorkerSlot",
+    "WorkerState",
+    "probe_async",
+]
 
 log = logging.getLogger("rpcdl.scheduler")
 
@@ -65,6 +76,51 @@ _PROBE_TIMEOUT = 10.0
 
 class NoWorkersLeft(RPCDLError, RuntimeError):
     """Every worker failed and none came back within the timeout."""
+
+
+def does_nothing() -> None:
+    """Runs on a worker for :func:`probe_async`: a call that does nothing."""
+
+
+def probe_async(slot: WorkerSlot, timeout: float) -> torch.futures.Future:
+    """Ask whether a worker that was taken out may be given tasks again: a future that fails if not.
+
+    A worker taken out because a call timed out is most likely still running
+    that call, which nothing can interrupt. Tasks sent to it would wait behind
+    that call and time out in turn, failing on every worker for a cost that is
+    not theirs. So it is sent a call that does nothing, queued behind its
+    calls, together with a ping: it rejoins once the call is answered (it has
+    a free slot), and the future fails with ``_StillBusy`` when only the
+    ping was (it is alive, to be asked again). Any other worker is pinged: it
+    answers at once, even while calls run.
+
+    Args:
+        slot: the worker, with the failure that took it out.
+        timeout: seconds the probe may take.
+    """
+    ping = ping_async(slot.address, timeout=timeout)
+    if not isinstance(slot.failure, (WorkerTimeout, _StillBusy)):
+        return ping
+    queued = rpc_async(slot.address, does_nothing, timeout=timeout)
+    probed: torch.futures.Future = torch.futures.Future()
+    torch.futures.collect_all([queued, ping]).add_done_callback(lambda _: _free_or_busy(queued, ping, probed))
+    return probed
+
+
+def _free_or_busy(queued: torch.futures.Future, ping: torch.futures.Future, probed: torch.futures.Future) -> None:
+    try:
+        queued.wait()
+    except WorkerTimeout:
+        try:
+            ping.wait()
+        except Exception as exc:  # unreachable, not only busy
+            probed.set_exception(exc)
+        else:
+            probed.set_exception(_StillBusy("it answers pings but is still running calls that timed out"))
+    except Exception as exc:
+        probed.set_exception(exc)
+    else:
+        probed.set_result(None)
 
 
 class WorkerPool:
@@ -101,7 +157,7 @@ class WorkerPool:
         self.timeout = float(timeout)
         self.policy = SchedulingPolicy(prefetch_factor=prefetch_factor, timeout=self.timeout, max_window=max_window)
         self.clock = clock
-        self.revive = revive or (lambda slot: ping_async(slot.address, timeout=min(self.timeout, _PROBE_TIMEOUT)))
+        self.revive = revive or (lambda slot: probe_async(slot, min(self.timeout, _PROBE_TIMEOUT)))
         self.forget = forget or (lambda address: None)
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # probes: one may end in a later pass
         self._passes: weakref.WeakSet[Dispatch] = weakref.WeakSet()
@@ -409,12 +465,15 @@ class Dispatch(Iterator[Task]):
 
     def _probe_due(self) -> None:
         for slot in self.pool.policy.probes_due(self.pool.slots, self.pool.clock()):
-            try:
-                future = self.pool.revive(slot)
-            except Exception as exc:
-                future = torch.futures.Future()
-                future.set_exception(exc)
-            future.add_done_callback(lambda done, slot=slot, pool=self.pool: pool.probe_done(slot, done))
+            self._probe(slot)
+
+    def _probe(self, slot: WorkerSlot) -> None:
+        try:
+            future = self.pool.revive(slot)
+        except Exception as exc:
+            future = torch.futures.Future()
+            future.set_exception(exc)
+        future.add_done_callback(lambda done, slot=slot, pool=self.pool: pool.probe_done(slot, done))
 
     def _on_revived(self, slot: WorkerSlot, future: torch.futures.Future) -> None:
         try:
@@ -422,9 +481,14 @@ class Dispatch(Iterator[Task]):
             failure = None
         except Exception as exc:
             failure = exc
+        was_busy = isinstance(slot.failure, _StillBusy)
         state = self.pool.policy.probe_ended(slot, failure, self.pool.clock())
         if state == WorkerState.ACTIVE:
             log.warning("worker %s is back", slot.address)
+        elif state == WorkerState.PROBING:
+            if not was_busy:
+                log.warning("worker %s is not back yet: %s; it rejoins when they end", slot.address, failure)
+            self._probe(slot)
         elif state == WorkerState.EXCLUDED:
             log.error("worker %s is kept out: %s", slot.address, failure)
 

@@ -111,5 +111,10 @@ class _Attempt:
 #: Sends a task to a worker: returns the call's future. Raising a transient
 #: error or :class:`~rpcdl.rpc.rref.RRefNotFound` takes the worker out.
 Call = Callable[[Task, WorkerSlot], torch.futures.Future]
-#: Makes a failed worker usable again: a future that completes when it is.
+#: Makes a failed worker usable again: a future that completes when it is, or
+#: fails with ``_StillBusy`` to be asked again at once.
 Revive = Callable[[WorkerSlot], torch.futures.Future]
+
+
+class _StillBusy(Exception):
+    """A probed worker answers pings but is still running calls: it is probed again at once."""

@@ -28,8 +28,10 @@ Invariants, between any two steps of the thread advancing a pass:
 5. A ``DOWN`` worker has a probe time; each failed probe doubles its delay, up
    to ``MAX_PROBE_DELAY`` (5 s); rejoining resets it and the worker's estimates.
 6. An ``EXCLUDED`` worker (a deterministic failure) never comes back.
-7. "No worker left" is decided only when none is active, and either none can
-   come back or ``timeout`` seconds have passed since one was.
+7. "No worker left" is decided only when none is active, none is being
+   probed (a worker alive but still running calls that timed out stays
+   ``PROBING`` until they end), and either none can come back or ``timeout``
+   seconds have passed since one was active.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 
 from ..errors import is_transient
 from ..rpc.rref import RRefNotFound
-from .scheduler_parts import FIRST_PROBE_DELAY, Task, WorkerSlot, WorkerState, _Attempt
+from .scheduler_parts import FIRST_PROBE_DELAY, Task, WorkerSlot, WorkerState, _Attempt, _StillBusy
 
 __all__ = [
     "HEDGE_FACTOR",
@@ -276,13 +278,17 @@ class SchedulingPolicy:
 
         Returns:
             the worker's new state: ``ACTIVE`` (it rejoins, measured afresh),
-            ``DOWN`` (a transient failure: probed again later, after a longer
-            delay) or ``EXCLUDED`` (a deterministic failure); ``None`` when the
-            worker was not being probed (the answer is stale).
+            ``PROBING`` (it is alive but still busy with calls that timed out:
+            ``_StillBusy``; probe it again
+            now), ``DOWN`` (a transient failure: probed again later, after a
+            longer delay) or ``EXCLUDED`` (a deterministic failure); ``None``
+            when the worker was not being probed (the answer is stale).
         """
         if slot.state != WorkerState.PROBING:
             return None
-        if failure is None:
+        if isinstance(failure, _StillBusy):
+            slot.failure = failure
+        elif failure is None:
             slot.state = WorkerState.ACTIVE
             slot.probe_delay = FIRST_PROBE_DELAY
             slot.last_done = 0.0
@@ -332,6 +338,8 @@ class AllDownWatch:
             return None
         if self.all_down_since is None:
             self.all_down_since = now
+        if any(slot.state is WorkerState.PROBING for slot in slots):
+            return None  # a probe that ends in failure has its own timeout
         recoverable = any(slot.state != WorkerState.EXCLUDED for slot in slots)
         if recoverable and now - self.all_down_since < self.timeout:
             return None
