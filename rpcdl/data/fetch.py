@@ -3,7 +3,10 @@
 As ``torch.utils.data._utils.fetch._MapDatasetFetcher``: a batch goes through
 the dataset's ``__getitems__`` when it defines one, else sample by sample, then
 through ``collate_fn``. torch's ``default_collate`` stacks tensors straight into
-the connection's shared segment when it has one (see :mod:`rpcdl.transport.shm`).
+the connection's shared segment when it has one (see :mod:`rpcdl.transport.shm`);
+over a socket, large tensors are not stacked here at all: they are sent as
+their stack from the samples' own memory
+(:class:`~rpcdl.serialization.stacked.StackedSamples`), and the trainer receives one tensor.
 
 A loader's call names its dataset by the id of its RRef (:func:`fetch_batch_at`,
 :func:`fetch_sample_at`) and torch's default collate or convert function by
@@ -28,7 +31,9 @@ from torch.utils.data._utils.collate import (
 
 from ..rpc.rref import resolve_here
 from ..seeding import set_random_seeds
+from ..serialization.stacked import StackedSamples
 from ..transport import shm
+from ..transport.context import SEGMENT, thread_context
 
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
 
@@ -39,6 +44,9 @@ def _stack_in_segment(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | N
     # A batch smaller than a span never goes in the segment: no need to ask for one.
     big = plain and not first.is_nested and len(batch) * first.numel() * first.element_size() >= shm.MIN_SPAN_BYTES
     if big and len(set(map(_shape_and_dtype, batch))) == 1:
+        context = thread_context.value
+        if context[SEGMENT] is None and context[0] is not None:  # a worker's call, answered over the socket
+            return StackedSamples(batch)
         out = shm.empty((len(batch), *first.shape), first.dtype)
         if out is not None:
             return torch.stack(list(batch), 0, out=out)

@@ -32,6 +32,7 @@ from ..errors import RemoteError
 from ..transport.context import SEGMENT, thread_context
 from .code_cache import code_of, found_by_name, frozen_function_code
 from .plain_pickle import NUMPY_DTYPES, PlainPickles
+from .stacked import StackedSamples
 from .user_code import define, import_or_define, is_users_module, lookup
 
 PROTOCOL = 5
@@ -73,8 +74,8 @@ class _Pickler(cloudpickle.Pickler):
 
     def reducer_override(self, obj):
         kind = type(obj)
-        if kind is torch.Tensor:
-            reduced = _reduce_tensor(obj)
+        if kind is torch.Tensor or kind is StackedSamples:
+            reduced = _reduce_tensor(obj if kind is torch.Tensor else obj.stack())
             return NotImplemented if reduced is None else reduced
         if kind is types.FunctionType or kind is types.ModuleType or isinstance(obj, type):
             if self._outermost:
@@ -203,7 +204,7 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
 
 
 _plain_pickles = PlainPickles(_rebuild_tensor)
-_MAYBE_PLAIN = frozenset({torch.Tensor, tuple, list, dict})
+_MAYBE_PLAIN = frozenset({torch.Tensor, StackedSamples, tuple, list, dict})
 _NONE_PAYLOAD = pickle.dumps(None, protocol=PROTOCOL)
 
 

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from ..transport.gathered import Gathered
+from .stacked import StackedSamples
 
 _FRAME_TARGET = 64 * 1024  # the pickler starts a new frame past this: such pickles are left to it
 _BATCH = 1000  # the pickler's APPENDS / SETITEMS batch size
@@ -100,6 +103,8 @@ class PlainPickles:
             _get(memo[id(obj)], out)
         elif kind is torch.Tensor:
             self._save_tensor(obj, out, buffers, memo)
+        elif kind is StackedSamples:
+            self._save_stacked(obj, out, buffers, memo)
         elif kind is str:
             _save_str(obj, out, memo)
         elif kind is tuple:
@@ -148,23 +153,29 @@ class PlainPickles:
             raise _NotPlain
 
     def _save_tensor(self, tensor: torch.Tensor, out: bytearray, buffers: list, memo: dict) -> None:
-        dtype = tensor.dtype
-        if (
-            dtype not in NUMPY_DTYPES
-            or tensor.requires_grad
-            or not tensor.is_cpu
-            or tensor.layout is not _STRIDED
-            or not tensor.is_contiguous()
-        ):
+        if not _is_plain(tensor):
             raise _NotPlain
         buffers.append(pickle.PickleBuffer(tensor.numpy()).raw())  # numpy() refuses conjugate and negative views
+        self._save_reduction(tensor, tensor.dtype, tensor.shape, out, buffers, memo)
+
+    def _save_stacked(self, stacked: StackedSamples, out: bytearray, buffers: list, memo: dict) -> None:
+        samples = stacked.samples
+        first = samples[0]
+        if not all(map(_is_plain, samples)):
+            raise _NotPlain
+        buffers.append(Gathered([pickle.PickleBuffer(sample.numpy()).raw() for sample in samples]))
+        self._save_reduction(stacked, first.dtype, (len(samples), *first.shape), out, buffers, memo)
+
+    def _save_reduction(
+        self, tensor: Any, dtype: torch.dtype, shape: Sequence[int], out: bytearray, buffers: list, memo: dict
+    ) -> None:
+        """The opcodes of ``_rebuild(the next buffer, dtype, shape, False)``, memoized as ``tensor``."""
         self._rebuild_names.save(self._rebuild, out, memo)
         out += _ARGUMENTS_START
         names = self._dtypes.get(dtype)
         if names is None:
             names = self._dtypes[dtype] = _Global(dtype.__module__, dtype.__reduce_ex__(pickle.HIGHEST_PROTOCOL))
         names.save(dtype, out, memo)
-        shape = tensor.shape
         rank = len(shape)
         if rank == 2 and shape[0] <= 0xFF and shape[1] <= 0xFF:  # the usual shapes of a batch and of a row
             out += bytes((_BININT1, shape[0], _BININT1, shape[1])) + _TUPLE2_MEMOIZE
@@ -183,6 +194,16 @@ class PlainPickles:
         index = len(memo)
         memo[(None, index)] = index  # the arguments
         memo[id(tensor)] = index + 1
+
+
+def _is_plain(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.dtype in NUMPY_DTYPES
+        and not tensor.requires_grad
+        and tensor.is_cpu
+        and tensor.layout is _STRIDED
+        and tensor.is_contiguous()
+    )
 
 
 class _Global:

@@ -48,6 +48,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .gathered import Gathered, as_view
+
 try:
     import lz4.block as _lz4
 except ImportError:  # optional dependency
@@ -206,13 +208,15 @@ class Compressor:
         """
         if self.mode == "off" or not buffers:
             return buffers, None
-        views = [memoryview(b).cast("B") for b in buffers]
-        large = [i for i, v in enumerate(views) if MIN_BYTES <= v.nbytes <= MAX_BYTES]
+        sizes = [b.nbytes if type(b) is Gathered else memoryview(b).nbytes for b in buffers]
+        large = [i for i, size in enumerate(sizes) if MIN_BYTES <= size <= MAX_BYTES]
         if not large:
             return buffers, None
         if not self.active:
-            self._sample(views[large[0]])
+            first = buffers[large[0]]
+            self._sample(first.pieces[0] if type(first) is Gathered else memoryview(first).cast("B"))
             return buffers, None
+        views = [as_view(b) for b in buffers]
         out, sizes = list(views), [0] * len(views)
         total_in = total_out = 0
         started = time.perf_counter()

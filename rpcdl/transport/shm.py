@@ -75,6 +75,7 @@ import numpy as np
 from ..errors import ProtocolError
 from .context import SEGMENT, thread_context
 from .control import encode_span_release
+from .gathered import as_view
 from .wire import IN_SEGMENT, NOT_IN_SEGMENT, Frame, Kind
 
 log = logging.getLogger("rpcdl.shm")
@@ -241,11 +242,11 @@ class WorkerSegment:
 
     def place(self, frame: Frame) -> bool:
         """Copy ``frame``'s large buffers into free spans and mark the frame so; return whether any went in."""
-        if all(memoryview(buffer).nbytes < MIN_SPAN_BYTES for buffer in frame.buffers):
+        if frame.buffer_bytes < MIN_SPAN_BYTES:
             return False  # all small: they ride the socket, and the counters do not change
         offsets, placed, missed = [], 0, 0
         for buffer in frame.buffers:
-            view = memoryview(buffer).cast("B")
+            view = as_view(buffer)
             offset = None
             if view.nbytes >= MIN_SPAN_BYTES:
                 offset, copy = self._span_for(view)

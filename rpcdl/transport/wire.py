@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import ConnectionLost, FrameTooLarge, LimitExceeded, ProtocolError
 from . import compression
+from .gathered import Gathered
 from .tls_stream import TLSStream
 
 _HEADER = struct.Struct("!BBHIQQQ")
@@ -172,7 +173,7 @@ class Frame:
     @property
     def buffer_bytes(self) -> int:
         """The bytes of the out-of-band buffers, all together."""
-        return sum(memoryview(buffer).nbytes for buffer in self.buffers)
+        return sum(b.nbytes if type(b) is Gathered else memoryview(b).nbytes for b in self.buffers)
 
 
 # ---------------------------------------------------------------------------- sending
@@ -181,13 +182,17 @@ class Frame:
 def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     """Return the pieces of ``frame`` in wire order, ready for :func:`send_pieces`.
 
-    The buffers are not copied: they go to the socket from their own memory.
+    The buffers are not copied: they go to the socket from their own memory
+    (a :class:`~rpcdl.transport.gathered.Gathered` one as its pieces, back to back).
     """
     payload = frame.payload
     if not frame.buffers:
         head = _HEADER.pack(frame.kind, frame.flags, 0, 0, frame.call_id, frame.ref, len(payload))
         return [head + payload] if len(payload) <= _INLINE_PAYLOAD else [head, payload]
-    views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in frame.buffers]
+    views = [
+        b if type(b) is Gathered or (type(b) is memoryview and b.format == "B") else memoryview(b).cast("B")
+        for b in frame.buffers
+    ]
     lengths = (
         _U64.pack(views[0].nbytes) if len(views) == 1 else struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views))
     )
@@ -197,6 +202,8 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     if frame.flags & IN_SEGMENT:
         lengths += struct.pack(f"!{len(views)}Q", *frame.offsets)
         views = [view for view, offset in zip(views, frame.offsets, strict=True) if offset == NOT_IN_SEGMENT]
+    if Gathered in map(type, views):
+        views = [piece for view in views for piece in (view.pieces if type(view) is Gathered else (view,))]
     if len(payload) <= _INLINE_PAYLOAD:
         return [head + lengths + bytes(payload), *views]
     return [head + lengths, payload, *views]
