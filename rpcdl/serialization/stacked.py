@@ -8,8 +8,9 @@ buffer made of the samples' own memory
 (:class:`~rpcdl.transport.gathered.Gathered`), and the receiver rebuilds one
 tensor from it. Anything that pickles it another way stacks it first.
 
-The samples are read when the answer is sent, after the call returned: like
-torch's DataLoader, this assumes a dataset does not change a sample it returned.
+The samples are read when the answer is sent, after the call returned: this
+assumes a dataset does not change a sample once it returned it (torch's
+DataLoader assumes as much within a batch, which it collates last).
 
 Threading: built by the thread running a call, read by the one sending its answer; not changed after.
 """
