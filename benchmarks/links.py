@@ -1,11 +1,14 @@
-"""Image batches across real links: rpcdl beside rpcdataloader and a raw socket, on the same shaped links.
+"""Image batches across real links: rpcdl beside rpcdataloader and raw streams, on the same shaped links.
 
 Two worker hosts, each a network namespace behind its own veth link shaped by
 ``tbf`` (see :mod:`rpcdl.cli.bench.cluster`); the trainer is this process. For
 each link rate, every system moves the same batches of 64 x uint8[3, 224, 224]
 (random bytes drawn once and reused: incompressible) from both hosts, round
 after round, interleaved; the table gives medians in MB/s and rpcdl's ratio to
-each other system of the same run. Needs root and iproute2.
+each other system of the same run. The raw streams are the floors: a bare
+TCP stream for rpcdl, and a bare TLS stream (the TLS context, certificates and
+client context rpcdl's TLS workers and trainer use) for rpcdl over TLS. Needs
+root and iproute2.
 
 ``--cases compression`` measures lz4 compression (:mod:`rpcdl.transport.compression`):
 compressible batches (:class:`~rpcdl.cli.bench.workloads.SmoothImageDataset`,
@@ -70,6 +73,27 @@ rpc.run_worker(sys.argv[1], 0)
 
 _SOCKET_PEER = "import sys; from rpcdl.cli.bench.workloads import socket_server; socket_server(sys.argv[1])"
 
+# The floor of TLS on the same link: a raw stream over the TLS rpcdl's workers
+# serve (the same context, certificate and key), a bare loop of sendall.
+_TLS_SOCKET_PEER = """
+import os, socket, sys
+from rpcdl.transport.security import server_tls_context
+from rpcdl.cli.bench.workloads import LENGTH, REQUEST
+address, cert, key = sys.argv[1:4]
+listener = socket.create_server((address, 0))
+print(listener.getsockname()[1], flush=True)
+connection = server_tls_context(cert, key).wrap_socket(listener.accept()[0], server_side=True)
+request = b""
+while len(request) < REQUEST.size:
+    request += connection.recv(REQUEST.size - len(request))
+kind, size, count = REQUEST.unpack(request)
+payload = memoryview(bytearray(os.urandom(16)) * (size // 16) + bytearray(size % 16))
+for _ in range(count):
+    connection.sendall(LENGTH.pack(size))
+    connection.sendall(payload)
+connection.close()
+"""
+
 
 def _cpu_seconds(processes) -> float:
     """User and system CPU seconds of ``processes`` (``subprocess.Popen``) still alive."""
@@ -130,6 +154,7 @@ class Systems:
     def __init__(self, cluster: Cluster, directory: Path, batches: int, parallel: int = 1):
         self.cluster = cluster
         self.batches = batches
+        self.directory = directory
         token_file = directory / "token"
         token_file.write_text(TOKEN)
         worker_options = ["--token-file", str(token_file), "--log-level", "WARNING", "--parallel", str(parallel)]
@@ -199,18 +224,32 @@ class Systems:
     def measure_socket(self, peer_cpu: list[float] | None = None) -> float:
         return socket_rate(self.cluster, self.batches, peer_cpu)
 
+    def measure_tls_socket(self, peer_cpu: list[float] | None = None) -> float:
+        return socket_rate(self.cluster, self.batches, peer_cpu, tls=self)
 
-def socket_rate(cluster: Cluster, batches: int, peer_cpu: list[float] | None = None) -> float:
+
+def socket_rate(
+    cluster: Cluster, batches: int, peer_cpu: list[float] | None = None, tls: Systems | None = None
+) -> float:
     """One raw TCP stream from each host at once, ``batches`` image batches per host; MB/s.
 
-    ``peer_cpu`` gets the CPU seconds the peers spent.
+    ``peer_cpu`` gets the CPU seconds the peers spent. With ``tls`` (the systems
+    whose TLS workers' certificates and CA to use), each stream is TLS.
     """
     import socket
 
+    from rpcdl.transport.security import client_tls_context
+
     connections = []
     for host in cluster.hosts:
-        port = int(_start(host, [sys.executable, "-c", _SOCKET_PEER, host.address]))
-        connections.append(socket.create_connection((host.address, port), timeout=60))
+        if tls is None:
+            port = int(_start(host, [sys.executable, "-c", _SOCKET_PEER, host.address]))
+            connections.append(socket.create_connection((host.address, port), timeout=60))
+            continue
+        pem, key = (str(tls.directory / f"host{host.index}.{suffix}") for suffix in ("pem", "key"))
+        port = int(_start(host, [sys.executable, "-c", _TLS_SOCKET_PEER, host.address, pem, key]))
+        plain = socket.create_connection((host.address, port), timeout=60)
+        connections.append(client_tls_context(tls.ca).wrap_socket(plain, server_hostname=host.address))
 
     def drain(connection: socket.socket) -> None:
         header = memoryview(bytearray(LENGTH.size))
@@ -344,6 +383,9 @@ def run_rate(
             "rpcdl TLS": lambda: meter.measure("rpcdl TLS", systems.measure_rpcdl_tls),
             "rpcdataloader": lambda: meter.measure("rpcdataloader", systems.measure_rpcdataloader),
             "socket": lambda: meter.measure("socket", lambda: systems.measure_socket(peer_cpu), lambda: peer_cpu[-1]),
+            "TLS socket": lambda: meter.measure(
+                "TLS socket", lambda: systems.measure_tls_socket(peer_cpu), lambda: peer_cpu[-1]
+            ),
         }
         samples = interleaved_rounds(  # the warm-up opens connections, builds datasets, grows heaps
             measures, rounds,
@@ -392,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         results[rate] = {"samples_mb_s": samples, "median_mb_s": medians, "cpu_s_per_gb": cpu_medians}
     print("\nMB/s, medians; ratios are rpcdl's (or rpcdl TLS's) to the other system in the same run")
     print(f"{'link':>8}  {'rpcdl':>7}  {'TLS':>7}  {'rpcdataloader':>13}  {'socket':>7}  ", end="")
-    print(f"{'/socket':>7}  {'/rpcdataloader':>14}  {'TLS/plain':>9}")
+    print(f"{'/socket':>7}  {'/rpcdataloader':>14}  {'TLS/plain':>9}  {'TLS socket':>10}  {'TLS/TLS socket':>14}")
     for rate, result in results.items():
         if rate == "compression":
             continue
@@ -400,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{rate:>8}  {m['rpcdl']:>7,.0f}  {m['rpcdl TLS']:>7,.0f}  {m['rpcdataloader']:>13,.0f}  "
             f"{m['socket']:>7,.0f}  {m['rpcdl'] / m['socket']:>7.2f}  {m['rpcdl'] / m['rpcdataloader']:>14.2f}  "
-            f"{m['rpcdl TLS'] / m['rpcdl']:>9.2f}"
+            f"{m['rpcdl TLS'] / m['rpcdl']:>9.2f}  {m['TLS socket']:>10,.0f}  {m['rpcdl TLS'] / m['TLS socket']:>14.2f}"
         )
         cpu = result["cpu_s_per_gb"]
         print(f"{'':>8}  CPU s per GB, all processes: " + ", ".join(f"{n} {v:.2f}" for n, v in cpu.items()))
