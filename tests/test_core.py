@@ -95,6 +95,21 @@ def test_lambdas_and_closures_run_remotely(two_workers):
     assert torch.equal(rpcdl.rpc_sync(two_workers[0], shifted, (torch.ones(4, dtype=torch.long),)), offset + 1)
 
 
+def test_a_call_future_behaves_as_torchs_through_every_way_of_waiting(two_workers):
+    tensor = torch.arange(4)
+    future = rpcdl.rpc_async(two_workers[0], torch.neg, (tensor,))
+    value = future.wait()
+    assert torch.equal(value, -tensor) and future.done()
+    assert future.value() is value and future.wait() is value  # kept in Python, the same object as torch's
+    assert torch.futures.Future.wait(future) is value and torch.futures.Future.value(future) is value
+    assert torch.futures.wait_all([future])[0] is value
+    assert future.then(lambda done: done.wait() + 1).wait().tolist() == [1, 0, -1, -2]
+    failing = rpcdl.rpc_async(two_workers[0], int, ("not a number",))
+    for wait in (failing.wait, failing.value, failing.wait):  # an error raises each time, as with torch
+        with pytest.raises(ValueError, match="not a number"):
+            wait()
+
+
 def test_kwargs_lists_and_rpc_sync(two_workers):
     assert rpcdl.rpc_sync(two_workers[1], sorted, [[3, 1, 2]], {"reverse": True}) == [3, 2, 1]
 

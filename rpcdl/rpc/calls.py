@@ -39,7 +39,14 @@ class AnswerReader(Protocol):
 _CFuture = torch._C.Future  # the methods of torch.futures.Future, minus its Python wrappers
 _NO_DEVICES: list = []
 future_done: Callable[[torch.futures.Future], bool] = _CFuture.done  #: ``future.done()``, one call less
-set_future_result: Callable[[torch.futures.Future, Any], None] = _CFuture.set_result  #: ``future.set_result(v)``
+_set_result: Callable[[torch.futures.Future, Any], None] = _CFuture.set_result
+_NO_RESULT = object()
+
+
+def set_future_result(future: CallFuture, result: Any) -> None:
+    """Complete a call's ``future`` with ``result``; waiting on it then returns ``result`` without torch."""
+    future._result = result
+    _set_result(future, result)
 
 
 class CallFuture(torch.futures.Future):
@@ -47,20 +54,34 @@ class CallFuture(torch.futures.Future):
 
     So a thread blocked in ``wait()`` gets its answer without a thread switch,
     and waiting inside a callback (which runs on whichever thread read the
-    answer) cannot starve the connection.
+    answer) cannot starve the connection. A result is also kept in Python:
+    ``wait()`` and ``value()`` return it from there once the future is done,
+    because torch's own release the GIL, and a thread giving it up while
+    another runs Python waits for that thread's next switch (milliseconds).
     """
 
     _connection: AnswerReader | None = None
     _call: Callable[[], Call | None] = staticmethod(lambda: None)  # a weak reference: no cycle holds the result
+    _result: Any = _NO_RESULT  # set (before torch's result) by set_future_result
 
     def __init__(self) -> None:
         _CFuture.__init__(self, _NO_DEVICES)  # no CUDA devices: what torch.futures.Future() does
 
     def wait(self) -> Any:
-        call = self._call()  # None once answered: the result is there or being set
-        if call is not None and self._connection is not None and not _CFuture.done(self):
-            self._connection.wait(call)
-        return _CFuture.wait(self)
+        if not _CFuture.done(self):
+            call = self._call()  # None once answered: the result is there or being set
+            if call is not None and self._connection is not None:
+                self._connection.wait(call)
+        result = self._result
+        if result is _NO_RESULT or not _CFuture.done(self):
+            return _CFuture.wait(self)  # an error (raised by torch), or completed another way
+        return result
+
+    def value(self) -> Any:
+        result = self._result
+        if result is _NO_RESULT or not _CFuture.done(self):
+            return _CFuture.value(self)
+        return result
 
 
 def describe(func: Callable) -> str:
