@@ -95,6 +95,15 @@ def test_a_worker_call_answered_over_the_socket_does_not_stack_large_samples():
     assert isinstance(batch["features"], torch.Tensor)  # small: stacked, one buffer either way
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass: its batches keep the type, as with torch's default collate."""
+
+
+class TaggedImages(Images):
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((3, 64, 64), index % 251, dtype=torch.uint8).as_subclass(Tagged)
+
+
 def test_batches_over_the_socket_equal_torch_dataloaders(embedded_worker):
     worker = embedded_worker(shared_memory=0)
     loader = rpcdl.RPCDataloader(rpcdl.RPCDataset([worker.address], Images), batch_size=32)
@@ -106,3 +115,10 @@ def test_batches_over_the_socket_equal_torch_dataloaders(embedded_worker):
         assert mine.keys() == torchs.keys()
         for key in mine:
             assert mine[key].shape == torchs[key].shape and torch.equal(mine[key], torchs[key])
+
+
+def test_a_tensor_subclass_batch_keeps_its_type_over_the_socket(embedded_worker):
+    worker = embedded_worker(shared_memory=0)
+    [ours] = list(rpcdl.RPCDataloader(rpcdl.RPCDataset([worker.address], TaggedImages), batch_size=96))
+    [theirs] = list(DataLoader(TaggedImages(), batch_size=96))
+    assert type(ours) is type(theirs) is Tagged and torch.equal(ours, theirs)

@@ -45,7 +45,8 @@ def _stack_in_segment(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | N
     big = plain and not first.is_nested and len(batch) * first.numel() * first.element_size() >= shm.MIN_SPAN_BYTES
     if big and len(set(map(_shape_and_dtype, batch))) == 1:
         context = thread_context.value
-        if context[SEGMENT] is None and context[0] is not None:  # a worker's call, answered over the socket
+        over_socket = context[SEGMENT] is None and context[0] is not None  # a worker's call, answered on the socket
+        if over_socket and all(type(sample) is torch.Tensor for sample in batch):  # a subclass stacks to its type
             return StackedSamples(batch)
         out = shm.empty((len(batch), *first.shape), first.dtype)
         if out is not None:

@@ -278,11 +278,11 @@ class SchedulingPolicy:
 
         Returns:
             the worker's new state: ``ACTIVE`` (it rejoins, measured afresh),
-            ``PROBING`` (it is alive but still busy with calls that timed out:
-            ``_StillBusy``; probe it again
-            now), ``DOWN`` (a transient failure: probed again later, after a
-            longer delay) or ``EXCLUDED`` (a deterministic failure); ``None``
-            when the worker was not being probed (the answer is stale).
+            ``PROBING`` (``failure`` is ``_StillBusy``: it is alive but still
+            running calls that timed out; probe it again now), ``DOWN`` (a
+            transient failure: probed again later, after a longer delay) or
+            ``EXCLUDED`` (a deterministic failure); ``None`` when the worker
+            was not being probed (the answer is stale).
         """
         if slot.state != WorkerState.PROBING:
             return None

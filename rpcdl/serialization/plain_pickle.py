@@ -161,7 +161,7 @@ class PlainPickles:
     def _save_stacked(self, stacked: StackedSamples, out: bytearray, buffers: list, memo: dict) -> None:
         samples = stacked.samples
         first = samples[0]
-        if not all(map(_is_plain, samples)):
+        if not all(type(sample) is torch.Tensor and _is_plain(sample) for sample in samples):
             raise _NotPlain
         buffers.append(Gathered([pickle.PickleBuffer(sample.numpy()).raw() for sample in samples]))
         self._save_reduction(stacked, first.dtype, (len(samples), *first.shape), out, buffers, memo)
