@@ -173,15 +173,17 @@ def test_hedge_policy_copies_only_once():
 # ---------------------------------------------------------------------------- a worker lost and rejoining
 
 
+class Probes(list):
+    """The futures of the probes the pool started, completed by the test."""
+
+    def revive(self, slot: WorkerSlot) -> torch.futures.Future:
+        self.append(torch.futures.Future())
+        return self[-1]
+
+
 def test_lost_worker_tasks_go_elsewhere_probed_with_backoff_and_it_rejoins():
-    clock, calls = Clock(), Calls()
-    probes: list[torch.futures.Future] = []
-
-    def revive(slot: WorkerSlot) -> torch.futures.Future:
-        probes.append(torch.futures.Future())
-        return probes[-1]
-
-    pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=1, timeout=30.0, revive=revive, clock=clock)
+    clock, calls, probes = Clock(), Calls(), Probes()
+    pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=1, timeout=30.0, revive=probes.revive, clock=clock)
     dispatch = pool.start(iter(range(4)), calls)
     dispatch._dispatch()
     assert calls.where() == [(0, "w0:1"), (1, "w1:2")]
@@ -226,14 +228,8 @@ def test_lost_worker_tasks_go_elsewhere_probed_with_backoff_and_it_rejoins():
 
 
 def test_a_worker_still_running_a_call_that_timed_out_is_probed_until_it_is_free():
-    clock, calls = Clock(), Calls()
-    probes: list[torch.futures.Future] = []
-
-    def revive(slot: WorkerSlot) -> torch.futures.Future:
-        probes.append(torch.futures.Future())
-        return probes[-1]
-
-    pool = WorkerPool(["w0:1"], prefetch_factor=1, timeout=1.0, revive=revive, clock=clock)
+    clock, calls, probes = Clock(), Calls(), Probes()
+    pool = WorkerPool(["w0:1"], prefetch_factor=1, timeout=1.0, revive=probes.revive, clock=clock)
     dispatch = pool.start(iter(range(2)), calls)
     dispatch._dispatch()
     calls.future(0, "w0:1").set_exception(WorkerTimeout("w0:1 did not answer within 1s"))
