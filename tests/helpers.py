@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Dataset
+
+import rpcdl
+
+#: The gates :func:`gated` calls wait on, by name; the test makes and opens them.
+GATES: dict[str, threading.Event] = {}
+
+
+def gated(name: str, value: int) -> int:
+    """Return ``value`` once the test opens the gate ``name`` (at most 10 s)."""
+    GATES[name].wait(10)
+    return value
+
+
+@contextlib.contextmanager
+def gated_workers(count: int) -> Iterator[list[rpcdl.Worker]]:
+    """``count`` workers in this process, two slots each, for :func:`gated` calls.
+
+    On exit every gate opens (no call stays blocked), the client's connections
+    close (the next test opens fresh ones) and the workers stop.
+    """
+    GATES.clear()
+    started = [rpcdl.Worker(timeout=10, parallel=2).start() for _ in range(count)]
+    try:
+        yield started
+    finally:
+        for gate in GATES.values():
+            gate.set()
+        rpcdl.shutdown()
+        for worker in started:
+            worker.stop(grace=1.0)
 
 
 class RangeDataset(Dataset):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers import GATES, gated, gated_workers
 
 import rpcdl
 import rpcdl.rpc.connection
@@ -19,14 +20,6 @@ from rpcdl.rpc import client
 from rpcdl.rpc.outbox import OutboxState
 
 pytestmark = pytest.mark.timeout(20)
-
-_gates: dict[str, threading.Event] = {}
-
-
-def gated(name: str, value: int) -> int:
-    """Return ``value`` once the test opens the gate ``name`` (at most 10 s)."""
-    _gates[name].wait(10)
-    return value
 
 
 def echo(value):
@@ -37,22 +30,14 @@ def echo(value):
 def workers(monkeypatch):
     """Two workers in this process, two slots each, and fresh client connections."""
     monkeypatch.setattr(rpcdl.rpc.connection, "_DEFER_DELAY", 5.0)
-    _gates.clear()
-    started = [rpcdl.Worker(timeout=10, parallel=2).start() for _ in range(2)]
-    try:
+    with gated_workers(2) as started:
         yield started
-    finally:
-        for gate in _gates.values():
-            gate.set()
-        rpcdl.shutdown()
-        for worker in started:
-            worker.stop(grace=1.0)
 
 
 def _busy(address: str) -> tuple[threading.Event, torch.futures.Future]:
     """A call the worker runs until the test opens its gate; the connection is open and busy."""
     rpcdl.ping(address)
-    gate = _gates.setdefault(f"busy-{address}", threading.Event())
+    gate = GATES.setdefault(f"busy-{address}", threading.Event())
     return gate, rpcdl.rpc_async(address, gated, (f"busy-{address}", 0))
 
 

@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from helpers import GATES, gated, gated_workers
 
 import rpcdl
 import rpcdl.rpc.connection
@@ -28,14 +29,7 @@ from rpcdl.transport.wire import _HEADER, Frame, FrameReader, Kind, Limits, enco
 
 pytestmark = pytest.mark.timeout(20)
 
-_gates: dict[str, threading.Event] = {}
 _seen: list[int] = []
-
-
-def gated(name: str, value: int) -> int:
-    """Return ``value`` once the test opens the gate ``name`` (at most 10 s)."""
-    _gates[name].wait(10)
-    return value
 
 
 def seen(value: int) -> int:
@@ -47,21 +41,14 @@ def seen(value: int) -> int:
 def worker(monkeypatch):
     """A worker in this process, two slots, and a fresh client connection whose idle reads last 5 s."""
     monkeypatch.setattr(rpcdl.rpc.connection, "_IDLE_TICK", 5.0)
-    _gates.clear()
     _seen.clear()
-    started = rpcdl.Worker(timeout=10, parallel=2).start()
-    try:
+    with gated_workers(1) as [started]:
         yield started
-    finally:
-        for gate in _gates.values():
-            gate.set()
-        rpcdl.shutdown()
-        started.stop(grace=1.0)
 
 
 def _gate(name: str) -> threading.Event:
-    _gates[name] = threading.Event()
-    return _gates[name]
+    GATES[name] = threading.Event()
+    return GATES[name]
 
 
 def _until(predicate, what: str, timeout: float = 5.0) -> None:
