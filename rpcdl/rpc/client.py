@@ -288,20 +288,21 @@ def _call(
     if type(timeout) is not float or not timeout > 0.0:
         timeout = check_timeout(timeout)
     payload, buffers = _serialize_call(address, func, args, kwargs)
-    if not rref:
-        return _submit(
-            Kind.CALL, address, timeout, func, payload, buffers, sync=sync, pin_memory=pin_memory, token=token,
-            ssl_context=ssl_context,
-        )  # fmt: skip
-    options: dict[str, Any] = {"sync": sync, "pin_memory": pin_memory, "token": token, "ssl_context": ssl_context}
-    uid = new_uid()
-    handles: list = []
-    options.update(
-        ref=uid,
-        transform=lambda _: RRef._from_handle(handles[-1]),
-        on_connection=lambda connection: handles.append(holding_handle(address, uid, connection)),
-    )
-    return _submit(Kind.CALL, address, timeout, func, payload, buffers, **options)
+    uid, transform, on_connection = 0, None, None
+    if rref:
+        uid = new_uid()
+        handles: list = []
+
+        def transform(_: Any) -> RRef:
+            return RRef._from_handle(handles[-1])
+
+        def on_connection(connection: Connection) -> None:
+            handles.append(holding_handle(address, uid, connection))
+
+    return _submit(
+        Kind.CALL, address, timeout, func, payload, buffers, sync=sync, pin_memory=pin_memory, token=token,
+        ssl_context=ssl_context, ref=uid, transform=transform, on_connection=on_connection,
+    )  # fmt: skip
 
 
 def rpc_async(
