@@ -15,7 +15,7 @@ import torch
 from helpers import GATES, gated, gated_workers
 
 import rpcdl
-import rpcdl.rpc.connection
+import rpcdl.rpc.connection_thread
 from rpcdl.rpc import client
 from rpcdl.rpc.outbox import OutboxState
 
@@ -29,7 +29,7 @@ def echo(value):
 @pytest.fixture
 def workers(monkeypatch):
     """Two workers in this process, two slots each, and fresh client connections."""
-    monkeypatch.setattr(rpcdl.rpc.connection, "_DEFER_DELAY", 5.0)
+    monkeypatch.setattr(rpcdl.rpc.connection_thread, "_DEFER_DELAY", 5.0)
     with gated_workers(2) as started:
         yield started
 
@@ -82,7 +82,7 @@ def test_a_call_with_tensors_is_never_deferred_and_takes_the_deferred_ones_with_
 
 
 def test_the_connections_thread_sends_deferred_calls_of_a_thread_that_goes_on_without_waiting(workers, monkeypatch):
-    monkeypatch.setattr(rpcdl.rpc.connection, "_DEFER_DELAY", 0.2)
+    monkeypatch.setattr(rpcdl.rpc.connection_thread, "_DEFER_DELAY", 0.2)
     address = workers[0].address
     gate, busy = _busy(address)
     futures = [rpcdl.rpc_async(address, echo, (n,)) for n in range(5)]

@@ -20,6 +20,7 @@ from helpers import GATES, gated, gated_workers
 
 import rpcdl
 import rpcdl.rpc.connection
+import rpcdl.rpc.connection_thread
 from rpcdl.errors import ConnectionLost, WorkerTimeout
 from rpcdl.rpc import client
 from rpcdl.rpc.state import ConnectionState, Reader
@@ -40,7 +41,7 @@ def seen(value: int) -> int:
 @pytest.fixture
 def worker(monkeypatch):
     """A worker in this process, two slots, and a fresh client connection whose idle reads last 5 s."""
-    monkeypatch.setattr(rpcdl.rpc.connection, "_IDLE_TICK", 5.0)
+    monkeypatch.setattr(rpcdl.rpc.connection_thread, "IDLE_TICK", 5.0)
     _seen.clear()
     with gated_workers(1) as [started]:
         yield started
@@ -219,6 +220,41 @@ def test_a_deadline_expires_while_another_thread_reads(worker):
     gate.set()
     assert background.wait() == 1  # the late answer of the expired call is dropped on the way
     assert rpcdl.rpc_sync(address, abs, (-2,)) == 2
+
+
+# ---------------------------------------------------------------------------- rpc_sync reading alone
+
+
+def test_rpc_sync_on_an_idle_connection_reads_its_own_answer_without_joining_the_pending_calls(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    rpcdl.ping(address)
+    gate = _gate("alone")
+    result = []
+    caller = threading.Thread(target=lambda: result.append(rpcdl.rpc_sync(address, gated, ("alone", 3))), name="caller")
+    caller.start()
+    _until(lambda: worker.stats()["calls_in_flight"] == 1, "the worker runs the call")
+    assert connection._role.holder is Reader.CALLER  # taken before the call left
+    assert len(connection._calls) == 0  # no future, no entry: nobody else can read its answer
+    gate.set()
+    caller.join(5)
+    assert result == [3]
+    assert connection._role.free and len(connection._calls) == 0
+
+
+def test_rpc_sync_reading_alone_fails_at_its_deadline_though_reads_block_longer_and_drops_the_late_answer(worker):
+    address = worker.address
+    connection = client.connection_to(address)
+    rpcdl.ping(address)
+    gate = _gate("late")
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
+        rpcdl.rpc_sync(address, gated, ("late", 1), timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 2.0  # a read finding nothing blocks 5 s here
+    assert connection._role.free and len(connection._calls) == 0
+    gate.set()
+    assert rpcdl.rpc_sync(address, abs, (-2,)) == 2  # reads the late answer first, and drops it
+    assert len(connection._calls) == 0
 
 
 # ---------------------------------------------------------------------------- a close in the middle of a read

@@ -10,6 +10,7 @@ from __future__ import annotations
 import select
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import WorkerTimeout, WorkerUnavailable
@@ -17,49 +18,64 @@ from ..serialization.pickling import load_exception, loads_from
 from ..transport.control import decode_rejected, decode_stats
 from ..transport.tls_stream import TLSStream
 from ..transport.wire import Frame, Kind
-from .calls import Call, set_future_result
+from .calls import Call, describe_call, set_future_result
 
 ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))  #: frame kinds that answer
 
 
 def deliver(address: str, connection: Any, frame: Frame, call: Call) -> None:
     """Complete ``call``'s future with the answer ``frame`` of worker ``address`` (read on ``connection``)."""
-    try:
-        if frame.kind == Kind.RESULT:
-            value = loads_from(address, connection, frame.payload, frame.buffers)
-            result = call.transform(value) if call.transform is not None else value
-        elif frame.kind == Kind.STATS_REPLY:
-            result = decode_stats(frame.payload)
-        elif frame.kind == Kind.PONG:
-            result = time.monotonic() - call.started
-        elif frame.kind == Kind.ERROR:
-            call.future.set_exception(load_exception(frame.payload, address))
-            return
-        else:
-            reason = decode_rejected(frame.payload)
-            call.future.set_exception(WorkerUnavailable(f"worker {address} did not run {call.what}: {reason}"))
-            return
-    except Exception as exc:
-        exc.add_note(f"while unpickling the answer of worker {address} to {call.what}")
-        call.future.set_exception(exc)
+    if frame.kind is Kind.PONG:
+        set_future_result(call.future, time.monotonic() - call.started)
         return
-    set_future_result(call.future, result)
+    result, error = outcome(address, connection, frame, call.subject)
+    if error is None and call.transform is not None:
+        try:
+            result = call.transform(result)
+        except Exception as exc:
+            exc.add_note(f"while unpickling the answer of worker {address} to {call.what}")
+            error = exc
+    if error is not None:
+        call.future.set_exception(error)
+    else:
+        set_future_result(call.future, result)
 
 
-def overdue_error(address: str, call: Call, connected: bool, last_connect_error: BaseException | None) -> Exception:
-    """The error of ``call``, past its deadline: the worker did not answer, or could not be reached."""
+def outcome(address: str, connection: Any, frame: Frame, subject: str | Callable) -> tuple[Any, Exception | None]:
+    """What the answer ``frame`` of worker ``address`` (read on ``connection``) to a call of ``subject`` (a function,
+    or a text such as ``"a ping"``) brings: ``(result, None)``, or ``(None, the exception to raise)``."""
+    kind = frame.kind
+    if kind is Kind.RESULT:
+        try:
+            return loads_from(address, connection, frame.payload, frame.buffers), None
+        except Exception as exc:
+            exc.add_note(f"while unpickling the answer of worker {address} to {describe_call(subject)}")
+            return None, exc
+    if kind is Kind.STATS_REPLY:
+        return decode_stats(frame.payload), None
+    if kind is Kind.ERROR:
+        return None, load_exception(frame.payload, address)
+    reason = decode_rejected(frame.payload)
+    return None, WorkerUnavailable(f"worker {address} did not run {describe_call(subject)}: {reason}")
+
+
+def overdue_error(
+    address: str, subject: str | Callable, timeout: float, connected: bool, last_connect_error: BaseException | None
+) -> Exception:
+    """The error of a call of ``subject`` past its deadline: the worker did not answer, or could not be reached."""
     if connected:
-        return WorkerTimeout(f"worker {address} did not answer {call.what} within {call.timeout:g}s")
+        return WorkerTimeout(f"worker {address} did not answer {describe_call(subject)} within {timeout:g}s")
     return WorkerUnavailable(
-        f"could not connect to rpcdl worker {address} within {call.timeout:g}s "
+        f"could not connect to rpcdl worker {address} within {timeout:g}s "
         f"(last error: {last_connect_error or 'still connecting'})"
     )
 
 
-def readable(sock: socket.socket) -> bool:
-    """Whether bytes wait to be read on ``sock`` (a TLS stream may hold some already decrypted)."""
+def readable(sock: socket.socket, within: float = 0.0) -> bool:
+    """Whether bytes wait to be read on ``sock`` (a TLS stream may hold some already decrypted), or arrive
+    within ``within`` seconds."""
     if isinstance(sock, TLSStream) and sock.pending():
         return True
     poller = select.poll()
     poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
+    return bool(poller.poll(within * 1000))

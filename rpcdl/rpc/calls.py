@@ -90,6 +90,14 @@ def describe(func: Callable) -> str:
     return f"{name}()"
 
 
+def describe_call(subject: str | Callable) -> str:
+    """How messages name a call of ``subject``, a function (``"name()"``) or already a text (``"a ping"``)."""
+    return subject if type(subject) is str else describe(subject)
+
+
+next_call_id: Callable[[], int] = _call_ids.__next__  #: a new call id, unique in this process
+
+
 class Call:
     """One call: its id, deadline, what it is (for messages), and who reads its answer.
 
@@ -100,10 +108,12 @@ class Call:
         sync: whether the thread making it blocks until it is answered (it reads the answer).
         pin_memory: receive its tensors into pinned memory.
         transform: applied to the result before the future completes.
+        call_id: its id, when it was taken before (:func:`next_call_id`); by default a new one.
+        started: when it was made (``time.monotonic()``), when that was before; by default now.
     """
 
     __slots__ = (
-        "__weakref__", "_what", "call_id", "deadline", "future", "pin_memory", "read_by", "started", "timeout",
+        "__weakref__", "call_id", "deadline", "future", "pin_memory", "read_by", "started", "subject", "timeout",
         "transform",
     )  # fmt: skip
 
@@ -115,15 +125,17 @@ class Call:
         sync: bool,
         pin_memory: bool = False,
         transform: Callable | None = None,
+        call_id: int = 0,
+        started: float = 0.0,
     ):
-        self.call_id = next(_call_ids)
+        self.call_id = call_id or next(_call_ids)
         self.future = future = CallFuture()
         future._call = weakref.ref(self)
-        self.started = started = time.monotonic()
+        self.started = started = started or time.monotonic()
         self.deadline = started + timeout
         self.timeout = timeout
         self.pin_memory = pin_memory
-        self._what = what
+        self.subject = what  #: the function called, or a text such as ``"a ping"``
         self.transform = transform
         if sync:
             self.read_by = ReadBy.WAITER
@@ -133,5 +145,4 @@ class Call:
     @property
     def what(self) -> str:
         """What the call is, for messages: ``"f()"``, ``"a ping"``."""
-        what = self._what
-        return what if type(what) is str else describe(what)
+        return describe_call(self.subject)

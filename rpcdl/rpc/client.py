@@ -40,7 +40,8 @@ from ..serialization.pickling import dumps_for
 from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
 from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
 from .calls import Call, CallFuture, ReadBy, describe
-from .connection import _IDLE_TICK, Connection, _Closed
+from .connection import Connection, _Closed
+from .connection_thread import IDLE_TICK
 from .dial import connect_grace
 from .environment import Variables
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
@@ -109,7 +110,7 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
                     poller.register(sock, select.POLLIN)
         except (OSError, ValueError):  # closed meanwhile: its futures have failed
             return None
-        poller.poll(min(remaining, _IDLE_TICK) * 1000)
+        poller.poll(min(remaining, IDLE_TICK) * 1000)
 
 
 # ---------------------------------------------------------------------------- pool
@@ -382,8 +383,27 @@ def rpc_sync(
         >>> rpcdl.rpc_sync("127.0.0.1:6543", min, (1, 2))  # doctest: +SKIP
         1
     """
-    return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
+    if options.keys() - _CREDENTIAL_OPTIONS:  # pin_memory, rref, or a mistake _call names
+        return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
+    address = _check_address(host)
+    if type(timeout) is not float or not timeout > 0.0:
+        timeout = check_timeout(timeout)
+    payload, buffers = _serialize_call(address, func, args, kwargs)
+    if not buffers and len(payload) <= _READ_ALONE_BYTES:
+        for _ in range(3):
+            connection = connection_to(address, timeout, options.get("token"), options.get("ssl_context"))
+            try:
+                answered, result = connection.call_sync(payload, func, timeout)
+            except _Closed:
+                continue
+            if answered:
+                return result
+            break
+    return _submit(Kind.CALL, address, timeout, func, payload, buffers, sync=True, **options).future.wait()
 
+
+_CREDENTIAL_OPTIONS = frozenset(("token", "ssl_context"))
+_READ_ALONE_BYTES = 1 << 16  # rpc_sync's calls up to this size leave with the caller already reading (call_sync)
 
 install_rpc_sync(rpc_sync)
 

@@ -55,40 +55,34 @@ import torch
 
 from ..address import parse_address
 from ..errors import (
-    AuthenticationError,
     ConnectionLost,
     FrameTooLarge,
     ProtocolError,
-    WorkerUnavailable,
 )
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import encode_release
 from ..transport.security import Token
-from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
 from . import held
 from .answers import ANSWERS as _ANSWERS
-from .answers import deliver, overdue_error, readable
-from .calls import Call, ReadBy, future_done
-from .dial import dial
+from .answers import deliver, outcome, overdue_error, readable
+from .calls import Call, ReadBy, describe_call, future_done, next_call_id
+from .connection_thread import RELEASE_TICK, ConnectionThread
 from .live_threads import live_thread
 from .outbox import Outbox, OutboxState
 from .state import ConnectionState, PendingCalls, Reader, ReadingRole
 
-_IDLE_TICK = 0.1  # how often a reader with nothing to read looks at deadlines
-_RELEASE_TICK = 1.0  # how often queued RRef releases are flushed when idle
 _CALLER_PATIENCE = 0.1  # answers left to their caller are read by the connection's thread after this long unread
 _BACKGROUND_DELAY = 0.001  # the connection's thread reads background answers once no caller has been here this long
 _BATCH = 64  # frames read in one turn with the reading role, at most
-_DEFER_DELAY = 0.0005  # seconds a frame deferred while the worker is busy may wait for the next, at most
-_DEFER_FRAMES = 32  # frames deferred together that leave at once
 
 
 class _Closed(Exception):
     pass
 
 
-class Connection:
+class Connection(ConnectionThread):
     """One persistent, multiplexed connection to a worker.
 
     Use the functions of :mod:`rpcdl.rpc.client` rather than this class. A
@@ -142,6 +136,7 @@ class Connection:
         self._error = ""
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
+        self._idle_tick = 0.0  # once connected: how long a read that finds nothing blocks
         self._connect_deadline = time.monotonic() + timeout
         self._grace = grace
         self._on_close = on_close
@@ -202,7 +197,7 @@ class Connection:
                         break
                     role.begin_waiting()
                     try:
-                        self._cond.wait(min(left, _RELEASE_TICK))
+                        self._cond.wait(min(left, RELEASE_TICK))
                     finally:
                         role.end_waiting(time.monotonic())
                         self._caller_left()
@@ -215,6 +210,75 @@ class Connection:
                 self._expire(time.monotonic())
             else:
                 self._read()
+
+    def call_sync(self, payload: bytes, subject: Callable, timeout: float) -> tuple[bool, Any]:
+        """Call with ``payload`` (no buffers) and read the answer in this thread: :func:`rpcdl.rpc_sync`'s path.
+
+        When nobody reads or sends, the caller takes the reading role *before*
+        the call leaves and keeps it until the answer is here, so the call never
+        joins the pending calls and needs no future. If other answers come
+        first, it joins them as the caller gives the role back, and waits as
+        any other.
+
+        Returns:
+            ``(True, result)``, or ``(False, None)`` when another thread reads or
+            sends, or this one holds calls back: make the call the usual way.
+
+        Raises:
+            _Closed: the connection was closed before the call left (make it on a new one).
+            Exception: the remote error, or why no answer came (:class:`~rpcdl.errors.WorkerTimeout`, ...).
+        """
+        with self._lock:
+            state = self._state
+            if state is not ConnectionState.OPEN or not self._role.take(Reader.CALLER):
+                if state is ConnectionState.CLOSED:
+                    raise _Closed(self._error)
+                return False, None
+            if self._outbox.state is not OutboxState.IDLE or not held.holds_nothing():
+                self._role.give_back(time.monotonic())
+                return False, None
+        started = time.monotonic()
+        call_id = next_call_id()
+        self._send([Frame(Kind.CALL, call_id, 0, payload, [])])
+        frames: list[Frame] = []
+        error = None
+        while self._state is not ConnectionState.CLOSED:
+            left = started + timeout - time.monotonic()
+            if left <= 0.0:
+                break
+            if left < self._idle_tick and not self._arrives_within(left):
+                continue  # a read would have blocked past the deadline
+            error = self._read_into(frames)
+            if frames or error is not None:
+                break
+        answer = None
+        for frame in frames:
+            if frame.call_id == call_id and frame.kind in _ANSWERS:
+                answer = frame
+        if answer is None and frames and error is None:
+            call = Call(timeout, subject, sync=True, call_id=call_id, started=started)
+            call.future._connection = self
+            self._end_turn(frames, None, waiting=call)
+            return True, call.future.wait()
+        self._end_turn(frames, error)
+        if answer is not None:
+            result, error = outcome(self.address, self, answer, subject)
+        elif isinstance(error, FrameTooLarge) and error.call_id == call_id:
+            error = error.as_limit_exceeded(f"worker {self.address} answered {describe_call(subject)}")
+        elif self._state is ConnectionState.CLOSED:
+            error = ConnectionLost(self._error)
+        else:
+            error = overdue_error(self.address, subject, timeout, True, None)
+        if error is not None:
+            raise error
+        return True, result
+
+    def _arrives_within(self, seconds: float) -> bool:
+        """Whether a frame is buffered or bytes arrive within ``seconds`` (``True`` once closed: reading says so)."""
+        try:
+            return self._reader.buffered or readable(self._sock, seconds)
+        except (OSError, ValueError):
+            return True
 
     def read_if_ready(self) -> bool | None:
         """Read and deliver the frames arriving, in this thread, if no other thread reads.
@@ -253,15 +317,9 @@ class Connection:
         self._fail(reason)
 
     def _send(self, frames: list[Frame]) -> None:
-        uids = []
-        while self._releases:
-            try:
-                uids.append(self._releases.popleft())
-            except IndexError:
-                break
-        if uids:
-            frames = [Frame(Kind.RELEASE, payload=encode_release(uids)), *frames]
-        frames = [*self._segment.release_frames(), *frames] if self._segment else frames
+        segment = self._segment
+        if self._releases or (segment is not None and segment.releases_waiting):
+            frames = [*self._release_frames(), *frames]
         if not frames:
             if os.getpid() != self._pid:
                 return  # a forked child: the deferred frames are the parent's to send
@@ -274,6 +332,17 @@ class Connection:
             self._outbox.send(pieces)
         except OSError as exc:
             self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
+
+    def _release_frames(self) -> list[Frame]:
+        """The frames that free what this process let go of: RRefs, and spans of the shared segment."""
+        uids = []
+        while self._releases:
+            try:
+                uids.append(self._releases.popleft())
+            except IndexError:
+                break
+        frames = [Frame(Kind.RELEASE, payload=encode_release(uids))] if uids else []
+        return [*self._segment.release_frames(), *frames] if self._segment else frames
 
     def _defer(self, frame: Frame) -> None:
         """Queue ``frame`` (no buffers) to leave with the next ones (see :meth:`Outbox.defer`)."""
@@ -297,7 +366,8 @@ class Connection:
                 self._cond.notify_all()
             connected = self._state is not ConnectionState.CONNECTING
         for call in overdue:  # outside the lock: callbacks may make calls
-            call.future.set_exception(overdue_error(self.address, call, connected, self._last_connect_error))
+            error = overdue_error(self.address, call.subject, call.timeout, connected, self._last_connect_error)
+            call.future.set_exception(error)
 
     def _fail(self, reason: str, error_type: type[Exception] = ConnectionLost) -> None:
         with self._lock:
@@ -328,25 +398,41 @@ class Connection:
         with buffers (the next may have begun to arrive and no more; a caller reading several connections
         must not wait for it here)."""
         frames: list[Frame] = []
-        reader, error = self._reader, None
+        self._end_turn(frames, self._read_into(frames))
+
+    def _read_into(self, frames: list[Frame]) -> BaseException | None:
+        """Read into ``frames`` (see :meth:`_read`): one frame first if it is empty, then those whole in the
+        buffer after the last; return the error that ended the reading, if one did (the role is still held)."""
+        reader = self._reader
         try:
-            frame = reader.read_frame(self._allocate)
-            while frame is not None:
-                frames.append(frame)
-                if frame.buffers or frame.kind not in _ANSWERS or len(frames) >= _BATCH or not reader.holds_frame:
-                    break
+            if not frames:
                 frame = reader.read_frame(self._allocate)
+                if frame is None:
+                    return None
+                frames.append(frame)
+            while reader.holds_frame and len(frames) < _BATCH:
+                frame = frames[-1]
+                if frame.buffers or frame.kind not in _ANSWERS:
+                    break
+                frames.append(reader.read_frame(self._allocate))
         except (OSError, ProtocolError) as exc:  # FrameTooLarge included
-            error = exc
+            return exc
+        return None
+
+    def _end_turn(self, frames: list[Frame], error: BaseException | None, waiting: Call | None = None) -> None:
+        """Give the reading role back, then complete the calls ``frames`` answer; ``waiting``, a call whose
+        caller has read on its own so far (:meth:`call_sync`), joins the pending calls first."""
         answered = []
         unexpected = frames[-1] if frames and frames[-1].kind not in _ANSWERS else None
         with self._lock:
+            if waiting is not None:
+                self._calls.add(waiting, waiting.started)
             # taken while still reading: a thread waiting for these calls must not take the role to read
             # answers that are already here
             self._role.give_back(time.monotonic())
             for frame in frames:
                 call = self._calls.pop(frame.call_id) if frame is not unexpected else None
-                if call is not None:  # otherwise its caller gave up waiting
+                if call is not None:  # otherwise its caller gave up waiting, or reads it itself (call_sync)
                     answered.append((frame, call))
             if frames and unexpected is None:
                 frame = frames[-1]
@@ -375,126 +461,3 @@ class Connection:
         if size >= buffers.MIN_BYTES and not pin:
             return buffers.take(size)
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy()
-
-    # ------------------------------------------------------------------ thread
-
-    def _run(self) -> None:
-        try:
-            sock = self._connect()
-        except (AuthenticationError, ProtocolError) as exc:
-            self._fail(str(exc), type(exc))
-            return
-        except WorkerUnavailable as exc:
-            self._fail(str(exc), WorkerUnavailable)
-            return
-        if self._open(sock):
-            self._serve()
-
-    def _open(self, sock: socket.socket) -> bool:
-        """CONNECTING -> OPEN over ``sock``, sending the frames queued meanwhile first; return whether it opened."""
-        with self._lock:
-            if self._state is ConnectionState.CLOSED:
-                sock.close()
-                return False
-            self._sock = sock
-            self._reader = FrameReader(
-                sock, self._limits, self._io_timeout, decompress=self.compression != "off",
-                segment=shm.receiver(self._segment, self._pins, self._allocate),
-            )  # fmt: skip
-            self._outbox = Outbox(
-                sock, [piece for frame in self._queued for piece in encode_frame(frame)],
-                delay=_DEFER_DELAY, max_deferred=_DEFER_FRAMES, on_deferred=self._deferral_started,
-            )  # fmt: skip
-            self._queued = []
-            self._state = ConnectionState.OPEN
-            self._cond.notify_all()
-        try:
-            self._outbox.send(())
-        except OSError as exc:
-            self._fail(f"lost the connection to worker {self.address} while sending: {exc}")
-            return False
-        return True
-
-    def _serve(self) -> None:
-        """Until closed: read the background answers, fail overdue calls, flush RRef releases."""
-        last_flush = time.monotonic()
-        while True:
-            with self._lock:
-                if self._state is not ConnectionState.CLOSED and not self._background_turn_now():
-                    self._sleep()
-                if self._state is ConnectionState.CLOSED:
-                    return
-                now = time.monotonic()
-                self._calls.adopt_unread(now)  # left unread too long by their caller
-                expire = now >= self._calls.check_at
-            if expire:
-                self._expire(now)  # without the reading role: callbacks may wait for answers
-            if self._outbox.deferred_until <= now:
-                self._send([])  # frames deferred by a thread that went on with something else
-            if (self._releases or getattr(self._segment, "releases_waiting", 0)) and now - last_flush > _RELEASE_TICK:
-                last_flush = now
-                self._send([])
-            with self._lock:
-                take_role = (
-                    self._state is ConnectionState.OPEN
-                    and self._background_turn_now()
-                    and self._role.take(Reader.BACKGROUND)
-                )
-            if take_role:
-                self._read()
-
-    def _background_turn_now(self) -> bool:
-        """Whether the connection's thread may read background answers now (under ``_lock``)."""
-        return bool(self._calls.background) and self._role.free and self._role.background_turn() <= time.monotonic()
-
-    def _caller_left(self) -> None:
-        """A caller gave the role back or stopped waiting: the background answers' turn may come (under ``_lock``)."""
-        if self._serve_wakes_at and self._calls.background:
-            self._wake_serve_by(self._role.background_turn())
-
-    def _wake_serve_by(self, when: float) -> None:
-        """Wake the connection's thread if it sleeps in :meth:`_sleep` past ``when`` (under ``_lock``)."""
-        if self._serve_wakes_at > when:
-            self._serve_wakes_at = 0.0
-            self._serve_cond.notify()
-
-    def _sleep(self) -> None:
-        """Wait in ``_serve_cond`` until woken or something is due (under ``_lock``)."""
-        now = time.monotonic()
-        if self._calls.background:  # until the background answers' turn; a caller leaving wakes it then
-            tick = min(max(self._role.background_turn() - now, 0.0), _IDLE_TICK)
-        elif self._calls.left_to_callers:
-            tick = _IDLE_TICK  # watching answers left to a caller
-        else:
-            tick = min(max(self._calls.check_at - now, 0.0) + 0.001, _RELEASE_TICK)
-        if self._outbox is not None:  # None while connecting
-            tick = min(tick, max(self._outbox.deferred_until - now, 0.0))
-        self._serve_wakes_at = now + tick
-        try:
-            self._serve_cond.wait(tick)
-        finally:
-            self._serve_wakes_at = 0.0
-
-    def _connect(self) -> socket.socket:
-        sock, agreed = dial(
-            self.address, self.host, self.port, self._token, self._ssl,
-            handshake_timeout=self._limits.handshake_timeout, grace=self._grace, failed=self._connect_failed,
-            pause=self._pause, compression=self.compression, shared_memory=self._offers_shm,
-        )  # fmt: skip
-        self.compression, self._segment = agreed.compression, agreed.segment
-        return io_stream(sock, receive=_IDLE_TICK, send=self._io_timeout)
-
-    def _pause(self, seconds: float) -> None:
-        """Wait between two attempts to connect; a close ends the wait."""
-        with self._lock:
-            if self._state is not ConnectionState.CLOSED:
-                self._cond.wait(seconds)
-
-    def _connect_failed(self, exc: OSError) -> float:
-        """Note a failed attempt to connect; return until when calls still want a connection."""
-        self._last_connect_error = exc
-        self._expire(time.monotonic())
-        with self._lock:
-            if self._state is ConnectionState.CLOSED:
-                raise WorkerUnavailable(self._error)
-            return max(self._connect_deadline, self._calls.latest_deadline())

@@ -70,6 +70,12 @@ def reads_here() -> bool:
     return _state.read_here
 
 
+def holds_nothing() -> bool:
+    """Whether this thread holds no call back (held in a block, or deferred): a call it sends now leaves first."""
+    state = _state
+    return not state.frames and not state.suspended and not state.deferred
+
+
 def hold(connection: _Sender, frame: Any) -> bool:
     """Hold ``frame`` for ``connection`` if this thread is in a :func:`sent_together` block.
 

@@ -171,17 +171,19 @@ def _values(function: types.FunctionType) -> tuple | None:
     if rebinds:
         return None
     found: list[Any] = [function.__code__, function.__defaults__]
-    scope = function.__globals__
-    found.extend(map(scope.get, names, itertools.repeat(_ABSENT, len(names))))
-    for cell in function.__closure__ or ():
-        try:
-            found.append(cell.cell_contents)
-        except ValueError:
-            found.append(_ABSENT)
-    for mapping in (function.__kwdefaults__ or {}, function.__dict__):
-        for key, value in mapping.items():
-            found += (key, value)
-    if id(function) in map(id, found):
+    if names:
+        found.extend(map(function.__globals__.get, names, itertools.repeat(_ABSENT, len(names))))
+    if function.__closure__:
+        for cell in function.__closure__:
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:
+                found.append(_ABSENT)
+    for mapping in (function.__kwdefaults__, function.__dict__):
+        if mapping:
+            for key, value in mapping.items():
+                found += (key, value)
+    if len(found) > 2 and id(function) in map(id, found):  # beyond its code and defaults
         return tuple(_ITSELF if value is function else value for value in found)
     return tuple(found)
 
