@@ -3,7 +3,13 @@
 - :class:`RpcdataloaderSystem`: rpcdataloader 0.2.1 (the seed project), its
   own worker processes on loopback, its RPCDataset and RPCDataloader;
 - :class:`TorchRpcSystem`: ``torch.distributed.rpc`` (TensorPipe) between this
-  process and one worker process on loopback, for the call scenarios.
+  process and one worker process on loopback, for the call scenarios. It uses
+  TensorPipe's ``uv`` (TCP) transport, as between hosts: its default on one
+  host, the ``shm`` transport, keeps a thread busy-polling in each process even
+  when idle (3.0 s of CPU in 3 s idle in each, measured here), and alive for
+  the whole run it would take both cores of a 2-core machine from every other
+  system being measured. Once shut down, it cannot start again in the same
+  process, so it cannot be started only for its own rounds.
 
 Each is left out when its package is missing or it cannot start here.
 """
@@ -105,7 +111,9 @@ def _free_port() -> int:
 def _torch_rpc_options(port: int) -> Any:
     from torch.distributed import rpc
 
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=4)
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=4, _transports=["uv"]
+    )  # see the module: not shm, which busy-polls
 
 
 def torch_rpc_worker(port: int) -> None:

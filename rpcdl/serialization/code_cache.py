@@ -129,7 +129,7 @@ def frozen_function_code(function: types.FunctionType, pickle_by_value: Callable
         in_progress = _pickling.functions = set()
     if function in in_progress:
         return None
-    entry = _still_frozen(function, set())
+    entry = _still_frozen(function, None)
     if entry is not None:
         return entry.code
     values = _values(function)
@@ -188,7 +188,28 @@ def _values(function: types.FunctionType) -> tuple | None:
     return tuple(found)
 
 
-def _still_frozen(function: types.FunctionType, checked: set) -> _Entry | None:
+def cached_frozen_code(function: types.FunctionType) -> bytes | None:
+    """The pickle :func:`frozen_function_code` made of ``function`` if it is still frozen, else ``None``.
+
+    Pickles nothing: for a function not cached yet (or no longer frozen) it
+    returns ``None`` and the caller goes the usual way. It lets a pickler reuse
+    the bytes without first deciding again how ``function`` travels.
+
+    Example::
+
+        >>> import cloudpickle
+        >>> cube = lambda x: x**3
+        >>> cached_frozen_code(cube) is None  # not pickled yet
+        True
+        >>> code = frozen_function_code(cube, cloudpickle.dumps)
+        >>> cached_frozen_code(cube) is code
+        True
+    """
+    entry = _still_frozen(function, None)
+    return None if entry is None else entry.code
+
+
+def _still_frozen(function: types.FunctionType, checked: set | None) -> _Entry | None:
     """The cached entry of ``function`` if its frozen values are all the same objects still, else ``None``."""
     entry = _entries.get(function)  # a read: no lock needed
     if entry is None or entry.values is None:
@@ -197,6 +218,7 @@ def _still_frozen(function: types.FunctionType, checked: set) -> _Entry | None:
     if current is None or len(current) != len(entry.values) or not all(map(operator.is_, current, entry.values)):
         return None
     if entry.functions:
+        checked = set() if checked is None else checked
         checked.add(function)
         if not all(other in checked or _still_frozen(other, checked) is not None for other in entry.functions):
             return None

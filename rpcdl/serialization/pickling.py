@@ -30,7 +30,7 @@ import torch
 
 from ..errors import RemoteError
 from ..transport.context import SEGMENT, thread_context
-from .code_cache import code_of, found_by_name, frozen_function_code
+from .code_cache import cached_frozen_code, code_of, found_by_name, frozen_function_code
 from .plain_pickle import NUMPY_DTYPES, PlainPickles
 from .stacked import StackedSamples
 from .user_code import define, import_or_define, is_users_module, lookup
@@ -82,6 +82,10 @@ class _Pickler(cloudpickle.Pickler):
                 known = _found_by_name.get(id(obj))
                 if known is not None and known[1].get(known[2]) is obj:
                     return known[3]
+                if kind is types.FunctionType and obj is not self._by_value:
+                    code = cached_frozen_code(obj)  # a function of __main__, a lambda: as frozen as when cached
+                    if code is not None:
+                        return define, (code,)
             return self._reduce_named(obj, kind)
         return NotImplemented  # as cloudpickle's for anything but classes and functions
 
