@@ -11,6 +11,7 @@ listening socket that runs the worker's real handshake, then sends half a frame.
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -255,6 +256,38 @@ def test_rpc_sync_reading_alone_fails_at_its_deadline_though_reads_block_longer_
     gate.set()
     assert rpcdl.rpc_sync(address, abs, (-2,)) == 2  # reads the late answer first, and drops it
     assert len(connection._calls) == 0
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise _Interrupted
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["rpc_sync", "future.wait"])
+def test_an_exception_raised_in_a_thread_blocked_reading_frees_the_role_and_closes_the_connection(worker, alone):
+    address = worker.address
+    connection = client.connection_to(address)
+    rpcdl.ping(address)
+    gate = _gate("stuck")
+    previous = signal.signal(signal.SIGALRM, _interrupt)  # as Ctrl-C would, in the main thread
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(_Interrupted):
+            if alone:
+                rpcdl.rpc_sync(address, gated, ("stuck", 1))
+            else:
+                rpcdl.rpc_async(address, gated, ("stuck", 1)).wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert connection._role.free  # not held for ever by a thread that left
+    if alone:  # (a future's waiter may have been waiting for the role, not reading, when interrupted)
+        assert connection.closed  # the stream may have stopped inside a frame: it is not read again
+    gate.set()
+    assert rpcdl.rpc_sync(address, abs, (-4,)) == 4
 
 
 # ---------------------------------------------------------------------------- a close in the middle of a read

@@ -242,15 +242,19 @@ class Connection(ConnectionThread):
         self._send([Frame(Kind.CALL, call_id, 0, payload, [])])
         frames: list[Frame] = []
         error = None
-        while self._state is not ConnectionState.CLOSED:
-            left = started + timeout - time.monotonic()
-            if left <= 0.0:
-                break
-            if left < self._idle_tick and not self._arrives_within(left):
-                continue  # a read would have blocked past the deadline
-            error = self._read_into(frames)
-            if frames or error is not None:
-                break
+        try:
+            while self._state is not ConnectionState.CLOSED:
+                left = started + timeout - time.monotonic()
+                if left <= 0.0:
+                    break
+                if left < self._idle_tick and not self._arrives_within(left):
+                    continue  # a read would have blocked past the deadline
+                error = self._read_into(frames)
+                if frames or error is not None:
+                    break
+        except BaseException as exc:  # raised in this thread mid-read (KeyboardInterrupt)
+            self._end_turn(frames, exc)
+            raise
         answer = None
         for frame in frames:
             if frame.call_id == call_id and frame.kind in _ANSWERS:
@@ -398,7 +402,12 @@ class Connection(ConnectionThread):
         with buffers (the next may have begun to arrive and no more; a caller reading several connections
         must not wait for it here)."""
         frames: list[Frame] = []
-        self._end_turn(frames, self._read_into(frames))
+        try:
+            error = self._read_into(frames)
+        except BaseException as exc:  # raised in this thread mid-read (KeyboardInterrupt)
+            self._end_turn(frames, exc)
+            raise
+        self._end_turn(frames, error)
 
     def _read_into(self, frames: list[Frame]) -> BaseException | None:
         """Read into ``frames`` (see :meth:`_read`): one frame first if it is empty, then those whole in the
@@ -421,7 +430,8 @@ class Connection(ConnectionThread):
 
     def _end_turn(self, frames: list[Frame], error: BaseException | None, waiting: Call | None = None) -> None:
         """Give the reading role back, then complete the calls ``frames`` answer; ``waiting``, a call whose
-        caller has read on its own so far (:meth:`call_sync`), joins the pending calls first."""
+        caller has read on its own so far (:meth:`call_sync`), joins the pending calls first. An ``error``
+        that ended the reading closes the connection: the stream may have stopped inside a frame."""
         answered = []
         unexpected = frames[-1] if frames and frames[-1].kind not in _ANSWERS else None
         with self._lock:
