@@ -60,6 +60,23 @@ def _until(predicate, what: str, timeout: float = 5.0) -> None:
         time.sleep(0.001)
 
 
+def _opened(address: str) -> client.Connection:
+    """The client's connection to ``address``, open (a ping went over it)."""
+    connection = client.connection_to(address)
+    rpcdl.ping(address)
+    return connection
+
+
+def _rpc_sync_in_a_thread(address: str, gate: str, value: int) -> tuple[threading.Thread, list]:
+    """Start ``rpc_sync(address, gated, (gate, value))`` in a thread named ``caller``; its result goes in the list."""
+    result: list = []
+    caller = threading.Thread(
+        target=lambda: result.append(rpcdl.rpc_sync(address, gated, (gate, value))), name="caller"
+    )
+    caller.start()
+    return caller, result
+
+
 def _calls_seen_by(worker: rpcdl.Worker) -> int:
     """Calls the worker has read, after a ping from another thread (frames sent before it are read first)."""
     thread = threading.Thread(target=rpcdl.ping, args=(worker.address,), name="test-ping")
@@ -119,12 +136,9 @@ def test_the_background_reader_reads_the_answer_a_caller_waits_for(worker):
 
 def test_a_caller_holding_the_role_delivers_background_answers_then_its_own(worker):
     address = worker.address
-    connection = client.connection_to(address)
-    rpcdl.ping(address)
+    connection = _opened(address)
     gate = _gate("sync")
-    result = []
-    caller = threading.Thread(target=lambda: result.append(rpcdl.rpc_sync(address, gated, ("sync", 3))), name="caller")
-    caller.start()
+    caller, result = _rpc_sync_in_a_thread(address, "sync", 3)
     _until(lambda: connection._role.holder is Reader.CALLER, "the caller reads")
     delivered_on = []
     answer = _gate("background")  # opened once the callback is on: it cannot run here, on an answer already in
@@ -228,12 +242,9 @@ def test_a_deadline_expires_while_another_thread_reads(worker):
 
 def test_rpc_sync_on_an_idle_connection_reads_its_own_answer_without_joining_the_pending_calls(worker):
     address = worker.address
-    connection = client.connection_to(address)
-    rpcdl.ping(address)
+    connection = _opened(address)
     gate = _gate("alone")
-    result = []
-    caller = threading.Thread(target=lambda: result.append(rpcdl.rpc_sync(address, gated, ("alone", 3))), name="caller")
-    caller.start()
+    caller, result = _rpc_sync_in_a_thread(address, "alone", 3)
     _until(lambda: worker.stats()["calls_in_flight"] == 1, "the worker runs the call")
     assert connection._role.holder is Reader.CALLER  # taken before the call left
     assert len(connection._calls) == 0  # no future, no entry: nobody else can read its answer
@@ -245,8 +256,7 @@ def test_rpc_sync_on_an_idle_connection_reads_its_own_answer_without_joining_the
 
 def test_rpc_sync_reading_alone_fails_at_its_deadline_though_reads_block_longer_and_drops_the_late_answer(worker):
     address = worker.address
-    connection = client.connection_to(address)
-    rpcdl.ping(address)
+    connection = _opened(address)
     gate = _gate("late")
     started = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
@@ -269,8 +279,7 @@ def _interrupt(signum, frame):
 @pytest.mark.parametrize("alone", [True, False], ids=["rpc_sync", "future.wait"])
 def test_an_exception_raised_in_a_thread_blocked_reading_frees_the_role_and_closes_the_connection(worker, alone):
     address = worker.address
-    connection = client.connection_to(address)
-    rpcdl.ping(address)
+    connection = _opened(address)
     gate = _gate("stuck")
     previous = signal.signal(signal.SIGALRM, _interrupt)  # as Ctrl-C would, in the main thread
     signal.setitimer(signal.ITIMER_REAL, 0.3)

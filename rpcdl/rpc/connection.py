@@ -61,7 +61,7 @@ from ..errors import (
 )
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
-from ..transport.control import encode_release
+from ..transport.control import drain, encode_release
 from ..transport.security import Token
 from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
 from . import held
@@ -339,12 +339,7 @@ class Connection(ConnectionThread):
 
     def _release_frames(self) -> list[Frame]:
         """The frames that free what this process let go of: RRefs, and spans of the shared segment."""
-        uids = []
-        while self._releases:
-            try:
-                uids.append(self._releases.popleft())
-            except IndexError:
-                break
+        uids = drain(self._releases)
         frames = [Frame(Kind.RELEASE, payload=encode_release(uids))] if uids else []
         return [*self._segment.release_frames(), *frames] if self._segment else frames
 

@@ -17,6 +17,7 @@ the call the answer was for.
 
 from __future__ import annotations
 
+import collections
 import json
 import struct
 from collections.abc import Iterable, Mapping
@@ -45,6 +46,23 @@ def _unpack_u64s(payload: bytes | bytearray | memoryview, holds: str) -> tuple[i
     if size % _UID.size:
         raise ProtocolError(f"{holds}, got {size} bytes")
     return struct.unpack(f"!{size // _UID.size}Q", payload)
+
+
+def drain(queue: collections.deque) -> list:
+    """Take what ``queue`` holds now, oldest first, while other threads (finalizers) may still append to it.
+
+    Example::
+
+        >>> drain(collections.deque([3, 1, 2]))
+        [3, 1, 2]
+    """
+    taken = []
+    while queue:
+        try:
+            taken.append(queue.popleft())
+        except IndexError:  # emptied by another thread draining it
+            break
+    return taken
 
 
 def encode_release(uids: Iterable[int]) -> bytes:

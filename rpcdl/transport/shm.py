@@ -74,7 +74,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from .context import SEGMENT, thread_context
-from .control import encode_span_release
+from .control import drain, encode_span_release
 from .gathered import as_view
 from .wire import IN_SEGMENT, NOT_IN_SEGMENT, Frame, Kind
 
@@ -413,12 +413,7 @@ class ClientSegment:
 
     def release_frames(self) -> list[Frame]:
         """A ``SEGMENT_RELEASE`` frame of the spans released since the last call, or none."""
-        offsets = []
-        while self._released:
-            try:
-                offsets.append(self._released.popleft())
-            except IndexError:
-                break
+        offsets = drain(self._released)
         return [Frame(Kind.SEGMENT_RELEASE, payload=encode_span_release(offsets))] if offsets else []
 
     @property
