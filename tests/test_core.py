@@ -254,6 +254,14 @@ def test_bad_arguments_get_clear_errors(two_workers):
         rpcdl.rpc_async(two_workers[0], min, (threading.Lock(), 2))
     with pytest.raises(ValueError, match="parallel must be a positive integer"):
         rpcdl.Worker(parallel=-1)
+    for sync_mistake, error, text in [  # rpc_sync checks its arguments on its own path too
+        (lambda: rpcdl.rpc_sync("localhost", min, (1, 2)), ValueError, "malformed worker address"),
+        (lambda: rpcdl.rpc_sync(two_workers[0], 42), TypeError, "func must be callable"),
+        (lambda: rpcdl.rpc_sync(two_workers[0], min, (1, 2), timeout=0), ValueError, "timeout must be a positive"),
+        (lambda: rpcdl.rpc_sync(two_workers[0], min, (1, 2), pin_memroy=True), TypeError, "'pin_memroy'; it takes"),
+    ]:
+        with pytest.raises(error, match=text):
+            sync_mistake()
 
 
 def test_unreachable_worker_fails_after_timeout_naming_it():

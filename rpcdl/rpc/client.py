@@ -383,7 +383,13 @@ def rpc_sync(
         >>> rpcdl.rpc_sync("127.0.0.1:6543", min, (1, 2))  # doctest: +SKIP
         1
     """
-    if options.keys() - _CREDENTIAL_OPTIONS:  # pin_memory, rref, or a mistake _call names
+    if options and not options.keys() <= _CREDENTIAL_OPTIONS:
+        unknown = sorted(options.keys() - _SYNC_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"rpc_sync() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                f"it takes {', '.join(sorted(_SYNC_OPTIONS))} besides host, func, args, kwargs and timeout"
+            )
         return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
     address = _check_address(host)
     if type(timeout) is not float or not timeout > 0.0:
@@ -403,6 +409,7 @@ def rpc_sync(
 
 
 _CREDENTIAL_OPTIONS = frozenset(("token", "ssl_context"))
+_SYNC_OPTIONS = _CREDENTIAL_OPTIONS | {"pin_memory", "rref"}
 _READ_ALONE_BYTES = 1 << 16  # rpc_sync's calls up to this size leave with the caller already reading (call_sync)
 
 install_rpc_sync(rpc_sync)

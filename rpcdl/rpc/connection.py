@@ -31,7 +31,14 @@ Threading model (the one statement of it; :mod:`rpcdl.rpc.state` holds the state
   never waits still run within a millisecond or two. The holder reads the
   frames there are (one system call at most), then gives the role back
   *before* it completes their futures, so a callback that waits for another
-  answer can take it.
+  answer can take it; a holder interrupted mid-read (``KeyboardInterrupt``)
+  gives it back too, and closes the connection.
+* An ``rpc_sync`` that finds the role free and nothing being sent
+  (:meth:`Connection.call_sync`) takes the role *before* its call leaves and
+  keeps it until its answer is read: that call is in no other thread's view,
+  so it needs no future and never joins the pending calls. If answers to other
+  calls arrive first, it joins the pending calls as it gives the role back,
+  and waits like any other call.
 * A call leaves :class:`~rpcdl.rpc.state.PendingCalls` exactly once: answered
   (by the reader, while it still holds the role, so nobody reads again for an
   answer already here), overdue, or failed by the close. Whoever removes it
@@ -230,12 +237,10 @@ class Connection(ConnectionThread):
         """
         with self._lock:
             state = self._state
-            if state is not ConnectionState.OPEN or not self._role.take(Reader.CALLER):
-                if state is ConnectionState.CLOSED:
-                    raise _Closed(self._error)
-                return False, None
-            if self._outbox.state is not OutboxState.IDLE or not held.holds_nothing():
-                self._role.give_back(time.monotonic())
+            if state is ConnectionState.CLOSED:
+                raise _Closed(self._error)
+            busy = state is ConnectionState.CONNECTING or self._outbox.state is not OutboxState.IDLE
+            if busy or not held.holds_nothing() or not self._role.take(Reader.CALLER):
                 return False, None
         started = time.monotonic()
         call_id = next_call_id()
