@@ -158,3 +158,18 @@ def test_installed_packages_go_by_reference_and_the_users_code_by_value(users_co
     assert b"import_or_define" in payload and b"__getitem__" in payload
     assert dumps(mydata.SquaresDataset)[0] == payload  # its code is pickled once and sent as it was
     assert loads(payload) is mydata.SquaresDataset  # imported here: taken by name
+
+
+def test_code_sent_by_value_keeps_its_file_name_so_remote_tracebacks_name_the_file_and_line():
+    def parse(text):
+        return int(text)
+
+    def make_adder(n):
+        return lambda x: x + n
+
+    rebuilt_parse, rebuilt_make_adder = loads(*dumps((parse, make_adder)))
+    assert rebuilt_parse.__code__.co_filename == __file__  # cloudpickle 3.1.3 alone writes "<dynamic-code>"
+    assert rebuilt_make_adder(1).__code__.co_filename == __file__  # nested code too
+    with pytest.raises(ValueError) as raised:
+        rebuilt_parse("x")
+    assert raised.traceback[-1].path.name == "test_code_travel.py"

@@ -68,6 +68,9 @@ def _reduce_tensor(tensor: torch.Tensor):
     return _rebuild_tensor, (pickle.PickleBuffer(raw), data.dtype, tuple(data.shape), tensor.requires_grad)
 
 
+_DYNAMIC_CODE = "<dynamic-code>"  # the file name cloudpickle >= 3.1.3 gives the code objects it pickles
+
+
 class _Pickler(cloudpickle.Pickler):
     _outermost = True  # False in the pickler of a user's object's code, which pickles all of it by value
     _by_value: Any = None  # the function this pickler pickles by value for the cache
@@ -77,6 +80,8 @@ class _Pickler(cloudpickle.Pickler):
         if kind is torch.Tensor or kind is StackedSamples:
             reduced = _reduce_tensor(obj if kind is torch.Tensor else obj.stack())
             return NotImplemented if reduced is None else reduced
+        if kind is types.CodeType:
+            return self._reduce_code(obj)
         if kind is types.FunctionType or kind is types.ModuleType or isinstance(obj, type):
             if self._outermost:
                 known = _found_by_name.get(id(obj))
@@ -88,6 +93,14 @@ class _Pickler(cloudpickle.Pickler):
                         return define, (code,)
             return self._reduce_named(obj, kind)
         return NotImplemented  # as cloudpickle's for anything but classes and functions
+
+    def _reduce_code(self, code: types.CodeType) -> Any:
+        """cloudpickle's reduction of ``code``, its file name kept: cloudpickle 3.1.3 writes ``<dynamic-code>``
+        instead, and a remote traceback would name no file and show no line of a function sent by value."""
+        rebuild, args = self.dispatch_table[types.CodeType](code)
+        if code.co_filename != _DYNAMIC_CODE and _DYNAMIC_CODE in args:
+            args = tuple(code.co_filename if arg == _DYNAMIC_CODE else arg for arg in args)
+        return rebuild, args
 
     def _reduce_named(self, obj: Any, kind: type) -> Any:
         """The reduction of a class, function or module; remembered when it is found by name."""
