@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 from ...local import child_environment
 from ...processes import stop_process
-from ...rpc.client import rpc_sync as _rpc_sync
 from .workloads import (
     LENGTH,
     PREFETCH,
@@ -113,14 +112,17 @@ class RpcdlSystem(System):
     def __init__(self) -> None:
         self.bench: Bench | None = None
         self._first_worker: str | None = None
+        self._rpc_sync: Callable[..., Any] | None = None
 
     def start(self, bench: Bench) -> None:
+        from ...rpc.client import rpc_sync  # here: the command line starts without torch
+
         self.bench = bench
+        self._rpc_sync = rpc_sync
 
     def call(self) -> None:
         # as the floors' calls: nothing but the call in the timed loop (no import statement, no lookup)
-        address = self._first_worker or self._first_worker_address()
-        _rpc_sync(address, noop)
+        self._rpc_sync(self._first_worker or self._first_worker_address(), noop)
 
     def _first_worker_address(self) -> str:
         self._first_worker = self.bench.worker_addresses(1)[0]  # never restarted during a run
