@@ -272,6 +272,15 @@ def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[
     return payload, buffers
 
 
+def _prepared_call(host: str, func: Callable, args: Any, kwargs: Any, timeout: Any) -> tuple[str, float, bytes, list]:
+    """A call's arguments checked and pickled: ``(address, timeout, payload, buffers)``."""
+    address = _check_address(host)
+    if type(timeout) is not float or not timeout > 0.0:
+        timeout = check_timeout(timeout)
+    payload, buffers = _serialize_call(address, func, args, kwargs)
+    return address, timeout, payload, buffers
+
+
 def _call(
     host: str,
     func: Callable,
@@ -285,10 +294,7 @@ def _call(
     token: str | bytes | None = None,
     ssl_context: ssl.SSLContext | None = None,
 ) -> Call:
-    address = _check_address(host)
-    if type(timeout) is not float or not timeout > 0.0:
-        timeout = check_timeout(timeout)
-    payload, buffers = _serialize_call(address, func, args, kwargs)
+    address, timeout, payload, buffers = _prepared_call(host, func, args, kwargs, timeout)
     uid, transform, on_connection = 0, None, None
     if rref:
         uid = new_uid()
@@ -391,20 +397,15 @@ def rpc_sync(
                 f"it takes {', '.join(sorted(_SYNC_OPTIONS))} besides host, func, args, kwargs and timeout"
             )
         return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
-    address = _check_address(host)
-    if type(timeout) is not float or not timeout > 0.0:
-        timeout = check_timeout(timeout)
-    payload, buffers = _serialize_call(address, func, args, kwargs)
+    address, timeout, payload, buffers = _prepared_call(host, func, args, kwargs, timeout)
     if not buffers and len(payload) <= _READ_ALONE_BYTES:
-        for _ in range(3):
-            connection = connection_to(address, timeout, options.get("token"), options.get("ssl_context"))
-            try:
-                answered, result = connection.call_sync(payload, func, timeout)
-            except _Closed:
-                continue
-            if answered:
-                return result
-            break
+        connection = connection_to(address, timeout, options.get("token"), options.get("ssl_context"))
+        try:
+            answered, result = connection.call_sync(payload, func, timeout)
+        except _Closed:  # _submit makes the call on a new connection
+            answered, result = False, None
+        if answered:
+            return result
     return _submit(Kind.CALL, address, timeout, func, payload, buffers, sync=True, **options).future.wait()
 
 
