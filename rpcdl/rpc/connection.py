@@ -326,8 +326,7 @@ class Connection(ConnectionThread):
         self._fail(reason)
 
     def _send(self, frames: list[Frame]) -> None:
-        segment = self._segment
-        if self._releases or (segment is not None and segment.releases_waiting):
+        if self._has_releases():
             frames = [*self._release_frames(), *frames]
         if not frames:
             if os.getpid() != self._pid:
@@ -341,6 +340,10 @@ class Connection(ConnectionThread):
             self._outbox.send(pieces)
         except OSError as exc:
             self._fail(f"lost the connection to worker {self.address} while sending: {exc or type(exc).__name__}")
+
+    def _has_releases(self) -> bool:
+        """Whether this process let go of RRefs or spans of the shared segment that the worker should free."""
+        return bool(self._releases) or (self._segment is not None and self._segment.releases_waiting)
 
     def _release_frames(self) -> list[Frame]:
         """The frames that free what this process let go of: RRefs, and spans of the shared segment."""

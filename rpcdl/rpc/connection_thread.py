@@ -80,7 +80,7 @@ class ConnectionThread:
                 self._expire(now)  # without the reading role: callbacks may wait for answers
             if self._outbox.deferred_until <= now:
                 self._send([])  # frames deferred by a thread that went on with something else
-            if (self._releases or getattr(self._segment, "releases_waiting", 0)) and now - last_flush > RELEASE_TICK:
+            if self._has_releases() and now - last_flush > RELEASE_TICK:
                 last_flush = now
                 self._send([])
             with self._lock:
