@@ -23,7 +23,7 @@ import rpcdl
 import rpcdl.rpc.connection
 import rpcdl.rpc.connection_thread
 from rpcdl.errors import ConnectionLost, WorkerTimeout
-from rpcdl.rpc import client
+from rpcdl.rpc import client, held
 from rpcdl.rpc.state import ConnectionState, Reader
 from rpcdl.serialization.pickling import dumps
 from rpcdl.transport.handshake import server_handshake
@@ -106,13 +106,27 @@ def test_nested_sent_together_blocks_send_when_the_outermost_ends_in_order(worke
 def test_a_held_block_whose_thread_waits_sends_first_and_calls_outside_it_go_after_the_held_ones(worker):
     address = worker.address
     with client.sent_together():
-        held = rpcdl.rpc_async(address, seen, (1,))
+        held_call = rpcdl.rpc_async(address, seen, (1,))
         with client.outside_held_blocks():
             assert rpcdl.rpc_sync(address, seen, (2,)) == 2  # waits: the held call leaves first
-        assert held.wait() == 1
+        assert held_call.wait() == 1
         later = rpcdl.rpc_async(address, seen, (3,))
         assert later.wait() == 3  # waiting inside the block sends it; no deadlock
     assert _seen == [1, 2, 3]
+
+
+def test_blocks_left_by_an_exception_send_what_they_held_and_give_the_thread_back_its_state(worker):
+    address = worker.address
+    rpcdl.ping(address)  # open: calls are held, not queued while connecting
+    futures = []
+    with pytest.raises(RuntimeError, match="left the block"), client.sent_together(), client.answers_read_here():
+        futures.append(rpcdl.rpc_async(address, seen, (1,)))
+        assert not held.holds_nothing() and held.reads_here()
+        with client.outside_held_blocks():
+            assert not held.reads_here()
+            raise RuntimeError("left the block")
+    assert held.holds_nothing() and not held.reads_here()
+    assert futures[0].wait() == 1
 
 
 # ---------------------------------------------------------------------------- a caller against the background reader

@@ -94,7 +94,8 @@ class ClientConnection:
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
         self._turn = _OFFERED
         self._lent_at = 0.0
-        self._standby = False  # a service thread waits for the turn
+        #: whether a service thread waits for the turn (read by the thread holding it, when no other can change it)
+        self.has_standby = False
         self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
         self._condition = threading.Condition(self._lock)
         self._send_lock = threading.Lock()
@@ -110,11 +111,6 @@ class ClientConnection:
     def closed(self) -> bool:
         """Whether the connection is closed."""
         return self._turn is _CLOSED
-
-    @property
-    def has_standby(self) -> bool:
-        """Whether a service thread waits for the turn (read by the thread holding it, when no other can change it)."""
-        return self._standby
 
     def start(self) -> None:
         """Start the service threads."""
@@ -169,10 +165,6 @@ class ClientConnection:
             else:
                 self._send_pieces(pieces, answers)
 
-    def answer(self, frame: Frame) -> None:
-        """Send the answer to a call and count the call as done."""
-        self.send(frame, answers_call=True)
-
     def close(self) -> None:
         """Close the connection (once) and have the worker forget it and the RRefs it held."""
         with self._condition:  # never held during a send, which may block for the whole timeout
@@ -223,10 +215,10 @@ class ClientConnection:
     def _wait_for_turn(self) -> bool:
         """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
         with self._condition:
-            self._standby = True
+            self.has_standby = True
             while self._turn is not _OFFERED and self._turn is not _CLOSED:
                 self._condition.wait()
-            self._standby = False
+            self.has_standby = False
             if self._turn is _CLOSED:
                 return False
             self._turn = _READING

@@ -118,7 +118,7 @@ class Slots:
                         self._running -= 1
                         if large and self._queue:
                             self._condition.notify()
-            session.answer(answer)
+            session.send(answer, answers_call=True)
             if queued is None:
                 return
             session, frame = queued

@@ -332,7 +332,7 @@ class Worker:
         if kind is _CALL:
             if self._phase is not _SERVING:
                 self.counters.add(calls_rejected=1)
-                connection.answer(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()))
+                connection.send(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()), answers_call=True)
                 return False
             if frame.ref:
                 self.store.expect(frame.ref, connection)

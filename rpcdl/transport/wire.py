@@ -209,6 +209,12 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     return [head + lengths, payload, *views]
 
 
+def encode_plain(kind: Kind, call_id: int, payload: bytes) -> bytes:
+    """The bytes of a frame with a payload alone (no buffers, ref or flags), made without a :class:`Frame`:
+    what :func:`encode_frame` returns as one piece for it."""
+    return _HEADER.pack(kind, 0, 0, 0, call_id, 0, len(payload)) + payload
+
+
 def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> int:
     """Send ``pieces`` in order with scatter-gather I/O; return the bytes sent."""
     total = 0
@@ -345,7 +351,10 @@ class FrameReader:
         """
         if self._end - self._start < _HEADER.size:
             try:
-                self._fill(_HEADER.size, idle=True)
+                if self._start == self._end:  # the usual case, nothing buffered: one receive into the whole buffer
+                    self._start, self._end = 0, self._recv_into(self._view, idle=True)
+                if self._end - self._start < _HEADER.size:
+                    self._fill(_HEADER.size, idle=True)
             except _Idle:
                 return None
         start = self._start
@@ -420,6 +429,10 @@ class FrameReader:
         return memoryview(self._compressed)[:size]
 
     def _read_u64s(self, count: int) -> tuple[int, ...]:
+        if self._end - self._start >= 8 * count:  # the usual case: they came with the header
+            values = struct.unpack_from(f"!{count}Q", self._buffer, self._start)
+            self._start += 8 * count
+            return values
         raw = bytearray(8 * count)
         self._read_into(memoryview(raw))
         return struct.unpack(f"!{count}Q", raw)

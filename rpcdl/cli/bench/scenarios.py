@@ -91,13 +91,16 @@ class Sizes:
     memory_batches: int = 12
     mapper_items: int = 20000
     io_workers: tuple[int, ...] = (1, 2, 4, 8)
+    #: the small scenario's rounds repeat whole epochs for this long at least: one epoch is 60-300 ms, short
+    #: enough for the machine's moment-to-moment speed to decide a round
+    small_round_seconds: float = 0.5
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(
             rounds=1, latency_calls=20, pipelined_calls=40, small_batches=6, image_batches=2,
             straggler_batches=4, io_batches_per_worker=2, memory_batches=2, io_workers=(1, 2),
-            mapper_items=200,
+            mapper_items=200, small_round_seconds=0.0,
         )  # fmt: skip
 
 
@@ -249,13 +252,16 @@ class Bench:
                 system.release_loader(loader)
 
 
-def _epoch_rate(loader: Iterable) -> tuple[int, float]:
-    """Iterate one epoch; return (batches, seconds)."""
+def _epoch_rate(loader: Iterable, at_least: float = 0.0) -> tuple[int, float]:
+    """Iterate one epoch, and more whole epochs until ``at_least`` seconds have passed; return (batches, seconds)."""
     started = time.perf_counter()
     count = 0
-    for _ in loader:
-        count += 1
-    return count, time.perf_counter() - started
+    while True:
+        for _ in loader:
+            count += 1
+        seconds = time.perf_counter() - started
+        if seconds >= at_least:
+            return count, seconds
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -298,12 +304,14 @@ def scenario_pipelined(bench: Bench) -> None:
             bench.step(f"pipelined: {system.name}")
 
 
-def _loader_scenario(bench: Bench, scenario: str, spec: LoaderSpec, figure: Figure, scale: float) -> None:
+def _loader_scenario(
+    bench: Bench, scenario: str, spec: LoaderSpec, figure: Figure, scale: float, at_least: float = 0.0
+) -> None:
     loaders = bench.open_loaders(spec, scenario)
     try:
         for _ in range(bench.sizes.rounds):
             for name, (_, loader) in loaders.items():
-                batches, seconds = _epoch_rate(loader)
+                batches, seconds = _epoch_rate(loader, at_least)
                 figure.add(name, batches * scale / seconds)
                 bench.step(f"{scenario}: {name}")
     finally:
@@ -317,7 +325,7 @@ def scenario_small(bench: Bench) -> None:
         "small", "batches/s", "batches/s", "higher", f"{SMALL_BATCH} x float32[{SMALL_FEATURES}], {n} workers"
     )
     spec = LoaderSpec(SmallDataset, (bench.sizes.small_batches * SMALL_BATCH,), SMALL_BATCH, n)
-    _loader_scenario(bench, "small", spec, figure, 1.0)
+    _loader_scenario(bench, "small", spec, figure, 1.0, bench.sizes.small_round_seconds)
 
 
 def scenario_image(bench: Bench) -> None:
