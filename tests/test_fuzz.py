@@ -42,17 +42,7 @@ from rpcdl.serialization.pickling import dumps, loads
 from rpcdl.transport.control import decode_stats, encode_release
 from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake, server_handshake
 from rpcdl.transport.security import Token
-from rpcdl.transport.wire import (
-    COMPRESSED,
-    IN_SEGMENT,
-    Frame,
-    FrameReader,
-    Kind,
-    Limits,
-    encode_frame,
-    encode_plain,
-    io_stream,
-)
+from rpcdl.transport.wire import COMPRESSED, IN_SEGMENT, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
 EXAMPLES = int(os.environ.get("RPCDL_FUZZ_EXAMPLES", "30"))
 PARSER_EXAMPLES = 2 * EXAMPLES
@@ -344,12 +334,6 @@ def test_reader_reads_back_every_frame_written(frames):
         assert (got.kind, got.call_id, got.ref, got.flags) == (sent.kind, sent.call_id, sent.ref, sent.flags)
         assert bytes(got.payload) == sent.payload
         assert [bytes(b) for b in got.buffers] == sent.buffers
-
-
-@settings(fuzz_settings, max_examples=PARSER_EXAMPLES)
-@given(st.sampled_from(list(Kind)), call_ids, st.binary(max_size=3000))
-def test_a_frame_encoded_plain_is_the_frame_encoded_in_full(kind, call_id, payload):
-    assert encode_plain(kind, call_id, payload) == _join(Frame(kind, call_id, 0, payload))
 
 
 @settings(fuzz_settings, max_examples=PARSER_EXAMPLES)

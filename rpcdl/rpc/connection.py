@@ -70,7 +70,7 @@ from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import drain, encode_release
 from ..transport.security import Token
-from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, encode_plain
+from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
 from . import held
 from .answers import ANSWERS as _ANSWERS
 from .answers import deliver, outcome, overdue_error, readable
@@ -244,7 +244,7 @@ class Connection(ConnectionThread):
                 return False, None
         started = time.monotonic()
         call_id = next_call_id()
-        self._send_pieces([encode_plain(Kind.CALL, call_id, payload)])
+        self._send([Frame(Kind.CALL, call_id, 0, payload, [])])
         frames: list[Frame] = []
         error = None
         try:
@@ -326,18 +326,16 @@ class Connection(ConnectionThread):
         self._fail(reason)
 
     def _send(self, frames: list[Frame]) -> None:
-        """Send ``frames`` (none: flush what is deferred) after what this process let go of."""
-        if len(frames) == 1:
-            self._send_pieces(encode_frame(frames[0]))
-        else:
-            self._send_pieces([p for frame in frames for p in encode_frame(frame)])
-
-    def _send_pieces(self, pieces: list[bytes | memoryview]) -> None:
-        """Send the ``pieces`` of encoded frames (none: flush what is deferred) after what this process let go of."""
         if self._has_releases():
-            pieces = [p for frame in self._release_frames() for p in encode_frame(frame)] + pieces
-        if not pieces and os.getpid() != self._pid:
-            return  # a forked child: the deferred frames are the parent's to send
+            frames = [*self._release_frames(), *frames]
+        if not frames:
+            if os.getpid() != self._pid:
+                return  # a forked child: the deferred frames are the parent's to send
+            pieces: list = []  # flushes what is deferred
+        elif len(frames) == 1:
+            pieces = encode_frame(frames[0])
+        else:
+            pieces = [p for frame in frames for p in encode_frame(frame)]
         try:
             self._outbox.send(pieces)
         except OSError as exc:

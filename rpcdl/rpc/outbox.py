@@ -37,7 +37,7 @@ _INF = float("inf")
 class OutboxState(enum.Enum):
     """What an outbox is doing: IDLE -> DEFERRED -> SENDING -> IDLE (or DEFERRED), any thread moving it on."""
 
-    IDLE = "idle"  #: nothing queued, nobody writing (so nothing deferred: ``deferred_until`` is inf)
+    IDLE = "idle"  #: nothing queued, nobody writing
     DEFERRED = "deferred"  #: pieces queued, nobody writing: they leave with the next send or flush, or when due
     SENDING = "sending"  #: a thread writes; pieces queued meanwhile it writes too, or hands to a waiting thread
 
@@ -92,10 +92,8 @@ class Outbox:
                 if not pieces:
                     return
                 taken = pieces
-                self.state = OutboxState.SENDING  # what _become_sender does: IDLE has nothing deferred to forget
             elif state is OutboxState.DEFERRED:
                 taken, self._pieces = [*self._pieces, *pieces], []
-                self._become_sender()
             else:  # another thread sends: it writes these too, or leaves them to this one
                 self._queued += 1
                 ticket = self._queued
@@ -107,7 +105,7 @@ class Outbox:
                 if self._written >= ticket:
                     return
                 taken, self._pieces = self._pieces, []
-                self._become_sender()
+            self._become_sender()
             upto, start = self._queued, self._written
         self._write(taken, upto, start)
 

@@ -209,12 +209,6 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     return [head + lengths, payload, *views]
 
 
-def encode_plain(kind: Kind, call_id: int, payload: bytes) -> bytes:
-    """The bytes of a frame with a payload alone (no buffers, ref or flags), made without a :class:`Frame`:
-    what :func:`encode_frame` returns as one piece for it."""
-    return _HEADER.pack(kind, 0, 0, 0, call_id, 0, len(payload)) + payload
-
-
 def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> int:
     """Send ``pieces`` in order with scatter-gather I/O; return the bytes sent."""
     total = 0
@@ -351,10 +345,7 @@ class FrameReader:
         """
         if self._end - self._start < _HEADER.size:
             try:
-                if self._start == self._end:  # the usual case, nothing buffered: one receive into the whole buffer
-                    self._start, self._end = 0, self._recv_into(self._view, idle=True)
-                if self._end - self._start < _HEADER.size:
-                    self._fill(_HEADER.size, idle=True)
+                self._fill(_HEADER.size, idle=True)
             except _Idle:
                 return None
         start = self._start

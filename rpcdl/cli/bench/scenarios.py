@@ -305,7 +305,7 @@ def scenario_pipelined(bench: Bench) -> None:
 
 
 def _loader_scenario(
-    bench: Bench, scenario: str, spec: LoaderSpec, figure: Figure, scale: float, at_least: float = 0.0
+    bench: Bench, scenario: str, spec: LoaderSpec, figure: Figure, scale: float, at_least: float
 ) -> None:
     loaders = bench.open_loaders(spec, scenario)
     try:
