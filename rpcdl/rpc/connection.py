@@ -69,8 +69,9 @@ from ..errors import (
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import drain, encode_release
+from ..transport.polling import Poller, window_from_environment
 from ..transport.security import Token
-from ..transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
+from ..transport.wire import AWAITED, Frame, FrameReader, Kind, Limits, encode_frame
 from . import held
 from .answers import ANSWERS as _ANSWERS
 from .answers import deliver, outcome, overdue_error, readable
@@ -129,6 +130,7 @@ class Connection(ConnectionThread):
         # asked for (RPCDL_COMPRESSION; "on" without lz4 raises here), then, once connected, what the worker chose
         self.compression = resolve_mode()
         self._offers_shm = shm.resolve_bytes() > 0  # RPCDL_SHM_BYTES=0 turns shared memory off
+        self._poll_window = window_from_environment()  # RPCDL_POLL_MICROSECONDS: rpc_sync's wait for its answer
         self._segment: shm.ClientSegment | None = None  # once connected: the worker's, if this process mapped it
         self._lock = lock = threading.Lock()  # taken as itself: entering a Condition is a Python call
         self._cond = threading.Condition(lock)  # wakes threads waiting for the role or their answer
@@ -143,6 +145,7 @@ class Connection(ConnectionThread):
         self._error = ""
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
+        self._poller: Poller | None = None  # once connected: call_sync's wait for its answer
         self._idle_tick = 0.0  # once connected: how long a read that finds nothing blocks
         self._connect_deadline = time.monotonic() + timeout
         self._grace = grace
@@ -223,7 +226,9 @@ class Connection(ConnectionThread):
 
         When nobody reads or sends, the caller takes the reading role *before*
         the call leaves and keeps it until the answer is here, so the call never
-        joins the pending calls and needs no future. If other answers come
+        joins the pending calls and needs no future. It polls for the answer
+        before it blocks (:mod:`rpcdl.transport.polling`), and the call is marked
+        awaited, so the worker polls for the next one. If other answers come
         first, it joins them as the caller gives the role back, and waits as
         any other.
 
@@ -244,9 +249,12 @@ class Connection(ConnectionThread):
                 return False, None
         started = time.monotonic()
         call_id = next_call_id()
-        self._send([Frame(Kind.CALL, call_id, 0, payload, [])])
+        self._send([Frame(Kind.CALL, call_id, 0, payload, [], AWAITED)])
         frames: list[Frame] = []
         error = None
+        poller = self._poller
+        if not self._reader.buffered:
+            poller.wait()
         try:
             while self._state is not ConnectionState.CLOSED:
                 left = started + timeout - time.monotonic()
@@ -260,6 +268,7 @@ class Connection(ConnectionThread):
         except BaseException as exc:  # raised in this thread mid-read (KeyboardInterrupt)
             self._end_turn(frames, exc)
             raise
+        poller.arrived()
         answer = None
         for frame in frames:
             if frame.call_id == call_id and frame.kind in _ANSWERS:

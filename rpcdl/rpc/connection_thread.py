@@ -13,6 +13,7 @@ import time
 
 from ..errors import AuthenticationError, ProtocolError, WorkerUnavailable
 from ..transport import shm
+from ..transport.polling import Poller
 from ..transport.wire import FrameReader, encode_frame, io_stream
 from .dial import dial
 from .outbox import Outbox
@@ -50,6 +51,7 @@ class ConnectionThread:
                 sock, self._limits, self._io_timeout, decompress=self.compression != "off",
                 segment=shm.receiver(self._segment, self._pins, self._allocate),
             )  # fmt: skip
+            self._poller = Poller(sock, self._poll_window)
             self._outbox = Outbox(
                 sock, [piece for frame in self._queued for piece in encode_frame(frame)],
                 delay=_DEFER_DELAY, max_deferred=_DEFER_FRAMES, on_deferred=self._deferral_started,

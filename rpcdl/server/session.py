@@ -21,6 +21,9 @@ reader running a quick call inline while the next call already waits in its
 receive buffer holds the (small) answer back in the session's outbox, and
 sends the outbox in one go once nothing more waits, after a slower call or
 after :data:`_OUTBOX_ANSWERS` answers: one system call for a burst of answers.
+Once it has answered a call marked awaited (an ``rpc_sync``), the reader
+polls for that caller's next call before it blocks, while the worker runs
+nothing else (:mod:`rpcdl.transport.polling`).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from ..errors import ConnectionLost, ProtocolError
 from ..rpc.rref import StoreView
 from ..transport.compression import Compressor
 from ..transport.control import decode_span_release
+from ..transport.polling import Poller
 from ..transport.shm import WorkerSegment
-from ..transport.wire import COMPRESSED, Frame, FrameReader, Kind, encode_frame, send_pieces
+from ..transport.wire import AWAITED, COMPRESSED, Frame, FrameReader, Kind, encode_frame, send_pieces
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -68,7 +72,7 @@ class ClientConnection:
 
     Args:
         worker: the worker serving it (its ``dispatch``, ``slots``, ``forget``,
-            ``counters``, ``store``, ``limits`` and ``timeout``).
+            ``counters``, ``store``, ``limits``, ``timeout`` and ``poll_window``).
         sock: the connection, handshake done, set up by :func:`~rpcdl.transport.wire.io_stream`.
         peer: the client's address, for messages.
         compressor: what compresses answers on this connection (default: none).
@@ -92,6 +96,7 @@ class ClientConnection:
         #: the context its calls run in (see rpcdl.transport.context): (un)pickled for the peer, answers in the segment
         self.call_context = (peer, self.store_view, None, segment)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
+        self.poller = Poller(sock, worker.poll_window)  # for the next call of a caller that awaits each answer
         self._turn = _OFFERED
         self._lent_at = 0.0
         #: whether a service thread waits for the turn (read by the thread holding it, when no other can change it)
@@ -226,12 +231,19 @@ class ClientConnection:
 
     def _read_while_holding(self) -> None:
         """Read and dispatch frames until the turn goes to the other thread or the connection closes."""
-        worker, reader, slots = self.worker, self.reader, self.worker.slots
+        worker, reader, slots, poller = self.worker, self.reader, self.worker.slots, self.poller
         waiting = reader.holds_frame  # a frame waits in the receive buffer: the next read does not wait
+        awaited = False  # the call run last was awaited by its caller, and answered
         while True:
             if self._outbox and not waiting:  # the read may wait: no answer waits with it
                 self._flush()
+            polled = awaited and not waiting and slots.idle  # its caller's next call is microseconds away
+            if polled:
+                poller.wait()
             frame = self._read_frame()
+            if polled:
+                poller.arrived()
+            awaited = False
             if frame is None:
                 if self.closed:
                     return
@@ -255,6 +267,7 @@ class ClientConnection:
             if not self._take_back():
                 self._flush()
                 return
+            awaited = frame.flags & AWAITED
 
     def _run_holding_back(self, frame: Frame) -> None:
         """Run a call inline, its answer held back in the outbox; send the outbox after a slow call or when full."""

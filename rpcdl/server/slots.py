@@ -62,6 +62,11 @@ class Slots:
         """Whether a slot is free now (a hint: another thread may take it first)."""
         return self._running < self.parallel
 
+    @property
+    def idle(self) -> bool:
+        """Whether no call runs or waits (a hint, as :attr:`has_free`)."""
+        return not self._running and not self._queue
+
     def start(self) -> None:
         """Start the executor threads."""
         with self._condition:

@@ -35,6 +35,7 @@ from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import decode_release, encode_rejected, encode_stats
 from ..transport.handshake import server_negotiate
+from ..transport.polling import window_from_environment
 from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
@@ -94,6 +95,10 @@ class Worker:
             this host (see :mod:`rpcdl.transport.shm`); ``0`` turns it off; default
             ``RPCDL_SHM_BYTES``, else 256 MiB.
 
+    After answering a call whose caller blocks for it (:func:`rpcdl.rpc_sync`),
+    a worker with nothing else to run polls for that caller's next call for up
+    to ``RPCDL_POLL_MICROSECONDS`` (see :mod:`rpcdl.transport.polling`).
+
     Attributes:
         address: the ``"host:port"`` clients reach this worker at, known as
             soon as it is constructed (the port chosen with ``port=0`` included).
@@ -128,6 +133,7 @@ class Worker:
         self.limits = limits or Limits()
         self.compression = resolve_mode(compression)
         self.shared_memory = resolve_bytes(shared_memory)
+        self.poll_window = window_from_environment()
         self._token = resolve_token(token)
         if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
             raise PermissionError(

@@ -13,6 +13,8 @@ exchange frames::
     payload  pickled by the serialization layer; control frames' own (:mod:`rpcdl.transport.control`)
     buffers  out-of-band buffers (those not in the segment), each received straight into its final memory
 
+The AWAITED flag adds nothing to the layout: it marks a call whose caller blocks for the answer.
+
 Every length received, compressed and decoded, is checked against :class:`Limits`
 before anything is allocated; the sender checks its own frames first (:meth:`Limits.check_outgoing`).
 """
@@ -42,6 +44,8 @@ _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
 IN_SEGMENT = 2  #: frame flag: an offset follows the lengths, and buffers with one are in the shared segment
 NOT_IN_SEGMENT = 2**64 - 1  #: the offset of a buffer sent on the socket in an IN_SEGMENT frame
+AWAITED = 4  #: frame flag of a call whose caller blocks for its answer (see rpcdl.transport.polling)
+_LAYOUT_FLAGS = COMPRESSED | IN_SEGMENT  # the flags that add to a frame's layout
 
 
 class Kind(enum.IntEnum):
@@ -364,11 +368,11 @@ class FrameReader:
                 f"({MAX_MESSAGE_BYTES_ENV})",
                 call_id,
             )
-        if not count and not flags:  # the common small frame: a header and a payload
+        if not count and not flags & _LAYOUT_FLAGS:  # the common small frame: a header and a payload
             if self._end - start >= payload_size:  # all here already
                 self._start = start + payload_size
-                return Frame(kind, call_id, ref, bytes(self._view[start : start + payload_size]))
-            return Frame(kind, call_id, ref, self._read_payload(payload_size))
+                return Frame(kind, call_id, ref, bytes(self._view[start : start + payload_size]), [], flags)
+            return Frame(kind, call_id, ref, self._read_payload(payload_size), [], flags)
         compressed = bool(flags & COMPRESSED)
         if compressed and not self._decompress:
             raise ProtocolError("the peer sent a compressed frame on a connection that did not negotiate compression")
