@@ -77,6 +77,19 @@ def test_a_poller_stops_polling_once_bytes_came_late_and_starts_again_once_they_
     assert poller.wait()
 
 
+def test_ready_tells_whether_a_read_would_find_bytes_now_or_within_a_wait(pair):
+    left, right = pair
+    poller = Poller(left, 0.0)  # ready() does not poll: the window does not matter
+    assert not poller.ready()
+    right.send(b"x")
+    assert poller.ready()
+    assert left.recv(1) == b"x"
+    sender = threading.Timer(0.005, right.send, (b"y",))
+    sender.start()
+    assert poller.ready(5.0)
+    sender.join()
+
+
 def test_a_window_of_zero_never_polls(pair):
     left, right = pair
     poller = Poller(left, 0.0)

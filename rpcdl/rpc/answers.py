@@ -7,8 +7,6 @@ callbacks may make calls.
 
 from __future__ import annotations
 
-import select
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +14,6 @@ from typing import Any
 from ..errors import WorkerTimeout, WorkerUnavailable
 from ..serialization.pickling import load_exception, loads_from
 from ..transport.control import decode_rejected, decode_stats
-from ..transport.tls_stream import TLSStream
 from ..transport.wire import Frame, Kind
 from .calls import Call, describe_call, set_future_result
 
@@ -69,13 +66,3 @@ def overdue_error(
         f"could not connect to rpcdl worker {address} within {timeout:g}s "
         f"(last error: {last_connect_error or 'still connecting'})"
     )
-
-
-def readable(sock: socket.socket, within: float = 0.0) -> bool:
-    """Whether bytes wait to be read on ``sock`` (a TLS stream may hold some already decrypted), or arrive
-    within ``within`` seconds."""
-    if isinstance(sock, TLSStream) and sock.pending():
-        return True
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(within * 1000))

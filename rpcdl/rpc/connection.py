@@ -74,7 +74,7 @@ from ..transport.security import Token
 from ..transport.wire import AWAITED, Frame, FrameReader, Kind, Limits, encode_frame
 from . import held
 from .answers import ANSWERS as _ANSWERS
-from .answers import deliver, outcome, overdue_error, readable
+from .answers import deliver, outcome, overdue_error
 from .calls import Call, ReadBy, describe_call, future_done, next_call_id
 from .connection_thread import RELEASE_TICK, ConnectionThread
 from .live_threads import live_thread
@@ -294,7 +294,7 @@ class Connection(ConnectionThread):
     def _arrives_within(self, seconds: float) -> bool:
         """Whether a frame is buffered or bytes arrive within ``seconds`` (``True`` once closed: reading says so)."""
         try:
-            return self._reader.buffered or readable(self._sock, seconds)
+            return self._reader.buffered or self._poller.ready(seconds)
         except (OSError, ValueError):
             return True
 
@@ -310,7 +310,7 @@ class Connection(ConnectionThread):
             self._calls.caller_came(time.monotonic())
             if not self._role.free or self._state is ConnectionState.CLOSED:
                 return None
-            if self._state is ConnectionState.CONNECTING or not (self._reader.buffered or readable(self._sock)):
+            if self._state is ConnectionState.CONNECTING or not (self._reader.buffered or self._poller.ready()):
                 return False
             self._role.take(Reader.CALLER)
         self._read()

@@ -57,7 +57,8 @@ class Poller:
     """Polls one socket for its next bytes, for at most ``window`` seconds, while that pays.
 
     Call :meth:`wait` before a blocking read that is expected to end soon,
-    and :meth:`arrived` once that read returned.
+    and :meth:`arrived` once that read returned. :meth:`ready` tells, without
+    polling, whether a read would find bytes.
 
     Args:
         sock: the connected socket (or TLS stream) to poll.
@@ -103,6 +104,12 @@ class Poller:
             if time.perf_counter() >= deadline:
                 return False
         return True
+
+    def ready(self, within: float = 0.0) -> bool:
+        """Whether bytes wait to be read now, or arrive within ``within`` seconds (sleeping, not polling)."""
+        if self._decrypted is not None and self._decrypted():
+            return True
+        return bool(self._poll.poll(within * 1000))
 
     def arrived(self) -> None:
         """The bytes awaited since :meth:`wait` were read: poll next time if they came within the window."""
