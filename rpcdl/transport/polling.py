@@ -10,6 +10,8 @@ off): the caller's wait for its answer, and the worker's wait for that caller's
 next call. Each polls only while it paid last time, that is while the bytes
 came within the window, so a slow function or a caller that does other work
 between calls costs one window, then none, until the bytes come quickly again.
+A thread polling yields its core to any other process runnable there, between
+two polls: a busy machine loses no work to it.
 
 Threading: a :class:`Poller` belongs to the one thread that reads its socket at
 a time (the reading role of a connection, the read turn of a session).
@@ -99,10 +101,11 @@ class Poller:
         if self._decrypted is not None and self._decrypted():
             return True
         deadline = started + self.window
-        poll = self._poll.poll
+        poll, give_way = self._poll.poll, os.sched_yield
         while not poll(0):
             if time.perf_counter() >= deadline:
                 return False
+            give_way()  # to a process runnable on this core, if there is one: polling must not starve it
         return True
 
     def ready(self, within: float = 0.0) -> bool:
