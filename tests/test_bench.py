@@ -15,8 +15,8 @@ from rpcdl.cli.bench.report import NOT_JUDGED, TARGETS, Figure, evaluate_targets
 from rpcdl.cli.bench.workloads import FRAMED, PARALLEL_MAPPER, RPCDL, SCENARIOS, SOCKET, TORCH
 
 
-def run_bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+def run_bench(*args: str, timeout: float = 110, **environment: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **environment}
     return subprocess.run(
         [sys.executable, "-m", "rpcdl", "bench", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -151,7 +151,8 @@ def test_bad_arguments_are_explained(args, message):
 
 
 def test_a_worker_that_does_not_answer_is_reported(unused_port):
-    result = run_bench("--workers", f"127.0.0.1:{unused_port}", "--quick", timeout=60)
+    # a refused connection is retried for RPCDL_CONNECT_GRACE: 1 s is enough to tell it does not answer
+    result = run_bench("--workers", f"127.0.0.1:{unused_port}", "--quick", timeout=60, RPCDL_CONNECT_GRACE="1")
     assert result.returncode == 2
     assert f"worker 127.0.0.1:{unused_port} does not answer" in result.stderr
 

@@ -30,7 +30,7 @@ from rpcdl.cli import main as rpcdl_main
 from rpcdl.cli.bench.pki import make_ca, make_certificate
 from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake
 from rpcdl.transport.security import Token, client_tls_context, server_tls_context
-from rpcdl.transport.wire import Frame, Kind, encode_frame
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 _WELCOME_SIZE = 73
 
@@ -120,6 +120,16 @@ def test_token_mismatch_is_refused_before_anything_is_unpickled(embedded_worker,
         sock.sendall(_call_frame(marker))
         assert sock.recv(1)  # its answer (an error: a file object is no call)
     assert marker.exists()
+
+
+def test_a_short_request_in_another_protocol_is_refused_at_once_not_at_the_handshake_timeout(embedded_worker):
+    worker = embedded_worker(limits=Limits(handshake_timeout=30))
+    started = time.monotonic()
+    with _connect(worker.address) as sock:
+        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")  # fewer bytes than an rpcdl hello, then it waits for an answer
+        assert _everything_until_closed(sock) == b""
+    assert time.monotonic() - started < 15, "the worker waited for the rest of a hello that was never coming"
+    assert rpcdl.rpc_sync(worker.address, operator.add, (1, 2)) == 3
 
 
 # ---------------------------------------------------------------------------- TLS

@@ -251,9 +251,10 @@ def server_negotiate(
         ProtocolError: the peer is not an rpcdl client or speaks another version.
         AuthenticationError: the peer does not prove it holds the worker's token.
     """
-    magic, version, client_flags, client_nonce = _HELLO.unpack(_recv_exact(sock, _HELLO.size, "hello"))
+    magic = _recv_exact(sock, len(MAGIC), "hello")  # alone first: a stranger's short request is refused at once
     if magic != MAGIC:
         raise ProtocolError(f"{peer} is not an rpcdl client (bad magic bytes)")
+    _, version, client_flags, client_nonce = _HELLO.unpack(magic + _recv_exact(sock, _HELLO.size - len(MAGIC), "hello"))
     worker_nonce = os.urandom(_NONCE_BYTES)
     mode = negotiate(_mode_of(client_flags), bool(client_flags & _DECODES_LZ4), compression)
     flags = (_HAS_TOKEN if token is not None else 0) | _MODE_BITS[mode] << _MODE_SHIFT
