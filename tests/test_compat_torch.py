@@ -224,8 +224,9 @@ def test_timeout_zero_means_no_timeout_as_in_torch(two_workers):
 
 def test_a_timed_out_batch_is_a_runtime_error_on_both_sides(spawn_workers):
     workers = spawn_workers(1)
-    torch_loader = DataLoader(cd.SlowDataset(4, 5.0), batch_size=2, num_workers=1, timeout=0.5)
-    rpcdl_loader = Side("rpcdl", workers).loader(cd.SlowDataset, 4, 5.0, batch_size=2, timeout=0.5)
+    # a batch takes 3 s, 6x the timeout; both sides wait for the batch running to end as they stop their workers
+    torch_loader = DataLoader(cd.SlowDataset(4, 1.5), batch_size=2, num_workers=1, timeout=0.5)
+    rpcdl_loader = Side("rpcdl", workers).loader(cd.SlowDataset, 4, 1.5, batch_size=2, timeout=0.5)
     for loader in (torch_loader, rpcdl_loader):
         with pytest.raises(RuntimeError):
             next(iter(loader))
