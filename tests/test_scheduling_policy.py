@@ -281,17 +281,23 @@ def test_none_left_names_every_worker_and_the_last_failure_after_the_timeout():
     dispatch._handle_events(wait=False)  # both down: the wait begins
     clock.advance(4.99)
     dispatch._handle_events(wait=False)  # never before the timeout
+    first, second = pool.slots
+    assert pool.policy.probes_due([first], clock()) == [first]
+    pool.policy.probe_ended(first, WorkerUnavailable("w0:1 refused the connection"), clock())
     clock.advance(0.01)
+    dispatch._handle_events(wait=False)  # nor before each worker was asked again since: w1:2 was not
+    assert pool.policy.probes_due([second], clock()) == [second]
+    pool.policy.probe_ended(second, WorkerUnavailable("w1:2 refused the connection too"), clock())
     with pytest.raises(NoWorkersLeft) as raised:
         dispatch._handle_events(wait=False)
     message = str(raised.value)
     assert "w0:1 (down: w0:1 refused the connection)" in message
-    assert "w1:2 (down: w1:2 did not answer)" in message
+    assert "w1:2 (down: w1:2 refused the connection too)" in message
     assert "waited 5s" in message
     assert dispatch.closed
 
 
-def test_none_left_watch_resets_when_one_comes_back_and_gives_up_at_once_when_none_can():
+def test_none_left_watch_resets_when_one_comes_back_waits_for_a_probe_of_each_and_gives_up_at_once_when_none_can():
     watch = AllDownWatch(timeout=5.0)
     slots = [WorkerSlot("w0:1", 0), WorkerSlot("w1:2", 1)]
     slots[0].state = slots[1].state = WorkerState.DOWN
@@ -302,8 +308,10 @@ def test_none_left_watch_resets_when_one_comes_back_and_gives_up_at_once_when_no
     assert watch.check(slots, now=8.0) is None  # the wait starts again
     slots[0].state = WorkerState.PROBING
     assert watch.check(slots, now=30.0) is None  # a probe in flight ends by its own timeout
-    slots[0].state = WorkerState.DOWN
+    slots[0].state, slots[0].probes = WorkerState.DOWN, 1
     assert watch.check(slots, now=12.9) is None
+    assert watch.check(slots, now=13.0) is None  # w1:2 was taken out and not asked since
+    slots[1].probes = 1
     assert watch.check(slots, now=13.0) is not None
     excluded = [WorkerSlot("w2:3", 0)]
     excluded[0].state, excluded[0].failure = WorkerState.EXCLUDED, DatasetMismatch("another dataset")

@@ -47,6 +47,7 @@ class WorkerSlot:
         "last_sent",
         "probe_at",
         "probe_delay",
+        "probes",
         "round_trip",
         "round_trips",
         "rtt",
@@ -73,6 +74,7 @@ class WorkerSlot:
         self.last_sent = 0.0
         self.probe_at = 0.0
         self.probe_delay = FIRST_PROBE_DELAY
+        self.probes = 0  # probes ended, whatever they found
         self.failure: BaseException | None = None
         self.served = 0
 

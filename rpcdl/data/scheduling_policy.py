@@ -286,6 +286,7 @@ class SchedulingPolicy:
         """
         if slot.state != WorkerState.PROBING:
             return None
+        slot.probes += 1
         if isinstance(failure, _StillBusy):
             slot.failure = failure
         elif failure is None:
@@ -322,6 +323,12 @@ class SchedulingPolicy:
 class AllDownWatch:
     """Decides when a pass must give up because no worker is left (one per pass).
 
+    Once no worker is active, the pass gives up when ``timeout`` seconds have
+    passed *and* every worker that may come back was probed since (its probe
+    ended): a worker taken out a moment ago, by a call that timed out say, is
+    asked at least once. Probes fall due within ``MAX_PROBE_DELAY`` and end
+    within the timeout, so the wait is bounded.
+
     Args:
         timeout: seconds to wait for a worker to come back once none is active.
     """
@@ -329,6 +336,7 @@ class AllDownWatch:
     def __init__(self, timeout: float):
         self.timeout = timeout
         self.all_down_since: float | None = None
+        self._probes_then: dict[str, int] = {}  # each worker's probes ended when the wait began
 
     def check(self, slots: Sequence[WorkerSlot], now: float) -> str | None:
         """``None`` while a worker is active or may still come back in time; else the error to raise,
@@ -338,10 +346,12 @@ class AllDownWatch:
             return None
         if self.all_down_since is None:
             self.all_down_since = now
+            self._probes_then = {slot.address: slot.probes for slot in slots}
         if any(slot.state is WorkerState.PROBING for slot in slots):
             return None  # a probe that ends in failure has its own timeout
-        recoverable = any(slot.state != WorkerState.EXCLUDED for slot in slots)
-        if recoverable and now - self.all_down_since < self.timeout:
+        recoverable = [slot for slot in slots if slot.state != WorkerState.EXCLUDED]
+        unasked = any(slot.probes == self._probes_then.get(slot.address, 0) for slot in recoverable)
+        if recoverable and (now - self.all_down_since < self.timeout or unasked):
             return None
         details = "; ".join(f"{slot.address} ({slot.state.value}: {slot.failure})" for slot in slots)
         return f"no worker is left (waited {self.timeout:g}s for one to come back): {details}"
