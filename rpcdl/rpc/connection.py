@@ -253,7 +253,8 @@ class Connection(ConnectionThread):
         frames: list[Frame] = []
         error = None
         poller = self._poller
-        if not self._reader.buffered:
+        polled = not self._reader.buffered  # else the answer may be here: nothing to poll for, or to learn from
+        if polled:
             poller.wait()
         try:
             while self._state is not ConnectionState.CLOSED:
@@ -268,7 +269,8 @@ class Connection(ConnectionThread):
         except BaseException as exc:  # raised in this thread mid-read (KeyboardInterrupt)
             self._end_turn(frames, exc)
             raise
-        poller.arrived()
+        if polled:
+            poller.arrived()
         answer = None
         for frame in frames:
             if frame.call_id == call_id and frame.kind in _ANSWERS:
