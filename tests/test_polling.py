@@ -117,7 +117,7 @@ def test_the_awaited_flag_crosses_the_wire_on_a_small_frame_and_layout_flags_kee
         reader.read_frame()
 
 
-def test_rpc_sync_marks_its_call_awaited_and_rpc_async_does_not():
+def test_rpc_sync_marks_its_call_awaited_on_either_path_and_rpc_async_does_not():
     listener = socket.create_server(("127.0.0.1", 0))
     flags: list[int] = []
 
@@ -147,7 +147,8 @@ def test_rpc_sync_marks_its_call_awaited_and_rpc_async_does_not():
         assert rpcdl.rpc_sync(address, abs, (-1,)) == 1
         assert rpcdl.rpc_async(address, abs, (-1,)).wait() == 2
         assert rpcdl.rpc_sync(address, abs, (-1,)) == 3
-        assert flags == [AWAITED, 0, AWAITED]
+        assert rpcdl.rpc_sync(address, len, (b"x" * (1 << 17),)) == 4  # too large to read alone: the usual path
+        assert flags == [AWAITED, 0, AWAITED, AWAITED]
     finally:
         rpcdl.shutdown()
         thread.join(5)

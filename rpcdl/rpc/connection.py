@@ -166,7 +166,8 @@ class Connection(ConnectionThread):
     # ------------------------------------------------------------------ calls
 
     def submit(self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> None:
-        frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers))
+        awaited = AWAITED if call.read_by is ReadBy.WAITER else 0  # its caller blocks: the worker may poll for the next
+        frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers), awaited)
         call.future._connection = self
         with self._lock:
             state = self._state
