@@ -1,8 +1,8 @@
 """A cluster in a box: worker "hosts" in network namespaces, reached over shaped veth links.
 
 Each host is a Linux network namespace joined to this one by a veth pair:
-this side holds ``10.N.I.1``, the host ``10.N.I.2`` (``N`` from this process's
-id, ``I`` the host's index), so the trainer reaches its workers at real,
+this side holds ``10.N.I.1``, the host ``10.N.I.2`` (``N`` a subnet no
+address of this namespace is in yet, ``I`` the host's index), so the trainer reaches its workers at real,
 non-loopback addresses through a real link. Each direction of the link is
 shaped by a ``tbf`` qdisc, and a link can be cut and restored, or throttled,
 while a test runs. Nothing outside the namespaces this object made is ever
@@ -17,11 +17,13 @@ its workers are child processes it starts and stops.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ from ...local import child_environment, read_ready_line, stop_process
 
 _NAME_PREFIX = "rpcdl"
 _clusters_made = itertools.count()
+_SUBNETS = range(100, 250)  # 10.N.0.0/16, N in this range: one per cluster alive on this machine
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -127,7 +130,8 @@ class Cluster:
         self.rate = rate
         sequence = next(_clusters_made)
         self.tag = f"{os.getpid()}{chr(ord('a') + sequence % 26)}"  # links' names: at most 15 characters
-        self.subnet = f"10.{100 + (os.getpid() + sequence) % 150}"
+        self._first_subnet = (os.getpid() + sequence) % len(_SUBNETS)
+        self.subnet = ""  #: ``10.N``, chosen on entry
         self.hosts: list[Host] = []
         self._count = hosts
 
@@ -136,13 +140,24 @@ class Cluster:
         if reason is not None:
             raise RuntimeError(f"cannot make a cluster in a box: {reason}")
         _remove_stale_namespaces()
-        try:
-            for index in range(self._count):
-                self.hosts.append(self._make_host(index))
-        except BaseException:
-            self.close()
-            raise
+        with open(os.path.join(tempfile.gettempdir(), "rpcdl-clusters.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another cluster may be choosing its subnet now (pytest -n)
+            self.subnet = self._free_subnet()
+            try:
+                for index in range(self._count):
+                    self.hosts.append(self._make_host(index))
+            except BaseException:
+                self.close()
+                raise
         return self
+
+    def _free_subnet(self) -> str:
+        taken = _ip("-o", "-4", "addr", "show").stdout
+        for offset in range(len(_SUBNETS)):
+            subnet = f"10.{_SUBNETS[(self._first_subnet + offset) % len(_SUBNETS)]}"
+            if f" {subnet}." not in taken:
+                return subnet
+        raise RuntimeError(f"cannot make a cluster in a box: every subnet 10.N.0.0/16, N in {_SUBNETS}, is in use")
 
     def __exit__(self, *exc_info) -> None:
         self.close()
