@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_N = TypeVar("_N", int, float)
 
 
 def check_timeout(value: Any, name: str = "timeout") -> float:
@@ -130,3 +135,41 @@ def check_loader_timeout(value: Any, name: str = "timeout") -> float:
     if value < 0:
         raise ValueError(f"{name} option should be non-negative")
     return NO_TIMEOUT if value == 0 else min(float(value), NO_TIMEOUT)
+
+
+def environment_number(
+    name: str, default: _N, parse: Callable[[str], _N], expected: str, valid: Callable[[_N], bool] | None = None
+) -> _N:
+    """Read the environment variable ``name`` as a number: ``default`` when it is unset or blank.
+
+    Args:
+        name: the variable.
+        default: the value when it is unset or blank.
+        parse: ``int`` or ``float``.
+        expected: what the value must be, for the message (``"a whole number"``).
+        valid: whether a parsed value may be used; ``None``: any finite one.
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        ValueError: ``"{name} must be {expected}, got {text!r}"`` when the text does not parse or the value
+            is not ``valid`` (NaN and infinities never are).
+
+    Example::
+
+        >>> os.environ["RPCDL_EXAMPLE_SECONDS"] = "2.5"
+        >>> environment_number("RPCDL_EXAMPLE_SECONDS", 1.0, float, "seconds >= 0", lambda seconds: seconds >= 0)
+        2.5
+        >>> del os.environ["RPCDL_EXAMPLE_SECONDS"]
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = parse(text)
+    except ValueError:
+        value = None
+    if value is None or (type(value) is float and not math.isfinite(value)) or (valid and not valid(value)):
+        raise ValueError(f"{name} must be {expected}, got {text!r}")
+    return value

@@ -40,6 +40,7 @@ import ssl
 import time
 from collections.abc import Callable
 
+from ..checks import environment_number
 from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerUnavailable
 from ..transport.handshake import Agreement, client_negotiate
 from ..transport.security import Token
@@ -65,19 +66,10 @@ def connect_grace() -> float:
     Raises:
         ValueError: ``RPCDL_CONNECT_GRACE`` is not a number of seconds >= 0.
     """
-    value = os.environ.get(CONNECT_GRACE_ENV, "").strip()
-    if not value:
-        return DEFAULT_CONNECT_GRACE
-    try:
-        grace = float(value)
-    except ValueError:
-        grace = -1.0
-    if not grace >= 0 or grace == float("inf"):
-        raise ValueError(
-            f"{CONNECT_GRACE_ENV} must be a number of seconds >= 0 (how long to wait for a worker that "
-            f"refuses connections), got {value!r}"
-        )
-    return grace
+    return environment_number(
+        CONNECT_GRACE_ENV, DEFAULT_CONNECT_GRACE, float,
+        "a number of seconds >= 0 (how long to wait for a worker that refuses connections)", lambda grace: grace >= 0,
+    )  # fmt: skip
 
 
 def refusal(exc: BaseException) -> str | None:

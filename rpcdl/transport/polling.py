@@ -24,6 +24,8 @@ import select
 import socket
 import time
 
+from ..checks import environment_number
+
 POLL_ENV = "RPCDL_POLL_MICROSECONDS"
 DEFAULT_MICROSECONDS = 200
 _MAX_MICROSECONDS = 100_000
@@ -40,18 +42,12 @@ def window_from_environment() -> float:
         >>> window_from_environment()  # doctest: +SKIP
         0.0002
     """
-    text = os.environ.get(POLL_ENV, "").strip()
-    if not text:
-        return DEFAULT_MICROSECONDS / 1e6
-    try:
-        microseconds = int(text)
-    except ValueError:
-        microseconds = -1
-    if not 0 <= microseconds <= _MAX_MICROSECONDS:
-        raise ValueError(
-            f"{POLL_ENV} must be a whole number of microseconds from 0 (never poll) to {_MAX_MICROSECONDS}: how "
-            f"long a caller of rpc_sync, or a worker, polls for bytes before sleeping; got {text!r}"
-        )
+    microseconds = environment_number(
+        POLL_ENV, DEFAULT_MICROSECONDS, int,
+        f"a whole number of microseconds from 0 (never poll) to {_MAX_MICROSECONDS}: how long a caller of "
+        "rpc_sync, or a worker, polls for bytes before sleeping",
+        lambda microseconds: 0 <= microseconds <= _MAX_MICROSECONDS,
+    )  # fmt: skip
     return microseconds / 1e6
 
 

@@ -72,6 +72,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import environment_number
 from ..errors import ProtocolError
 from .context import SEGMENT, thread_context
 from .control import drain, encode_span_release
@@ -113,16 +114,10 @@ def resolve_bytes(value: int | None = None) -> int:
     """
     where = "shared_memory"
     if value is None:
-        text = os.environ.get(SHM_BYTES_ENV, "").strip()
-        if not text:
-            return DEFAULT_BYTES
+        value = environment_number(
+            SHM_BYTES_ENV, DEFAULT_BYTES, int, "a whole number of bytes (0 turns shared memory off)"
+        )
         where = SHM_BYTES_ENV
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(
-                f"{SHM_BYTES_ENV} must be a whole number of bytes (0 turns shared memory off), got {text!r}"
-            ) from None
     if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and value < MIN_BYTES):
         raise ValueError(
             f"{where} must be 0 (shared memory off) or a segment size of at least {MIN_BYTES} bytes "

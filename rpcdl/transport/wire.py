@@ -22,7 +22,6 @@ before anything is allocated; the sender checks its own frames first (:meth:`Lim
 from __future__ import annotations
 
 import enum
-import os
 import socket
 import ssl
 import struct
@@ -31,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import environment_number
 from ..errors import ConnectionLost, FrameTooLarge, LimitExceeded, ProtocolError
 from . import compression
 from .gathered import Gathered
@@ -72,22 +72,12 @@ MAX_BUFFERS_ENV = "RPCDL_MAX_BUFFERS"
 _MAX_COUNT = 2**32 - 1  # the buffer count is a u32 in the header
 
 
-def _from_environment(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number, got {text!r}") from None
-
-
 def _default_max_message_bytes() -> int:
-    return _from_environment(MAX_MESSAGE_BYTES_ENV, 16 << 30)
+    return environment_number(MAX_MESSAGE_BYTES_ENV, 16 << 30, int, "a whole number")  # Limits checks the range
 
 
 def _default_max_buffers() -> int:
-    return _from_environment(MAX_BUFFERS_ENV, 1 << 16)
+    return environment_number(MAX_BUFFERS_ENV, 1 << 16, int, "a whole number")
 
 
 @dataclass(frozen=True)
