@@ -1,12 +1,12 @@
 """A cluster in a box: worker "hosts" in network namespaces, reached over shaped veth links.
 
 Each host is a Linux network namespace joined to this one by a veth pair:
-this side holds ``10.N.I.1``, the host ``10.N.I.2`` (``N`` a subnet no
-address of this namespace is in yet, ``I`` the host's index), so the trainer reaches its workers at real,
-non-loopback addresses through a real link. Each direction of the link is
-shaped by a ``tbf`` qdisc, and a link can be cut and restored, or throttled,
-while a test runs. Nothing outside the namespaces this object made is ever
-contacted.
+this side holds ``10.N.I.1``, the host ``10.N.I.2`` (``10.N`` a subnet that
+no address here is in yet, ``I`` the host's index), so the trainer reaches
+its workers at real, non-loopback addresses through a real link. Each
+direction of the link is shaped by a ``tbf`` qdisc, and a link can be cut and
+restored, or throttled, while a test runs. Nothing outside the namespaces
+this object made is ever contacted.
 
 Needs root and iproute2 (``ip`` and ``tc``); :func:`unavailable` says why not,
 so tests can skip with the reason.
