@@ -318,6 +318,26 @@ def test_none_left_watch_resets_when_one_comes_back_waits_for_a_probe_of_each_an
     assert "w2:3 (excluded: another dataset)" in AllDownWatch(timeout=5.0).check(excluded, now=0.0)
 
 
+def test_none_left_watch_starts_again_after_a_rejoin_it_did_not_see():
+    """Both workers come back and are taken out again between two checks: the probes that brought them
+    back are no answer to the new wait (a mapper's pass gave up so under load, its workers busy for a moment)."""
+    policy, watch = SchedulingPolicy(prefetch_factor=2, timeout=0.5), AllDownWatch(timeout=0.5)
+    slots = [WorkerSlot("w0:1", 0), WorkerSlot("w1:2", 1)]
+    for slot in slots:
+        policy.take_down(slot, WorkerTimeout("did not answer within 0.5s"), now=0.0)
+    assert watch.check(slots, now=0.0) is None
+    for slot in slots:  # each is probed, comes back, and times out again, all before the next check
+        slot.state = WorkerState.PROBING
+        assert policy.probe_ended(slot, None, now=0.8) is WorkerState.ACTIVE
+        policy.take_down(slot, WorkerTimeout("did not answer within 0.5s"), now=1.4)
+    assert watch.check(slots, now=1.5) is None  # the wait began again: not 1.5 s old, and none asked since
+    assert watch.check(slots, now=2.1) is None  # past the timeout, but none asked since
+    for slot in slots:
+        slot.state = WorkerState.PROBING
+        policy.probe_ended(slot, WorkerUnavailable("refused"), now=2.2)
+    assert watch.check(slots, now=2.2) is not None
+
+
 # ---------------------------------------------------------------------------- the adaptive window
 
 

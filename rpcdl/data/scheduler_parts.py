@@ -40,6 +40,7 @@ class WorkerSlot:
     __slots__ = (
         "address",
         "answers",
+        "downs",
         "failure",
         "in_flight",
         "index",
@@ -75,6 +76,7 @@ class WorkerSlot:
         self.probe_at = 0.0
         self.probe_delay = FIRST_PROBE_DELAY
         self.probes = 0  # probes ended, whatever they found
+        self.downs = 0  # times it was taken out
         self.failure: BaseException | None = None
         self.served = 0
 

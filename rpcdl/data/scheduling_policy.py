@@ -249,6 +249,7 @@ class SchedulingPolicy:
             return []
         slot.state = WorkerState.DOWN
         slot.failure = failure
+        slot.downs += 1
         self._schedule_probe(slot, now)
         orphans = list(slot.in_flight)
         for attempt in orphans:
@@ -327,7 +328,8 @@ class AllDownWatch:
     passed *and* every worker that may come back was probed since (its probe
     ended): a worker taken out a moment ago, by a call that timed out say, is
     asked at least once. Probes fall due within ``MAX_PROBE_DELAY`` and end
-    within the timeout, so the wait is bounded.
+    within the timeout, so the wait is bounded. A worker that came back and
+    was taken out again since, even between two checks, starts the wait anew.
 
     Args:
         timeout: seconds to wait for a worker to come back once none is active.
@@ -336,7 +338,7 @@ class AllDownWatch:
     def __init__(self, timeout: float):
         self.timeout = timeout
         self.all_down_since: float | None = None
-        self._probes_then: dict[str, int] = {}  # each worker's probes ended when the wait began
+        self._counts_then: dict[str, tuple[int, int]] = {}  # each worker's (probes, downs) when the wait began
 
     def check(self, slots: Sequence[WorkerSlot], now: float) -> str | None:
         """``None`` while a worker is active or may still come back in time; else the error to raise,
@@ -344,13 +346,14 @@ class AllDownWatch:
         if any_active(slots):
             self.all_down_since = None
             return None
-        if self.all_down_since is None:
+        then = self._counts_then
+        if self.all_down_since is None or any(slot.downs != then.get(slot.address, (0, 0))[1] for slot in slots):
             self.all_down_since = now
-            self._probes_then = {slot.address: slot.probes for slot in slots}
+            self._counts_then = then = {slot.address: (slot.probes, slot.downs) for slot in slots}
         if any(slot.state is WorkerState.PROBING for slot in slots):
             return None  # a probe that ends in failure has its own timeout
         recoverable = [slot for slot in slots if slot.state != WorkerState.EXCLUDED]
-        unasked = any(slot.probes == self._probes_then.get(slot.address, 0) for slot in recoverable)
+        unasked = any(slot.probes == then.get(slot.address, (0, 0))[0] for slot in recoverable)
         if recoverable and (now - self.all_down_since < self.timeout or unasked):
             return None
         details = "; ".join(f"{slot.address} ({slot.state.value}: {slot.failure})" for slot in slots)
