@@ -15,10 +15,10 @@ import time
 import helpers
 import pytest
 import torch
-from cluster_box import cluster_of_workers
+from cluster_box import cluster_of_workers, skip_without_namespaces
 
 import rpcdl
-from rpcdl.cli.bench.cluster import Cluster, unavailable
+from rpcdl.cli.bench.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,9 +169,7 @@ def _token_file(directory):
 
 
 def test_namespaces_are_gone_after_the_cluster_closes():
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(f"no cluster in a box here: {reason}")
+    skip_without_namespaces()
     with Cluster(1, rate=None) as box:
         namespace = box.hosts[0].namespace
         assert namespace in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -181,9 +179,7 @@ def test_namespaces_are_gone_after_the_cluster_closes():
 
 
 def test_two_clusters_alive_at_once_take_different_subnets():
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(f"no cluster in a box here: {reason}")
+    skip_without_namespaces()
     first, second = Cluster(1, rate=None), Cluster(1, rate=None)
     second._first_subnet = first._first_subnet  # as two test processes whose ids point to the same subnet
     with first, second:
