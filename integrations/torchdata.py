@@ -30,12 +30,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from rpcdl.address import check_workers
 from rpcdl.checks import check_int, check_positive_int
+from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass
 from rpcdl.data.dataloader import RPCDataloader
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import rank_and_world_size
 
-from ._chunks import DEFAULT_MAX_CHUNK_SIZE
-from ._remote_map import MappedItem, RemoteMap, RemotePass, check_fn, check_options
+from ._remote_map import DEFAULT_MAX_CHUNK_SIZE, RemoteMap, check_fn, check_options
 
 __all__ = ["RPCIterableDataset", "RPCMapper", "RPCMapperIterDataPipe"]
 
@@ -180,7 +180,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         self.max_chunk_size = max_chunk_size
         self.snapshot_frequency = snapshot_frequency
         self._remote_map = None
-        self._pass: RemotePass | None = None
+        self._pass: ChunkedPass | None = None
         self._snapshot: dict[str, Any] | None = None
         self._steps = 0
         self._pulled = 0
@@ -237,7 +237,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         if self._pass is None:
             self._pass = self._get_remote_map().start(self._pull())
         try:
-            task: MappedItem = next(self._pass)
+            task: ChunkedItem = next(self._pass)
         except StopIteration:
             raise
         except Exception:

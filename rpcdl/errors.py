@@ -15,6 +15,8 @@ Two families matter to callers:
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RPCDLError(Exception):
     """Base class of the errors rpcdl raises itself."""
@@ -110,6 +112,28 @@ class RemoteError(RPCDLError, RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.type_name, str(self.args[0]).partition(": ")[2], self.remote_traceback)
+
+
+class ChunkFailed(RPCDLError):
+    """A worker's answer to a chunk of items (a loader's batches, a remote map's items) when some raised.
+
+    It carries every item's value (``None`` where it failed) and the errors in
+    place; the loader and the maps unpack it and raise each error at its own
+    item (see :mod:`rpcdl.data.chunks`), so a training loop never sees it.
+
+    Args:
+        values: one per item of the chunk.
+        errors: index in the chunk -> the error's report (``rpcdl.serialization.pickling.dump_exception``).
+        seconds: how long the chunk took on the worker.
+        nbytes: the size of the values, as :func:`rpcdl.data.chunks.answer_bytes` counts it.
+    """
+
+    def __init__(self, values: list[Any], errors: dict[int, bytes], seconds: float, nbytes: int = 0):
+        super().__init__(f"{len(errors)} of the {len(values)} items of a chunk raised")
+        self.values, self.errors, self.seconds, self.nbytes = values, errors, seconds, nbytes
+
+    def __reduce__(self):
+        return type(self), (self.values, self.errors, self.seconds, self.nbytes)
 
 
 def remote_origin(exc: BaseException) -> str | None:

@@ -88,6 +88,19 @@ class FailingDataset(RangeDataset):
         return super().__getitem__(index)
 
 
+def values_and_errors(iterator: Iterator, errors: type[BaseException] = Exception) -> tuple[list, list]:
+    """Everything ``iterator`` yields, and every error of type ``errors`` raised in its place, until it ends."""
+    iterator = iter(iterator)
+    values, raised = [], []
+    while True:
+        try:
+            values.append(next(iterator))
+        except StopIteration:
+            return values, raised
+        except errors as exc:
+            raised.append(exc)
+
+
 def worker_pid() -> int:
     return os.getpid()
 

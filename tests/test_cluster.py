@@ -129,7 +129,8 @@ def test_a_link_cut_mid_epoch_loses_and_repeats_nothing_and_the_worker_rejoins(c
 
 
 def test_a_link_throttled_mid_epoch_is_treated_as_a_straggler(cluster, with_token):
-    dataset = rpcdl.RPCDataset(cluster.workers, helpers.ArrayDataset, 160, 16 * 1024)
+    # 160 batches: calls carry up to 4 of these 64 KiB batches, and the ratio needs calls enough to show.
+    dataset = rpcdl.RPCDataset(cluster.workers, helpers.ArrayDataset, 640, 16 * 1024)
     loader = rpcdl.RPCDataloader(dataset, batch_size=4, timeout=30.0)
     slow_host = cluster.hosts[0]
     seen = []
@@ -139,7 +140,7 @@ def test_a_link_throttled_mid_epoch_is_treated_as_a_straggler(cluster, with_toke
             if step == 4:
                 slow_host.shape("1mbit")  # a 64 KiB batch now takes half a second on that link
                 throttled = dict(loader.batches_served)
-        assert seen == list(range(160))
+        assert seen == list(range(640))
     finally:
         slow_host.shape("1gbit")
     served = {address: loader.batches_served[address] - throttled[address] for address in cluster.workers}

@@ -54,11 +54,14 @@ def test_unknown_remote_id_is_rref_not_found_on_the_worker(two_workers):
 def test_fetch_at_defaults_on_a_worker(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 10)
     uid = remote_id(dataset.rref(two_workers[1]))
-    batch = rpcdl.rpc_sync(two_workers[1], fetch.fetch_batch_at, (uid, [3, 4, 5], None, None))
-    assert torch.equal(batch, torch.tensor([3, 4, 5]))
-    sample = rpcdl.rpc_sync(two_workers[1], fetch.fetch_sample_at, (uid, 7, None, None))
+    (batch, other), _, nbytes = rpcdl.rpc_sync(
+        two_workers[1], fetch.fetch_batches_at, (uid, [([3, 4, 5], None), ([9], None)], None)
+    )
+    assert torch.equal(batch, torch.tensor([3, 4, 5])) and torch.equal(other, torch.tensor([9]))
+    assert nbytes == 4 * 8  # the size of the chunk's batches, for the loader's chunk sizer
+    (sample,), _, _ = rpcdl.rpc_sync(two_workers[1], fetch.fetch_samples_at, (uid, [(7, None)], None))
     assert torch.equal(sample, torch.tensor(7))
-    as_list = rpcdl.rpc_sync(two_workers[1], fetch.fetch_batch_at, (uid, [1, 2], default_convert, None))
+    (as_list,), _, _ = rpcdl.rpc_sync(two_workers[1], fetch.fetch_batches_at, (uid, [([1, 2], None)], default_convert))
     assert isinstance(as_list, list) and [int(t) for t in as_list] == [1, 2]
 
 

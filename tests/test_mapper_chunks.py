@@ -71,7 +71,7 @@ def test_max_chunk_size_one_maps_each_item_in_its_own_call(two_workers):
     served_before, _ = counters(two_workers)
     node = RPCMapper(SamplerWrapper(range(50)), two_workers, affine, max_chunk_size=1)
     assert list(node) == [affine(i) for i in range(50)]
-    assert counters(two_workers)[0] - served_before == 50
+    assert counters(two_workers)[0] - served_before >= 50  # more when a late call got a copy elsewhere
     with pytest.raises(ValueError, match="max_chunk_size must be a positive integer"):
         RPCMapper(SamplerWrapper(range(3)), two_workers, affine, max_chunk_size=0)
     with pytest.raises(ValueError, match="max_chunk_size"):

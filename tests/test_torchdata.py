@@ -82,14 +82,7 @@ def test_rpc_mapper_state_dict_resumes_at_the_next_batch(two_workers, snapshot_f
 def test_rpc_mapper_raises_user_errors_once_with_the_remote_traceback(two_workers):
     failed_before = sum(rpcdl.stats(w)["calls_failed"] for w in two_workers)
     node = RPCMapper(SamplerWrapper(range(10)), two_workers, fails_on_five)
-    results, errors = [], []
-    while True:
-        try:
-            results.append(next(node))
-        except StopIteration:
-            break
-        except ValueError as exc:
-            errors.append(exc)
+    results, errors = helpers.values_and_errors(node, ValueError)
     assert results == [0, 1, 2, 3, 4, 6, 7, 8, 9]  # the pipeline goes on after the failed item
     [error] = errors
     assert "item 5 is broken" in str(error)

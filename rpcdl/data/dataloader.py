@@ -1,16 +1,16 @@
 """RPCDataloader: batches collated on remote workers, delivered in order, exactly once.
 
-Scheduling and failure handling live in :mod:`rpcdl.data.scheduler`: each batch
-goes to the worker expected to deliver it first, a late batch gets a copy on
-another worker, a worker that fails is taken out, revived (its dataset rebuilt
-when it lost it) and rejoins. An exception raised by user code is not retried:
-it is raised in place of its batch, with the remote traceback and the batch's
+Scheduling and failure handling live in :mod:`rpcdl.data.scheduler`: each call
+(a batch, or a chunk of small batches: see :mod:`rpcdl.data.epoch`) goes to the
+worker expected to deliver it first, a late call gets a copy on another
+worker, a worker that fails is taken out, revived (its dataset rebuilt when it
+lost it) and rejoins. An exception raised by user code is not retried: it is
+raised in place of its batch, with the remote traceback and the batch's
 indices.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import warnings
 import weakref
@@ -22,14 +22,11 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ..checks import check_int, check_loader_timeout, check_positive_int
-from ..errors import is_transient
-from ..rpc.client import rpc_async
-from ..rpc.rref import RRefNotFound, remote_id
-from ..seeding import derive_seed, set_random_seeds
+from .chunks import ChunkSizer
 from .dataset import RPCDataset
-from .fetch import fetch_batch_at, fetch_sample_at
+from .epoch import TARGET_CHUNK_BYTES, EpochIterator
 from .loader_state import check_state, loader_shape
-from .scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot, probe_async
+from .scheduler import WorkerPool, WorkerSlot, probe_async
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
 
 log = logging.getLogger("rpcdl.dataloader")
@@ -64,9 +61,16 @@ class RPCDataloader:
             for, and the loader waits 120 s for a worker to come back. The
             dataset's build on the workers has its own timeout
             (``RPCDataset(..., rpcdl_timeout=)``).
-        prefetch_factor: batches in flight or ready per worker, at least; a
+        prefetch_factor: calls in flight or ready per worker, at least; a
             worker whose link has a long round trip gets more, up to 4 times
-            as many (see :meth:`worker_windows`).
+            as many (see :meth:`worker_windows`). A call fetches one batch, or
+            a chunk of consecutive small batches (see ``max_batches_per_call``).
+        max_batches_per_call: the most batches (samples, with
+            ``batch_size=None``) one call may fetch. Cheap, small batches go
+            in chunks of up to that many, about 2 ms of work and 256 KB per
+            call, which divides the cost of a call between them; batches of
+            a few hundred KB or more, or slow ones, go one per call, as they
+            do with ``1``.
         in_order: yield batches in sampler order (``True``) or as they come.
         generator: random generator of the default ``RandomSampler``.
         seed: when set, the random generators of the workers are seeded from
@@ -107,6 +111,7 @@ class RPCDataloader:
         timeout: float = 120,
         *,
         prefetch_factor: int = 2,
+        max_batches_per_call: int = 16,
         in_order: bool = True,
         generator: torch.Generator | None = None,
         seed: int | None = None,
@@ -124,7 +129,8 @@ class RPCDataloader:
                 "rpcdl.RPCDataset(workers, MyDataset, *args, **kwargs)"
             )
         call_timeout = check_loader_timeout(timeout)
-        check_positive_int(prefetch_factor, "prefetch_factor", "batches in flight or ready per worker")
+        check_positive_int(prefetch_factor, "prefetch_factor", "calls in flight or ready per worker")
+        check_positive_int(max_batches_per_call, "max_batches_per_call", "batches one call may fetch (1: one each)")
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
@@ -165,6 +171,7 @@ class RPCDataloader:
         self.timeout = float(timeout)
         self._call_timeout = call_timeout
         self.prefetch_factor = prefetch_factor
+        self.max_batches_per_call = max_batches_per_call
         self.in_order = in_order
         self.generator = generator
         self.seed = seed
@@ -172,12 +179,14 @@ class RPCDataloader:
             dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(),
             revive=self._revive, forget=dataset.forget,
         )  # fmt: skip
+        self._chunk_sizer = ChunkSizer(max_batches_per_call, call_timeout, TARGET_CHUNK_BYTES)
+        self._batches_served = dict.fromkeys(dataset.workers, 0)
         self._next_epoch = 0
         self._explicit_epoch: int | None = None
         self._told_epoch: int | None = None
         self._started_epoch: int | None = None
-        self._iterator: _EpochIterator | None = None  # the one that yielded last: state_dict() tells its position
-        self._open_iterators: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
+        self._iterator: EpochIterator | None = None  # the one that yielded last: state_dict() tells its position
+        self._open_iterators: weakref.WeakSet[EpochIterator] = weakref.WeakSet()
         self._resume: dict[str, Any] | None = None
         self._drawn_generator: torch.Generator | None = None  # the sampler's, when drawn each epoch as torch does
         self._initialized = True
@@ -202,7 +211,7 @@ class RPCDataloader:
     @property
     def batches_served(self) -> dict[str, int]:
         """How many batches each worker delivered (and the loader accepted) so far."""
-        return self._pool.served
+        return dict(self._batches_served)
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
@@ -241,7 +250,7 @@ class RPCDataloader:
         Iterators already open go on: each yields its whole epoch, as torch's do
         (``zip(loader, loader)``, or ``next(iter(loader))`` inside the training loop).
         """
-        iterator = _EpochIterator(self)
+        iterator = EpochIterator(self)
         self._open_iterators.add(iterator)
         return iterator
 
@@ -372,113 +381,6 @@ class RPCDataloader:
 
     def __repr__(self) -> str:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"
-
-
-class _EpochIterator(Iterator[Any]):
-    """One epoch, started by the first ``next()``: batches from the scheduler, in order, with the position kept."""
-
-    def __init__(self, loader: RPCDataloader):
-        self.loader = loader
-        self.epoch: int | None = None
-        self.started = False
-        self.finished = False
-
-    def _start(self) -> None:
-        loader = self.loader
-        self.started = True
-        self.epoch, self.generator_state, resume = loader._begin_epoch()
-        skip_prefix = resume["yielded_prefix"] if resume else 0
-        skip = set(resume["yielded_extra"]) if resume else set()
-        self._yielded_prefix = skip_prefix
-        self._yielded_extra: set[int] = set(skip)
-        source = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        batches = (
-            (seq, indices) for seq, indices in itertools.islice(enumerate(source), skip_prefix, None) if seq not in skip
-        )
-        batched = loader.batch_sampler is not None
-        self._fetch = fetch_batch_at if batched else fetch_sample_at
-        # torch's default collate (convert) function is named by None: nothing to pickle per batch.
-        default = default_collate if batched else default_convert
-        self._collate_fn = None if loader.collate_fn is default else loader.collate_fn
-        if loader.seed is not None:
-            self._reseed_workers()
-        self._dispatch = loader._pool.start(batches, self._call, in_order=loader.in_order)
-
-    def __next__(self) -> Any:
-        if self.finished:
-            raise StopIteration
-        if not self.started:
-            self._start()
-        self.loader._iterator = self
-        try:
-            task = next(self._dispatch)
-        except StopIteration:
-            self.finished = True
-            raise
-        except NoWorkersLeft:
-            self.finished = True
-            raise
-        seq, indices = task.payload
-        self._mark_yielded(seq)
-        if task.error is not None:
-            raise self._annotate(task.error, seq, indices, task.worker)
-        return task.value
-
-    def close(self) -> None:
-        """Stop the epoch; answers still in flight are dropped when they arrive."""
-        self.finished = True
-        if self.started:
-            self._dispatch.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "yielded_prefix": self._yielded_prefix,
-            "yielded_extra": sorted(self._yielded_extra),
-            "generator_state": self.generator_state,
-        }
-
-    def _call(self, task: Task, slot: WorkerSlot) -> torch.futures.Future:
-        loader = self.loader
-        rref = loader.dataset.rref(slot.address)
-        if rref is None:
-            raise RRefNotFound(f"the dataset is not built on worker {slot.address}")
-        seq, indices = task.payload
-        seed = derive_seed(loader.seed, self.epoch, seq) if loader.seed is not None else None
-        return rpc_async(
-            slot.address, self._fetch, (remote_id(rref), indices, self._collate_fn, seed),
-            pin_memory=loader.pin_memory, timeout=loader._call_timeout,
-        )  # fmt: skip
-
-    def _mark_yielded(self, seq: int) -> None:
-        if seq == self._yielded_prefix:
-            self._yielded_prefix += 1
-            while self._yielded_prefix in self._yielded_extra:
-                self._yielded_extra.discard(self._yielded_prefix)
-                self._yielded_prefix += 1
-        else:
-            self._yielded_extra.add(seq)
-
-    def _annotate(self, exc: BaseException, seq: int, indices: Any, worker: str) -> BaseException:
-        if isinstance(indices, (list, tuple)) and len(indices) > 16:
-            shown = f"{list(indices[:16])} ... ({len(indices)} in all)"
-        else:
-            shown = repr(indices)
-        exc.add_note(f"while loading batch {seq} of epoch {self.epoch} (indices {shown}) on worker {worker}")
-        return exc
-
-    def _reseed_workers(self) -> None:
-        base = derive_seed(self.loader.seed, self.epoch)
-        futures = [
-            rpc_async(slot.address, set_random_seeds, (base, slot.index), timeout=self.loader._revival_wait())
-            for slot in self.loader._pool.active()
-        ]
-        for future in futures:
-            try:
-                future.wait()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
 
 
 _DEFAULT_REVIVAL_WAIT = 120.0

@@ -8,8 +8,9 @@ over a socket, large tensors are not stacked here at all: they are sent as
 their stack from the samples' own memory
 (:class:`~rpcdl.serialization.stacked.StackedSamples`), and the trainer receives one tensor.
 
-A loader's call names its dataset by the id of its RRef (:func:`fetch_batch_at`,
-:func:`fetch_sample_at`) and torch's default collate or convert function by
+A loader's call fetches a chunk of batches (:func:`fetch_batches_at`, or
+samples: :func:`fetch_samples_at`; see :mod:`rpcdl.data.chunks`). It names its
+dataset by the id of its RRef and torch's default collate or convert function by
 ``None``: what does not change within an epoch costs the pickler nothing per batch.
 """
 
@@ -34,6 +35,7 @@ from ..seeding import set_random_seeds
 from ..serialization.stacked import StackedSamples
 from ..transport import shm
 from ..transport.context import SEGMENT, thread_context
+from .chunks import run_chunk
 
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
 
@@ -78,13 +80,23 @@ def fetch_sample(dataset: Any, index: Any, convert_fn: Callable, seed: int | Non
     return convert_fn(dataset[index])
 
 
-def fetch_batch_at(dataset_id: int, indices: Sequence[Any], collate_fn: Callable | None, seed: int | None) -> Any:
-    """:func:`fetch_batch` on the dataset the caller's RRef ``dataset_id`` names (``collate_fn=None``: torch's
-    ``default_collate``); see :func:`rpcdl.rpc.rref.remote_id`."""
-    return fetch_batch(resolve_here(dataset_id), indices, default_collate if collate_fn is None else collate_fn, seed)
+def fetch_batches_at(
+    dataset_id: int, batches: list[tuple[Sequence[Any], int | None]], collate_fn: Callable | None
+) -> tuple[list[Any], float, int]:
+    """:func:`fetch_batch` for each ``(indices, seed)`` of a chunk, on the dataset the caller's RRef
+    ``dataset_id`` names (see :func:`rpcdl.rpc.rref.remote_id`); ``collate_fn=None`` is torch's
+    ``default_collate``. Returns and raises as :func:`~rpcdl.data.chunks.run_chunk`: the batches,
+    the seconds they took and their size, or :class:`~rpcdl.errors.ChunkFailed` when some raised."""
+    dataset = resolve_here(dataset_id)
+    collate = default_collate if collate_fn is None else collate_fn
+    return run_chunk(lambda batch: fetch_batch(dataset, batch[0], collate, batch[1]), batches)
 
 
-def fetch_sample_at(dataset_id: int, index: Any, convert_fn: Callable | None, seed: int | None) -> Any:
-    """:func:`fetch_sample` on the dataset the caller's RRef ``dataset_id`` names (``convert_fn=None``: torch's
-    ``default_convert``)."""
-    return fetch_sample(resolve_here(dataset_id), index, default_convert if convert_fn is None else convert_fn, seed)
+def fetch_samples_at(
+    dataset_id: int, samples: list[tuple[Any, int | None]], convert_fn: Callable | None
+) -> tuple[list[Any], float, int]:
+    """:func:`fetch_sample` for each ``(index, seed)`` of a chunk, as :func:`fetch_batches_at`
+    (``convert_fn=None`` is torch's ``default_convert``)."""
+    dataset = resolve_here(dataset_id)
+    convert = default_convert if convert_fn is None else convert_fn
+    return run_chunk(lambda sample: fetch_sample(dataset, sample[0], convert, sample[1]), samples)

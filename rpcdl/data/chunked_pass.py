@@ -1,0 +1,126 @@
+"""A pass whose calls each run a chunk of items, handed out one item at a time.
+
+The engine of the loader's epochs and of the remote maps: a
+:class:`~rpcdl.data.scheduler.Dispatch` whose tasks are chunks (see
+:mod:`rpcdl.data.chunks`), each run by one call, so scheduling, failover and
+revival are the pool's and a chunk is retried whole. A pass hands out one
+:class:`ChunkedItem` per item, in the order of its chunks.
+
+A chunk that fails as a whole for a reason other than a worker failure (its
+answer cannot be pickled or breaks a message limit, it timed out on every
+worker) is run again item by item, so that the error comes at the item that
+causes it and the other items of the chunk come through.
+
+An exception raised by the source is held back until every item pulled before
+it has been handed out, then raised in its place in the stream, as torchdata's
+``Mapper`` and ``ParallelMapper`` do.
+
+Threading: a pass belongs to the thread that advances it (see :mod:`rpcdl.data.scheduler`).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import ChunkFailed
+from ..serialization.pickling import load_exception
+from .chunks import ChunkReader, ChunkSizer
+from .scheduler import Call, Dispatch, Task, WorkerPool
+
+__all__ = ["ChunkedItem", "ChunkedPass"]
+
+
+class ChunkedItem:
+    """One item of a pass, run: its ``payload`` (the item pulled), ``value`` or ``error``, and ``worker``."""
+
+    __slots__ = ("error", "payload", "seq", "value", "worker")
+
+    def __init__(self, seq: int, payload: Any, value: Any, error: BaseException | None, worker: str):
+        self.seq, self.payload, self.value, self.error, self.worker = seq, payload, value, error, worker
+
+
+class ChunkedPass(Iterator[ChunkedItem]):
+    """One pass over ``items``: chunks sent by ``pool`` through ``call``, handed out item by item.
+
+    Args:
+        pool: the workers.
+        items: the source.
+        call: sends a task whose payload is a chunk (a list of items) and returns
+            its future; the call answers ``(values, seconds, nbytes)`` or raises
+            :class:`~rpcdl.errors.ChunkFailed` (see :func:`~rpcdl.data.chunks.run_chunk`).
+        sizer: the size of the chunks; it learns from their answers.
+        served: worker address -> items it ran, counted up as chunks come back.
+        in_order: hand out chunks in source order (else as they complete).
+
+    Attributes:
+        source_failed: the last ``next()`` raised the source's exception.
+    """
+
+    def __init__(
+        self, pool: WorkerPool, items: Iterator[Any], call: Call, sizer: ChunkSizer,
+        served: dict[str, int], *, in_order: bool = True,
+    ):  # fmt: skip
+        self._pool = pool
+        self._call = call
+        self._sizer = sizer
+        self._served = served
+        self._in_order = in_order
+        self._reader = ChunkReader(items, sizer)
+        self._dispatch = pool.start(self._reader, call, in_order=in_order)
+        self._split: Dispatch | None = None  # a failed chunk, run again item by item
+        self._ready: collections.deque[ChunkedItem] = collections.deque()
+        self._handed_out = 0
+        self.source_failed = False
+
+    def __next__(self) -> ChunkedItem:
+        while not self._ready:
+            if self._split is not None:
+                try:
+                    self._expand(next(self._split))
+                except StopIteration:
+                    self._split = None
+                continue
+            try:
+                task = next(self._dispatch)
+            except StopIteration:
+                break
+            self._expand(task)
+        if self._ready:
+            self._handed_out += 1
+            return self._ready.popleft()
+        error, self._reader.error = self._reader.error, None
+        if error is None:
+            raise StopIteration
+        self.source_failed = True
+        raise error
+
+    def _expand(self, task: Task) -> None:
+        """Queue the items of a finished chunk, or run them again one by one if it failed as a whole."""
+        chunk, worker, error = task.payload, task.worker, task.error
+        if error is None or isinstance(error, ChunkFailed):
+            if error is None:
+                values, seconds, nbytes = task.value
+                errors: dict[int, bytes] = {}
+            else:
+                values, seconds, nbytes, errors = error.values, error.seconds, error.nbytes, error.errors
+            self._sizer.observe(len(chunk), seconds, nbytes)
+            self._served[worker] = self._served.get(worker, 0) + len(chunk)
+            for index, (item, value) in enumerate(zip(chunk, values, strict=True)):
+                report = errors.get(index)
+                failure = None if report is None else load_exception(report, worker)
+                self._ready.append(ChunkedItem(self._handed_out + len(self._ready), item, value, failure, worker))
+        elif len(chunk) == 1:
+            self._ready.append(ChunkedItem(self._handed_out + len(self._ready), chunk[0], None, error, worker))
+        else:
+            self._sizer.restart()
+            self._split = self._pool.start(iter([[item] for item in chunk]), self._call, in_order=self._in_order)
+
+    def close(self) -> None:
+        """End the pass; answers still in flight are dropped when they arrive."""
+        if self._split is not None:
+            self._split.close()
+            self._split = None
+        self._ready.clear()
+        self._dispatch.close()

@@ -1,0 +1,91 @@
+"""The chunk sizer and the answer-size estimate: pure logic, no process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rpcdl.data.chunks import ChunkReader, ChunkSizer, answer_bytes, run_chunk
+from rpcdl.errors import ChunkFailed
+from rpcdl.serialization.stacked import StackedSamples
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_chunk_grows_by_doubling_up_to_its_bound():
+    sizer = ChunkSizer(16, timeout=120)
+    sizes = []
+    for _ in range(7):
+        sizes.append(sizer.size)
+        sizer.observe(sizer.size, seconds=sizer.size * 1e-5)
+    assert sizes == [1, 2, 4, 8, 16, 16, 16]
+
+
+def test_a_chunk_aims_at_its_seconds_and_shrinks_at_once_when_items_get_slower():
+    sizer = ChunkSizer(256, timeout=120)
+    for _ in range(10):
+        sizer.observe(sizer.size, seconds=sizer.size * 1e-4)  # 100 us an item: 20 in 2 ms
+    assert sizer.size == 20
+    sizer.observe(20, seconds=20 * 1e-3)
+    assert sizer.size == 2
+    sizer.observe(2, seconds=2 * 0.1)
+    assert sizer.size == 1
+
+
+def test_a_short_timeout_makes_chunks_smaller():
+    sizer = ChunkSizer(256, timeout=0.01)  # a chunk aims at a twentieth of it: 0.5 ms
+    for _ in range(10):
+        sizer.observe(sizer.size, seconds=sizer.size * 1e-4)
+    assert sizer.size == 5
+
+
+def test_a_byte_target_bounds_the_answer_of_a_chunk():
+    sizer = ChunkSizer(64, timeout=120, target_bytes=256 * 1024)
+    for _ in range(10):
+        sizer.observe(sizer.size, seconds=1e-6, nbytes=sizer.size * 16 * 1024)
+    assert sizer.size == 16
+    sizer.observe(16, seconds=1e-6, nbytes=16 * 1024 * 1024)  # items of 1 MB: one a call
+    assert sizer.size == 1
+    unbounded = ChunkSizer(64, timeout=120)
+    for _ in range(10):
+        unbounded.observe(unbounded.size, seconds=1e-6, nbytes=unbounded.size * 1024 * 1024)
+    assert unbounded.size == 64
+
+
+def test_a_short_chunk_does_not_make_the_next_one_larger_and_restart_goes_back_to_one():
+    sizer = ChunkSizer(64, timeout=120)
+    sizer.size = 8
+    sizer.observe(3, seconds=1e-6)  # the source ended or was slow: says nothing about 16
+    assert sizer.size == 8
+    sizer.restart()
+    assert sizer.size == 1
+
+
+def test_answer_bytes_counts_tensors_arrays_and_strings_inside_containers():
+    batch = {"image": torch.zeros(2, 3, dtype=torch.uint8), "label": torch.zeros(2), "names": ["ab", "cde"]}
+    assert answer_bytes(batch) == 6 + 8 + 5
+    assert answer_bytes((np.zeros(4), b"xy", 7)) == 32 + 2
+    assert answer_bytes(StackedSamples([torch.zeros(3), torch.zeros(3)])) == 24
+    assert answer_bytes(torch.nn.Parameter(torch.zeros(2))) == 8  # a subclass of Tensor
+    assert answer_bytes([[[[torch.zeros(100)]]]]) == 0  # deeper than it looks: an estimate, not a walk
+
+
+def test_run_chunk_runs_every_item_and_reports_the_ones_that_raised():
+    values, seconds, nbytes = run_chunk(torch.zeros, [1, 2])
+    assert [v.tolist() for v in values] == [[0.0], [0.0, 0.0]] and seconds >= 0 and nbytes == 12
+    with pytest.raises(ChunkFailed) as failed:
+        run_chunk(lambda x: 1 / x, [1, 0, 2])
+    assert failed.value.values == [1.0, None, 0.5] and list(failed.value.errors) == [1]
+
+
+def test_the_reader_hands_out_what_it_pulled_before_the_source_raised():
+    def source():
+        yield from range(5)
+        raise KeyError("sampler broke")
+
+    sizer = ChunkSizer(4, timeout=120)
+    sizer.size = 4
+    reader = ChunkReader(source(), sizer)
+    assert list(reader) == [[0, 1, 2, 3], [4]]
+    assert isinstance(reader.error, KeyError)

@@ -1,0 +1,103 @@
+"""RPCDataloader fetches small batches in chunks: one call, many batches, every per-batch semantic kept."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import helpers
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import rpcdl
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def calls_served(workers: list[str]) -> int:
+    return sum(rpcdl.stats(w)["calls_served"] for w in workers)
+
+
+class RandomRows(helpers.RangeDataset):
+    """Sample ``i`` is ``[i, a random draw]``: shows which seed the worker had when it loaded it."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), random.random()])
+
+
+class LockAt(helpers.RangeDataset):
+    """Sample ``bad`` is a lock, which no answer can carry; the others are their index."""
+
+    def __init__(self, n: int, bad: int):
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, index: int):
+        return threading.Lock() if index == self.bad else index
+
+
+def test_small_batches_come_in_far_fewer_calls_than_batches_and_equal_torchs(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 4000)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    before = calls_served(two_workers)
+    ours = list(loader)
+    calls = calls_served(two_workers) - before
+    theirs = list(
+        DataLoader(helpers.RangeDataset(4000), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    )
+    assert [b.tolist() for b in ours] == [b.tolist() for b in theirs]
+    assert calls < len(ours) / 4, f"{calls} calls for {len(ours)} batches"
+    assert sum(loader.batches_served.values()) == len(ours)  # batches, not calls
+
+
+def test_max_batches_per_call_one_fetches_each_batch_in_its_own_call(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 60)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=2, max_batches_per_call=1)
+    before = calls_served(two_workers)
+    assert [b.tolist() for b in loader] == [[i, i + 1] for i in range(0, 60, 2)]
+    assert calls_served(two_workers) - before >= 30  # more when a late call got a copy elsewhere
+    for wrong in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_batches_per_call must be a positive integer"):
+            rpcdl.RPCDataloader(dataset, batch_size=2, max_batches_per_call=wrong)
+
+
+def test_large_batches_go_one_per_call(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.ArrayDataset, 96, 64 * 1024)  # batches of 256 KB
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4)
+    before = calls_served(two_workers)
+    assert [int(b[0, 0]) for b in loader] == list(range(0, 96, 4))
+    assert calls_served(two_workers) - before >= 24
+
+
+def test_a_seeded_batch_gets_its_own_seed_inside_a_chunk(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, RandomRows, 400)
+    chunked = [b.tolist() for b in rpcdl.RPCDataloader(dataset, batch_size=2, seed=5)]
+    single = [b.tolist() for b in rpcdl.RPCDataloader(dataset, batch_size=2, seed=5, max_batches_per_call=1)]
+    assert chunked == single
+    assert len({row[1] for batch in chunked for row in batch}) == 400
+
+
+def test_a_batch_that_cannot_be_sent_fails_alone_and_its_chunk_comes_through(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, LockAt, 300, 150)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=None, collate_fn=lambda sample: sample)
+    seen, failures = helpers.values_and_errors(loader)
+    assert seen == [i for i in range(300) if i != 150]  # in order, none lost, none twice
+    assert len(failures) == 1 and "batch 150 " in "\n".join(failures[0].__notes__)
+
+
+def test_a_state_taken_inside_a_chunk_resumes_at_the_next_batch(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 2000)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=2, shuffle=True)
+    iterator = iter(loader)
+    for _ in range(3):  # the chunks have grown: batches are fetched 16 a call
+        next(iterator)
+    list(iterator)
+    iterator = iter(loader)
+    head = [next(iterator).tolist() for _ in range(37)]
+    state = loader.state_dict()
+    rest = [b.tolist() for b in iterator]
+    resumed = rpcdl.RPCDataloader(dataset, batch_size=2, shuffle=True)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == rest
+    assert sorted(i for b in head + rest for i in b) == list(range(2000))
