@@ -101,3 +101,23 @@ def test_a_state_taken_inside_a_chunk_resumes_at_the_next_batch(two_workers):
     resumed.load_state_dict(state)
     assert [b.tolist() for b in resumed] == rest
     assert sorted(i for b in head + rest for i in b) == list(range(2000))
+
+
+class BrokenAfter:
+    """A batch sampler whose iteration raises after ``count`` batches of two."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __iter__(self):
+        for start in range(0, 2 * self.count, 2):
+            yield [start, start + 1]
+        raise KeyError("the sampler broke")
+
+
+def test_a_sampler_error_comes_after_the_batches_it_gave_as_with_torch_in_process(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 100)
+    ours = helpers.values_and_errors(rpcdl.RPCDataloader(dataset, batch_sampler=BrokenAfter(20)))
+    theirs = helpers.values_and_errors(DataLoader(helpers.RangeDataset(100), batch_sampler=BrokenAfter(20)))
+    assert [b.tolist() for b in ours[0]] == [b.tolist() for b in theirs[0]] == [[i, i + 1] for i in range(0, 40, 2)]
+    assert [repr(e) for e in ours[1]] == [repr(e) for e in theirs[1]] == [repr(KeyError("the sampler broke"))]
