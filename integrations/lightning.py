@@ -215,7 +215,8 @@ class RPCDataModule(pl.LightningDataModule):
         collate_fn: merges samples into a batch, on the workers (default: torch's
             ``default_collate``). In YAML, a dotted path to the function.
         pin_memory: receive batches into pinned memory when CUDA is available.
-        prefetch_factor: batches in flight or ready per worker.
+        prefetch_factor: calls in flight or ready per worker (a call carries one
+            batch, or a chunk of small ones: see :class:`~rpcdl.RPCDataloader`).
         drop_last: drop the last incomplete training batch.
         timeout: seconds a worker has to deliver a batch before its batches go to
             the others; ``0``: no timeout, as torch's DataLoader.

@@ -405,7 +405,8 @@ class RPCIterableDataset(IterableDataset):
         seed: seed of the shuffling, the same on every rank.
         rank, world_size: this process's rank and the number of ranks; default
             to those of the initialized ``torch.distributed`` group, else 0 and 1.
-        prefetch_factor: batches in flight per rpcdl worker, per DataLoader worker.
+        prefetch_factor: calls in flight per rpcdl worker, per DataLoader worker (a call
+            carries one batch, or a chunk of small ones: see :class:`~rpcdl.RPCDataloader`).
         timeout: seconds an rpcdl worker has to deliver a batch before it goes
             to another.
 

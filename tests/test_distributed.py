@@ -57,13 +57,14 @@ def range_dataset(two_workers):
 
 
 def test_distributed_loader_world_size_3_gives_disjoint_shards_covering_the_data(range_dataset):
-    loader = rpcdl.RPCDataloader(range_dataset, batch_size=4, shuffle=True, prefetch_factor=3, seed=11)
+    loader = rpcdl.RPCDataloader(
+        range_dataset, batch_size=4, shuffle=True, prefetch_factor=3, max_batches_per_call=5, seed=11
+    )
     shards = [distributed_loader(loader, world_size=3, rank=rank) for rank in range(3)]
     for shard in shards:
         assert isinstance(shard.sampler, DistributedSampler) and shard.sampler.shuffle  # follows the loader
-        assert (shard.batch_size, shard.prefetch_factor, shard.seed, shard.collate_fn) == (
-            4, 3, 11, loader.collate_fn,
-        )  # fmt: skip
+        assert (shard.batch_size, shard.prefetch_factor, shard.max_batches_per_call, shard.seed) == (4, 3, 5, 11)
+        assert shard.collate_fn is loader.collate_fn
         assert len(shard) == 3  # 10 samples in batches of 4
     epochs = []
     for _ in range(2):

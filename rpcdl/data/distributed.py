@@ -98,6 +98,7 @@ def distributed_loader(
         drop_last=loader.drop_last,
         timeout=loader.timeout,
         prefetch_factor=loader.prefetch_factor,
+        max_batches_per_call=loader.max_batches_per_call,
         in_order=loader.in_order,
         seed=loader.seed,
     )
