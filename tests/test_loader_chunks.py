@@ -51,6 +51,14 @@ def test_small_batches_come_in_far_fewer_calls_than_batches_and_equal_torchs(two
     assert sum(loader.batches_served.values()) == len(ours)  # batches, not calls
 
 
+def test_chunks_as_they_complete_give_every_batch_once(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 3000)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=3, in_order=False)
+    for _ in range(2):
+        batches = [b.tolist() for b in loader]
+        assert sorted(batches) == [[i, i + 1, i + 2] for i in range(0, 3000, 3)]
+
+
 def test_max_batches_per_call_one_fetches_each_batch_in_its_own_call(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 60)
     loader = rpcdl.RPCDataloader(dataset, batch_size=2, max_batches_per_call=1)
