@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import threading
 
 import helpers
@@ -129,3 +130,19 @@ def test_a_sampler_error_comes_after_the_batches_it_gave_as_with_torch_in_proces
     theirs = helpers.values_and_errors(DataLoader(helpers.RangeDataset(100), batch_sampler=BrokenAfter(20)))
     assert [b.tolist() for b in ours[0]] == [b.tolist() for b in theirs[0]] == [[i, i + 1] for i in range(0, 40, 2)]
     assert [repr(e) for e in ours[1]] == [repr(e) for e in theirs[1]] == [repr(KeyError("the sampler broke"))]
+
+
+def test_a_worker_killed_with_chunks_in_flight_changes_no_batch(spawn_workers):
+    workers = spawn_workers(3)
+    dataset = rpcdl.RPCDataset(workers, RandomRows, 4000)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=2, seed=9, timeout=20)
+    expected = [b.tolist() for b in loader]  # an epoch: the chunks have grown
+    assert loader.worker_windows()[workers[1]]["in_flight"] == 0
+    loader.set_epoch(0)
+    seen = []
+    for step, batch in enumerate(loader):
+        seen.append(batch.tolist())
+        if step == 300:
+            workers.kill(1, signal.SIGKILL)
+    assert seen == expected  # every batch once, in order, loaded with its own seed wherever it went
+    assert loader.worker_states()[workers[1]] != "active"
