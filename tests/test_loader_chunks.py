@@ -69,6 +69,13 @@ def test_max_batches_per_call_one_fetches_each_batch_in_its_own_call(two_workers
     for wrong in (0, 2.5, True):
         with pytest.raises(ValueError, match="max_batches_per_call must be a positive integer"):
             rpcdl.RPCDataloader(dataset, batch_size=2, max_batches_per_call=wrong)
+    chunked = rpcdl.RPCDataloader(dataset, batch_size=2)
+    list(chunked)
+    chunked.max_batches_per_call = 1  # between epochs, as torch's loaders take a new setting
+    before = calls_served(two_workers)
+    assert len(list(chunked)) == 30 and calls_served(two_workers) - before >= 30
+    with pytest.raises(ValueError, match="max_batches_per_call must be a positive integer"):
+        chunked.max_batches_per_call = -1
 
 
 def test_large_batches_go_one_per_call(two_workers):

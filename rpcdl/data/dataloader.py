@@ -130,7 +130,6 @@ class RPCDataloader:
             )
         call_timeout = check_loader_timeout(timeout)
         check_positive_int(prefetch_factor, "prefetch_factor", "calls in flight or ready per worker")
-        check_positive_int(max_batches_per_call, "max_batches_per_call", "batches one call may fetch (1: one each)")
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
@@ -171,6 +170,7 @@ class RPCDataloader:
         self.timeout = float(timeout)
         self._call_timeout = call_timeout
         self.prefetch_factor = prefetch_factor
+        self._chunk_sizer = ChunkSizer(1, call_timeout, TARGET_CHUNK_BYTES)
         self.max_batches_per_call = max_batches_per_call
         self.in_order = in_order
         self.generator = generator
@@ -179,7 +179,6 @@ class RPCDataloader:
             dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(),
             revive=self._revive, forget=dataset.forget,
         )  # fmt: skip
-        self._chunk_sizer = ChunkSizer(max_batches_per_call, call_timeout, TARGET_CHUNK_BYTES)
         self._batches_served = dict.fromkeys(dataset.workers, 0)
         self._next_epoch = 0
         self._explicit_epoch: int | None = None
@@ -212,6 +211,19 @@ class RPCDataloader:
     def batches_served(self) -> dict[str, int]:
         """How many batches each worker delivered (and the loader accepted) so far."""
         return dict(self._batches_served)
+
+    @property
+    def max_batches_per_call(self) -> int:
+        """The most batches one call may fetch (see the class); setting it applies to the next call."""
+        return self._chunk_sizer.max_chunk_size
+
+    @max_batches_per_call.setter
+    def max_batches_per_call(self, value: int) -> None:
+        sizer = self._chunk_sizer
+        sizer.max_chunk_size = check_positive_int(
+            value, "max_batches_per_call", "batches one call may fetch (1: one each)"
+        )
+        sizer.size = min(sizer.size, sizer.max_chunk_size)
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
