@@ -88,6 +88,12 @@ class FailingDataset(RangeDataset):
         return super().__getitem__(index)
 
 
+def worker_calls(workers: list[str]) -> tuple[int, int]:
+    """Calls served and calls failed, summed over ``workers`` (from their stats)."""
+    stats = [rpcdl.stats(w) for w in workers]
+    return sum(s["calls_served"] for s in stats), sum(s["calls_failed"] for s in stats)
+
+
 def values_and_errors(iterator: Iterator, errors: type[BaseException] = Exception) -> tuple[list, list]:
     """Everything ``iterator`` yields, and every error of type ``errors`` raised in its place, until it ends."""
     iterator = iter(iterator)

@@ -117,7 +117,7 @@ def test_pin_memory_without_cuda_warns_once(two_workers):
 def test_user_error_raises_with_indices_and_is_not_retried(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.FailingDataset, 20, 9)
     loader = rpcdl.RPCDataloader(dataset, batch_size=4)
-    before = sum(rpcdl.stats(w)["calls_failed"] for w in two_workers)
+    _, failed_before = helpers.worker_calls(two_workers)
     iterator = iter(loader)
     assert [next(iterator).tolist() for _ in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="index 9 is broken") as info:
@@ -126,7 +126,7 @@ def test_user_error_raises_with_indices_and_is_not_retried(two_workers):
     assert "[8, 9, 10, 11]" in notes and "batch 2" in notes
     assert "__getitem__" in info.value.remote_traceback
     assert [batch.tolist() for batch in iterator] == [[12, 13, 14, 15], [16, 17, 18, 19]]
-    assert sum(rpcdl.stats(w)["calls_failed"] for w in two_workers) == before + 1
+    assert helpers.worker_calls(two_workers)[1] == failed_before + 1
 
 
 def test_sampler_set_epoch_is_called(two_workers):

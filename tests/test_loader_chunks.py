@@ -16,10 +16,6 @@ import rpcdl
 pytestmark = pytest.mark.timeout(90)
 
 
-def calls_served(workers: list[str]) -> int:
-    return sum(rpcdl.stats(w)["calls_served"] for w in workers)
-
-
 class RandomRows(helpers.RangeDataset):
     """Sample ``i`` is ``[i, a random draw]``: shows which seed the worker had when it loaded it."""
 
@@ -41,9 +37,9 @@ class LockAt(helpers.RangeDataset):
 def test_small_batches_come_in_far_fewer_calls_than_batches_and_equal_torchs(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 4000)
     loader = rpcdl.RPCDataloader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
-    before = calls_served(two_workers)
+    before = helpers.worker_calls(two_workers)[0]
     ours = list(loader)
-    calls = calls_served(two_workers) - before
+    calls = helpers.worker_calls(two_workers)[0] - before
     theirs = list(
         DataLoader(helpers.RangeDataset(4000), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
     )
@@ -63,17 +59,17 @@ def test_chunks_as_they_complete_give_every_batch_once(two_workers):
 def test_max_batches_per_call_one_fetches_each_batch_in_its_own_call(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 60)
     loader = rpcdl.RPCDataloader(dataset, batch_size=2, max_batches_per_call=1)
-    before = calls_served(two_workers)
+    before = helpers.worker_calls(two_workers)[0]
     assert [b.tolist() for b in loader] == [[i, i + 1] for i in range(0, 60, 2)]
-    assert calls_served(two_workers) - before >= 30  # more when a late call got a copy elsewhere
+    assert helpers.worker_calls(two_workers)[0] - before >= 30  # more when a late call got a copy elsewhere
     for wrong in (0, 2.5, True):
         with pytest.raises(ValueError, match="max_batches_per_call must be a positive integer"):
             rpcdl.RPCDataloader(dataset, batch_size=2, max_batches_per_call=wrong)
     chunked = rpcdl.RPCDataloader(dataset, batch_size=2)
     list(chunked)
     chunked.max_batches_per_call = 1  # between epochs, as torch's loaders take a new setting
-    before = calls_served(two_workers)
-    assert len(list(chunked)) == 30 and calls_served(two_workers) - before >= 30
+    before = helpers.worker_calls(two_workers)[0]
+    assert len(list(chunked)) == 30 and helpers.worker_calls(two_workers)[0] - before >= 30
     with pytest.raises(ValueError, match="max_batches_per_call must be a positive integer"):
         chunked.max_batches_per_call = -1
 
@@ -81,9 +77,9 @@ def test_max_batches_per_call_one_fetches_each_batch_in_its_own_call(two_workers
 def test_large_batches_go_one_per_call(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.ArrayDataset, 96, 64 * 1024)  # batches of 256 KB
     loader = rpcdl.RPCDataloader(dataset, batch_size=4)
-    before = calls_served(two_workers)
+    before = helpers.worker_calls(two_workers)[0]
     assert [int(b[0, 0]) for b in loader] == list(range(0, 96, 4))
-    assert calls_served(two_workers) - before >= 24
+    assert helpers.worker_calls(two_workers)[0] - before >= 24
 
 
 def test_a_seeded_batch_gets_its_own_seed_inside_a_chunk(two_workers):

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import helpers
 import pytest
 from torch.utils.data.datapipes.iter import IterableWrapper
 from torchdata.nodes import Batcher, Loader, SamplerWrapper
@@ -31,12 +32,6 @@ def lock_for_2000(x: int):
     return threading.Lock() if x == 2000 else x
 
 
-def counters(workers: list[str]) -> tuple[int, int]:
-    """Calls served and calls failed, summed over ``workers``."""
-    stats = [rpcdl.stats(w) for w in workers]
-    return sum(s["calls_served"] for s in stats), sum(s["calls_failed"] for s in stats)
-
-
 def outcomes(node: RPCMapper) -> list:
     """Every value, and every exception raised in its place, until the node ends."""
     seen = []
@@ -51,27 +46,27 @@ def outcomes(node: RPCMapper) -> list:
 
 @pytest.mark.timeout(60)
 def test_a_cheap_function_is_mapped_in_far_fewer_calls_than_items(two_workers):
-    served_before, _ = counters(two_workers)
+    served_before, _ = helpers.worker_calls(two_workers)
     node = RPCMapper(SamplerWrapper(range(COUNT)), two_workers, affine)
     assert list(node) == [affine(i) for i in range(COUNT)]
-    calls = counters(two_workers)[0] - served_before
+    calls = helpers.worker_calls(two_workers)[0] - served_before
     assert calls < COUNT / 10, f"{calls} calls for {COUNT} items"
     assert sum(node.items_served.values()) == COUNT  # items, not calls
 
 
 @pytest.mark.timeout(60)
 def test_rpc_map_maps_in_chunks_too(two_workers):
-    served_before, _ = counters(two_workers)
+    served_before, _ = helpers.worker_calls(two_workers)
     assert list(IterableWrapper(range(COUNT)).rpc_map(two_workers, affine)) == [affine(i) for i in range(COUNT)]
-    assert counters(two_workers)[0] - served_before < COUNT / 10
+    assert helpers.worker_calls(two_workers)[0] - served_before < COUNT / 10
 
 
 @pytest.mark.timeout(60)
 def test_max_chunk_size_one_maps_each_item_in_its_own_call(two_workers):
-    served_before, _ = counters(two_workers)
+    served_before, _ = helpers.worker_calls(two_workers)
     node = RPCMapper(SamplerWrapper(range(50)), two_workers, affine, max_chunk_size=1)
     assert list(node) == [affine(i) for i in range(50)]
-    assert counters(two_workers)[0] - served_before >= 50  # more when a late call got a copy elsewhere
+    assert helpers.worker_calls(two_workers)[0] - served_before >= 50  # more when a late call got a copy elsewhere
     with pytest.raises(ValueError, match="max_chunk_size must be a positive integer"):
         RPCMapper(SamplerWrapper(range(3)), two_workers, affine, max_chunk_size=0)
     with pytest.raises(ValueError, match="max_chunk_size"):
@@ -80,14 +75,14 @@ def test_max_chunk_size_one_maps_each_item_in_its_own_call(two_workers):
 
 @pytest.mark.timeout(60)
 def test_an_fn_error_inside_a_chunk_comes_at_its_item_and_the_chunk_goes_on(two_workers):
-    _, failed_before = counters(two_workers)
+    _, failed_before = helpers.worker_calls(two_workers)
     seen = outcomes(RPCMapper(SamplerWrapper(range(COUNT)), two_workers, fails_on_2000))
     [position] = [i for i, value in enumerate(seen) if isinstance(value, Exception)]
     assert position == 2000 and isinstance(seen[2000], ValueError) and "item 2000 is broken" in str(seen[2000])
     assert "fails_on_2000" in seen[2000].remote_traceback
     assert any("while mapping item 2000" in note for note in seen[2000].__notes__)
     assert seen[:2000] + seen[2001:] == [i for i in range(COUNT) if i != 2000]
-    assert counters(two_workers)[1] - failed_before == 1  # one chunk failed, and it was not retried
+    assert helpers.worker_calls(two_workers)[1] - failed_before == 1  # one chunk failed, and it was not retried
 
 
 @pytest.mark.timeout(60)
@@ -109,11 +104,12 @@ def test_a_slow_source_is_not_waited_for_to_fill_a_chunk(two_workers):
     """A cheap function wants large chunks; items that come every 20 ms go as they come."""
     warm = RPCMapper(SamplerWrapper(range(COUNT)), two_workers, affine)
     list(warm)  # the chunk size grew
-    served_before, _ = counters(two_workers)
+    served_before, _ = helpers.worker_calls(two_workers)
     warm.source = NodeIterable(_slow_items(12, 0.02))
     warm.reset()
     assert list(warm) == [affine(i) for i in range(12)]
-    assert counters(two_workers)[0] - served_before >= 12  # one call per item (and a copy of a late one maybe)
+    calls = helpers.worker_calls(two_workers)[0] - served_before
+    assert calls >= 12  # one call per item (and a copy of a late one maybe)
 
 
 @pytest.mark.timeout(120)
