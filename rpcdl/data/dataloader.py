@@ -130,6 +130,7 @@ class RPCDataloader:
             )
         call_timeout = check_loader_timeout(timeout)
         check_positive_int(prefetch_factor, "prefetch_factor", "calls in flight or ready per worker")
+        chunk_sizer = ChunkSizer(_check_max_batches_per_call(max_batches_per_call), call_timeout, TARGET_CHUNK_BYTES)
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
@@ -170,8 +171,7 @@ class RPCDataloader:
         self.timeout = float(timeout)
         self._call_timeout = call_timeout
         self.prefetch_factor = prefetch_factor
-        self._chunk_sizer = ChunkSizer(1, call_timeout, TARGET_CHUNK_BYTES)
-        self.max_batches_per_call = max_batches_per_call
+        self._chunk_sizer = chunk_sizer
         self.in_order = in_order
         self.generator = generator
         self.seed = seed
@@ -220,9 +220,7 @@ class RPCDataloader:
     @max_batches_per_call.setter
     def max_batches_per_call(self, value: int) -> None:
         sizer = self._chunk_sizer
-        sizer.max_chunk_size = check_positive_int(
-            value, "max_batches_per_call", "batches one call may fetch (1: one each)"
-        )
+        sizer.max_chunk_size = _check_max_batches_per_call(value)
         sizer.size = min(sizer.size, sizer.max_chunk_size)
 
     def worker_states(self) -> dict[str, str]:
@@ -393,6 +391,10 @@ class RPCDataloader:
 
     def __repr__(self) -> str:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"
+
+
+def _check_max_batches_per_call(value: Any) -> int:
+    return check_positive_int(value, "max_batches_per_call", "batches one call may fetch (1: one each)")
 
 
 _DEFAULT_REVIVAL_WAIT = 120.0
