@@ -282,6 +282,22 @@ def test_rpc_sync_reading_alone_fails_at_its_deadline_though_reads_block_longer_
     assert len(connection._calls) == 0
 
 
+def test_rpc_sync_made_the_usual_way_fails_at_its_deadline_though_reads_block_longer(worker):
+    """A 128 KiB argument makes the call the usual way (a pending call, read by whoever holds the role), as
+    when the connection's thread still reads right after a ping: its caller must not read past its deadline."""
+    address = worker.address
+    connection = _opened(address)
+    gate = _gate("late")
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
+        rpcdl.rpc_sync(address, gated, ("late", b"x" * (128 << 10)), timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 2.0  # a read finding nothing blocks 5 s here
+    assert connection._role.holder is not Reader.CALLER and len(connection._calls) == 0
+    gate.set()
+    assert rpcdl.rpc_sync(address, abs, (-2,)) == 2  # the late answer is dropped on the way
+    assert len(connection._calls) == 0
+
+
 class _Interrupted(Exception):
     pass
 

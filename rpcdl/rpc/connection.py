@@ -214,11 +214,14 @@ class Connection(ConnectionThread):
                         self._caller_left()
                 if call_id not in calls:
                     break  # answered or failed: whoever took it from the pending calls completes the future
-                overdue = time.monotonic() >= call.deadline
+                left = call.deadline - time.monotonic()
+                overdue = left <= 0
                 if not overdue:
                     role.take(Reader.CALLER)
             if overdue:
                 self._expire(time.monotonic())
+            elif self._nothing_arrives_within(left):
+                self._end_turn([], None)  # a read would have blocked past the deadline: the call is overdue now
             else:
                 self._read()
 
@@ -262,7 +265,7 @@ class Connection(ConnectionThread):
                 left = started + timeout - time.monotonic()
                 if left <= 0.0:
                     break
-                if left < self._idle_tick and not self._arrives_within(left):
+                if self._nothing_arrives_within(left):
                     continue  # a read would have blocked past the deadline
                 error = self._read_into(frames)
                 if frames or error is not None:
@@ -293,6 +296,11 @@ class Connection(ConnectionThread):
         if error is not None:
             raise error
         return True, result
+
+    def _nothing_arrives_within(self, left: float) -> bool:
+        """Whether a caller with ``left`` seconds to its deadline must not read: a read that finds nothing
+        blocks for the idle tick, longer than that, and no bytes arrive in the time left."""
+        return left < self._idle_tick and not self._arrives_within(left)
 
     def _arrives_within(self, seconds: float) -> bool:
         """Whether a frame is buffered or bytes arrive within ``seconds`` (``True`` once closed: reading says so)."""
