@@ -42,6 +42,10 @@ class OutboxState(enum.Enum):
     SENDING = "sending"  #: a thread writes; pieces queued meanwhile it writes too, or hands to a waiting thread
 
 
+# read on every send: an enum member's lookup through its class costs ~0.05 us (3.11)
+_IDLE, _DEFERRED, _SENDING = OutboxState.IDLE, OutboxState.DEFERRED, OutboxState.SENDING
+
+
 class Outbox:
     """What threads send on ``sock``, written in arrival order with as few system calls as possible.
 
@@ -68,7 +72,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # senders waiting for theirs to be written
         self._pieces: list[bytes | memoryview] = list(first)  # queued, not yet taken by the sender
-        self.state = OutboxState.DEFERRED if self._pieces else OutboxState.IDLE  #: read without the lock: a hint
+        self.state = _DEFERRED if self._pieces else _IDLE  #: read without the lock: a hint
         self.deferred_until = time.monotonic() if self._pieces else _INF  #: when DEFERRED pieces are due; else inf
         self._deferred = 0  # frames deferred since the last write
         self._delay = delay
@@ -88,24 +92,26 @@ class Outbox:
             if self._error is not None:
                 raise self._error
             state = self.state
-            if state is OutboxState.IDLE:  # the usual case: nobody else sends
+            if state is _IDLE:  # the usual case: nobody else sends, nothing deferred
                 if not pieces:
                     return
+                self.state = _SENDING  # as _become_sender: IDLE has nothing deferred, nothing due
                 taken = pieces
-            elif state is OutboxState.DEFERRED:
-                taken, self._pieces = [*self._pieces, *pieces], []
-            else:  # another thread sends: it writes these too, or leaves them to this one
-                self._queued += 1
-                ticket = self._queued
-                self._pieces.extend(pieces)
-                while self.state is OutboxState.SENDING and self._written < ticket:
-                    self._cond.wait()
-                if self._error is not None:
-                    raise self._error
-                if self._written >= ticket:
-                    return
-                taken, self._pieces = self._pieces, []
-            self._become_sender()
+            else:
+                if state is _DEFERRED:
+                    taken, self._pieces = [*self._pieces, *pieces], []
+                else:  # another thread sends: it writes these too, or leaves them to this one
+                    self._queued += 1
+                    ticket = self._queued
+                    self._pieces.extend(pieces)
+                    while self.state is _SENDING and self._written < ticket:
+                        self._cond.wait()
+                    if self._error is not None:
+                        raise self._error
+                    if self._written >= ticket:
+                        return
+                    taken, self._pieces = self._pieces, []
+                self._become_sender()
             upto, start = self._queued, self._written
         self._write(taken, upto, start)
 
@@ -115,7 +121,7 @@ class Outbox:
         Raises:
             OSError: the socket failed, on this send or an earlier one.
         """
-        if self.state is not OutboxState.IDLE:
+        if self.state is not _IDLE:
             self.send(())
 
     def defer(self, pieces: Sequence[bytes]) -> None:
@@ -133,11 +139,11 @@ class Outbox:
                 raise self._error
             self._pieces.extend(pieces)
             state = self.state
-            if state is OutboxState.SENDING:
+            if state is _SENDING:
                 return  # the sender writes them with the rest
             self._deferred += 1
             if self._deferred < self._max_deferred:
-                if state is OutboxState.DEFERRED:
+                if state is _DEFERRED:
                     return
                 until = self._start_deferring()
             else:
@@ -153,13 +159,13 @@ class Outbox:
 
     def _start_deferring(self) -> float:
         """IDLE or SENDING -> DEFERRED: queued pieces wait, nobody writes; return when they are due (under the lock)."""
-        self.state = OutboxState.DEFERRED
+        self.state = _DEFERRED
         self.deferred_until = until = time.monotonic() + self._delay
         return until
 
     def _become_sender(self) -> None:
         """DEFERRED or IDLE -> SENDING: the calling thread writes what it took (under ``_lock``)."""
-        self.state = OutboxState.SENDING
+        self.state = _SENDING
         self.deferred_until = _INF
         self._deferred = 0
 
@@ -186,9 +192,9 @@ class Outbox:
                     start, upto = upto, self._queued
                     continue
                 if not more:
-                    self.state = OutboxState.IDLE
+                    self.state = _IDLE
                 elif self._queued > upto:  # a thread waits to send: it writes what is left
-                    self.state = OutboxState.DEFERRED
+                    self.state = _DEFERRED
                     self.deferred_until = time.monotonic()
                 else:  # only deferred pieces are left: they are due later
                     until = self._start_deferring()

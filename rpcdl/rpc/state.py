@@ -30,6 +30,10 @@ class Reader(enum.Enum):
     BACKGROUND = "background"  #: the connection's own thread
 
 
+# read on every call: an enum member's lookup through its class costs ~0.05 us (3.11)
+_NOBODY, _CALLER = Reader.NOBODY, Reader.CALLER
+
+
 class ReadingRole:
     """Who reads the socket now, how many callers wait to, and when the connection's thread may read.
 
@@ -49,7 +53,7 @@ class ReadingRole:
     __slots__ = ("_caller_left_at", "_delay", "_waiters", "holder")
 
     def __init__(self, background_delay: float = 0.001) -> None:
-        self.holder = Reader.NOBODY  #: who reads now
+        self.holder = _NOBODY  #: who reads now
         self._waiters = 0
         self._caller_left_at = float("-inf")
         self._delay = background_delay
@@ -57,7 +61,7 @@ class ReadingRole:
     @property
     def free(self) -> bool:
         """Whether nobody reads."""
-        return self.holder is Reader.NOBODY
+        return self.holder is _NOBODY
 
     @property
     def waiters(self) -> int:
@@ -67,20 +71,20 @@ class ReadingRole:
     @property
     def callers_present(self) -> bool:
         """Whether a caller reads or waits to."""
-        return self.holder is Reader.CALLER or self._waiters > 0
+        return self.holder is _CALLER or self._waiters > 0
 
     def take(self, reader: Reader) -> bool:
         """Take the role for ``reader`` if nobody holds it; return whether it did."""
-        if self.holder is not Reader.NOBODY:
+        if self.holder is not _NOBODY:
             return False
         self.holder = reader
         return True
 
     def give_back(self, now: float) -> None:
         """Free the role at ``now`` (its holder read what it came for)."""
-        if self.holder is Reader.CALLER:
+        if self.holder is _CALLER:
             self._caller_left_at = now
-        self.holder = Reader.NOBODY
+        self.holder = _NOBODY
 
     def begin_waiting(self) -> None:
         """A caller blocks until the role is free or its call is answered."""
@@ -93,7 +97,7 @@ class ReadingRole:
 
     def background_turn(self) -> float:
         """From when the connection's thread may take the role: ``inf`` while a caller is present."""
-        if self.holder is Reader.CALLER or self._waiters > 0:
+        if self.holder is _CALLER or self._waiters > 0:
             return float("inf")
         return self._caller_left_at + self._delay
 

@@ -339,7 +339,11 @@ class FrameReader:
         """
         if self._end - self._start < _HEADER.size:
             try:
-                self._fill(_HEADER.size, idle=True)
+                if self._start == self._end:  # the usual case: nothing buffered, and one receive fills from the start
+                    self._start = self._end = 0
+                    self._end = self._recv_into(self._view, idle=True)
+                if self._end - self._start < _HEADER.size:  # a frame has begun: the rest may not be idle
+                    self._fill(_HEADER.size)
             except _Idle:
                 return None
         start = self._start

@@ -1,0 +1,92 @@
+"""The frame reader's waits over a real socket pair: idle between frames, stalled inside one.
+
+A read that finds nothing within the socket's receive timeout is idle and
+returns ``None``; once a frame has begun, the reader waits for the rest up
+to its stall timeout, however the bytes are split.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+
+pytestmark = pytest.mark.timeout(30)
+
+RECEIVE_TIMEOUT = 0.05
+
+
+@pytest.fixture
+def pair():
+    left, right = socket.socketpair()
+    yield io_stream(left, receive=RECEIVE_TIMEOUT, send=5.0), right
+    left.close()
+    right.close()
+
+
+def _frame_bytes(call_id: int, payload: bytes = b"payload") -> bytes:
+    return b"".join(encode_frame(Frame(Kind.RESULT, call_id, 0, payload, [])))
+
+
+def _send_later(sock: socket.socket, pieces: list[bytes], pause: float) -> threading.Thread:
+    def send() -> None:
+        for piece in pieces:
+            time.sleep(pause)
+            sock.sendall(piece)
+
+    sender = threading.Thread(target=send, name="test-sender")
+    sender.start()
+    return sender
+
+
+def test_a_read_that_finds_nothing_is_idle_and_the_next_frame_is_read_whole(pair):
+    reading, writing = pair
+    reader = FrameReader(reading, Limits(), stall_timeout=5.0)
+    started = time.monotonic()
+    assert reader.read_frame() is None
+    assert time.monotonic() - started < 1.0  # the receive timeout, not the stall timeout
+    writing.sendall(_frame_bytes(7))
+    frame = reader.read_frame()
+    assert (frame.kind, frame.call_id, frame.payload) == (Kind.RESULT, 7, b"payload")
+
+
+@pytest.mark.parametrize("split_at", [1, 10, 31, 33])
+def test_a_frame_split_with_pauses_longer_than_the_receive_timeout_is_read_whole(pair, split_at):
+    reading, writing = pair
+    reader = FrameReader(reading, Limits(), stall_timeout=5.0)
+    data = _frame_bytes(8, b"x" * 40)
+    sender = _send_later(writing, [data[:split_at], data[split_at:]], pause=RECEIVE_TIMEOUT * 3)
+    frames = []
+    while not frames:
+        frame = reader.read_frame()  # None while nothing of the frame came; never None once it began
+        if frame is not None:
+            frames.append(frame)
+    sender.join()
+    assert (frames[0].call_id, frames[0].payload) == (8, b"x" * 40)
+    assert not reader.buffered
+
+
+def test_a_peer_that_stops_inside_a_header_stalls_the_reader(pair):
+    reading, writing = pair
+    reader = FrameReader(reading, Limits(), stall_timeout=0.3)
+    writing.sendall(_frame_bytes(9)[:5])
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="in the middle of a message"):
+        reader.read_frame()
+    assert 0.3 <= time.monotonic() - started < 3.0
+
+
+def test_frames_that_arrive_together_are_read_from_the_buffer(pair):
+    reading, writing = pair
+    reader = FrameReader(reading, Limits(), stall_timeout=5.0)
+    writing.sendall(_frame_bytes(1) + _frame_bytes(2, b"second"))
+    time.sleep(0.05)  # both are in the socket before the first read
+    assert reader.read_frame().call_id == 1
+    assert reader.holds_frame
+    reading.close()  # the second is read without touching the socket
+    frame = reader.read_frame()
+    assert (frame.call_id, frame.payload) == (2, b"second")
