@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from rpcdl.address import check_workers, parse_address
 from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
-from rpcdl.data.dataloader import RPCDataloader
+from rpcdl.data.dataloader import RPCDataloader, check_max_batches_per_call
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import shard_workers
 from rpcdl.integrations._recipes import dataset_recipe, import_object
@@ -223,6 +223,9 @@ class RPCDataModule(pl.LightningDataModule):
         seed: base seed of the shuffle and of the workers' random generators.
             ``None``: the seed of ``seed_everything`` (``$PL_GLOBAL_SEED``), else 0.
         num_local_workers: worker processes to start when no workers are given.
+        max_batches_per_call: the most consecutive batches one call fetches when
+            batches are small and quick to make (``1``: a call per batch; see
+            :class:`~rpcdl.RPCDataloader`).
 
     Example::
 
@@ -252,11 +255,13 @@ class RPCDataModule(pl.LightningDataModule):
         timeout: float = 120.0,
         seed: int | None = None,
         num_local_workers: int = 2,
+        max_batches_per_call: int = 16,
     ):
         super().__init__()
         check_positive_int(batch_size, "batch_size")
         check_positive_int(prefetch_factor, "prefetch_factor")
         check_positive_int(num_local_workers, "num_local_workers")
+        check_max_batches_per_call(max_batches_per_call)
         check_int(eval_batch_size, "eval_batch_size", minimum=1, optional=True)
         check_loader_timeout(timeout)
         check_int(seed, "seed", optional=True, wrong_type=TypeError)
@@ -287,6 +292,7 @@ class RPCDataModule(pl.LightningDataModule):
         self.timeout = float(timeout)
         self.seed = seed
         self.num_local_workers = num_local_workers
+        self.max_batches_per_call = max_batches_per_call
 
         self.all_workers: list[str] = []
         """Every worker of the job, once set up."""
@@ -439,6 +445,7 @@ class RPCDataModule(pl.LightningDataModule):
             drop_last=self.drop_last and training,
             timeout=self.timeout,
             prefetch_factor=self.prefetch_factor,
+            max_batches_per_call=self.max_batches_per_call,
             seed=derive_seed(self._base_seed, self.rank, _SPLITS.index(split)),
             epoch_source=self._current_epoch,
             batch_limit=self._train_batch_limit if training else lambda: float("inf"),

@@ -92,6 +92,8 @@ def test_arguments_are_checked_where_they_are_given():
     with pytest.raises(ValueError, match="timeout option should be non-negative"):  # torch's DataLoader message
         RPCDataModule(train_dataset=probe_spec(4), timeout=-1)
     assert RPCDataModule(train_dataset=probe_spec(4), timeout=0).timeout == 0  # no timeout, as in torch
+    with pytest.raises(ValueError, match="max_batches_per_call must be a positive integer"):
+        RPCDataModule(train_dataset=probe_spec(4), max_batches_per_call=0)
 
 
 def test_nested_class_paths_in_init_args_are_built_on_the_workers(two_workers):
@@ -100,6 +102,7 @@ def test_nested_class_paths_in_init_args_are_built_on_the_workers(two_workers):
         workers=two_workers,
         train_dataset={"class_path": "probe_dataset.ProbeDataset", "init_args": {"n": 6, "transform": shift}},
         batch_size=3,
+        max_batches_per_call=2,
     )
     data.setup("fit")
     try:
@@ -107,6 +110,7 @@ def test_nested_class_paths_in_init_args_are_built_on_the_workers(two_workers):
     finally:
         data.teardown("fit")
     assert len(noise) == 6 and all(10.0 <= x < 11.0 for x in noise)
+    assert data.loaders["train"].max_batches_per_call == 2
     with pytest.raises(ImportError, match="NoSuchTransform"):
         RPCDataModule(
             train_dataset={"class_path": "probe_dataset.ProbeDataset",

@@ -130,7 +130,7 @@ class RPCDataloader:
             )
         call_timeout = check_loader_timeout(timeout)
         check_positive_int(prefetch_factor, "prefetch_factor", "calls in flight or ready per worker")
-        chunk_sizer = ChunkSizer(_check_max_batches_per_call(max_batches_per_call), call_timeout, TARGET_CHUNK_BYTES)
+        chunk_sizer = ChunkSizer(check_max_batches_per_call(max_batches_per_call), call_timeout, TARGET_CHUNK_BYTES)
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
@@ -220,7 +220,7 @@ class RPCDataloader:
     @max_batches_per_call.setter
     def max_batches_per_call(self, value: int) -> None:
         sizer = self._chunk_sizer
-        sizer.max_chunk_size = _check_max_batches_per_call(value)
+        sizer.max_chunk_size = check_max_batches_per_call(value)
         sizer.size = min(sizer.size, sizer.max_chunk_size)
 
     def worker_states(self) -> dict[str, str]:
@@ -393,7 +393,14 @@ class RPCDataloader:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"
 
 
-def _check_max_batches_per_call(value: Any) -> int:
+def check_max_batches_per_call(value: Any) -> int:
+    """Return ``value``; raise ``ValueError`` unless it is a positive integer (a loader's ``max_batches_per_call``).
+
+    Example::
+
+        >>> check_max_batches_per_call(16)
+        16
+    """
     return check_positive_int(value, "max_batches_per_call", "batches one call may fetch (1: one each)")
 
 
