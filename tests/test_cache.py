@@ -423,7 +423,8 @@ def test_redis_dying_under_a_loader_on_a_worker(two_workers, redis_server, on_er
         [worker], CachedDataset, RandomBitsDataset(n), backend="redis", dataset_name=name(),
         writer_buffer_size=1, hosts=[redis_server.host_spec], on_error=on_error,
     )  # fmt: skip
-    loader = rpcdl.RPCDataloader(dataset, batch_size=2, prefetch_factor=1)
+    # one batch per call: the batches in flight when the server stops are bounded by the window of calls
+    loader = rpcdl.RPCDataloader(dataset, batch_size=2, prefetch_factor=1, max_batches_per_call=1)
     first = [bits(batch) for batch in loader]
     iterator = iter(loader)
     again = [bits(next(iterator))]
