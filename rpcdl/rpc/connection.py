@@ -58,8 +58,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from ..address import parse_address
 from ..errors import (
     ConnectionLost,
@@ -498,11 +496,3 @@ class Connection(ConnectionThread):
         if self._role.waiters:
             self._cond.notify_all()
         self._caller_left()
-
-    def _pins(self, call_id: int) -> bool:
-        return getattr(self._calls.get(call_id), "pin_memory", False) and shm.can_pin()
-
-    def _allocate(self, call_id: int, size: int) -> Any:
-        if self._pins(call_id):
-            return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
-        return buffers.for_receiving(size)

@@ -1,8 +1,9 @@
 """What a connection's own thread (``rpcdl-connection-HOST:PORT``) does: open the connection, then serve it.
 
 Threading model: stated once, in :mod:`rpcdl.rpc.connection`. :class:`ConnectionThread`
-holds the methods this thread runs, and those the other threads call to wake
-it (:meth:`~ConnectionThread._caller_left`, :meth:`~ConnectionThread._wake_serve_by`);
+holds the methods this thread runs, those the other threads call to wake
+it (:meth:`~ConnectionThread._caller_left`, :meth:`~ConnectionThread._wake_serve_by`),
+and what the reader it opens calls for the memory of answers (``_allocate``);
 :class:`~rpcdl.rpc.connection.Connection` is made of it and holds the state.
 """
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
+
+import torch
 
 from ..errors import AuthenticationError, ProtocolError, WorkerUnavailable
-from ..transport import shm
+from ..transport import buffers, shm
 from ..transport.polling import Poller
 from ..transport.wire import FrameReader, encode_frame, io_stream
 from .dial import dial
@@ -125,6 +129,16 @@ class ConnectionThread:
             self._serve_cond.wait(tick)
         finally:
             self._serve_wakes_at = 0.0
+
+    def _pins(self, call_id: int) -> bool:
+        """Whether the buffers of the answer to ``call_id`` are received into pinned memory."""
+        return getattr(self._calls.get(call_id), "pin_memory", False) and shm.can_pin()
+
+    def _allocate(self, call_id: int, size: int) -> Any:
+        """Memory for a buffer of ``size`` bytes of the answer to ``call_id``, as the reader receives it."""
+        if self._pins(call_id):
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+        return buffers.for_receiving(size)
 
     def _connect(self) -> socket.socket:
         sock, agreed = dial(
