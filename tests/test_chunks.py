@@ -53,6 +53,19 @@ def test_a_byte_target_bounds_the_answer_of_a_chunk():
     assert unbounded.size == 64
 
 
+def test_a_lower_bound_applies_to_the_next_chunk_and_a_higher_one_lets_it_grow():
+    sizer = ChunkSizer(16, timeout=120)
+    for _ in range(5):
+        sizer.observe(sizer.size, seconds=sizer.size * 1e-5)
+    assert sizer.size == 16
+    sizer.max_chunk_size = 4
+    assert (sizer.max_chunk_size, sizer.size) == (4, 4)
+    sizer.max_chunk_size = 32
+    assert sizer.size == 4  # grows again from there, by its answers
+    sizer.observe(4, seconds=4e-5)
+    assert sizer.size == 8
+
+
 def test_a_short_chunk_does_not_make_the_next_one_larger_and_restart_goes_back_to_one():
     sizer = ChunkSizer(64, timeout=120)
     sizer.size = 8

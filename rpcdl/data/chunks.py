@@ -110,10 +110,20 @@ class ChunkSizer:
     """
 
     def __init__(self, max_chunk_size: int, timeout: float, target_bytes: int | None = None):
-        self.max_chunk_size = max_chunk_size
+        self._max_chunk_size = max_chunk_size
         self.target_seconds = min(TARGET_CHUNK_SECONDS, timeout / 20) if timeout > 0 else TARGET_CHUNK_SECONDS
         self.target_bytes = target_bytes
         self.size = 1
+
+    @property
+    def max_chunk_size(self) -> int:
+        """The most items in one chunk; a new bound applies to the next chunk."""
+        return self._max_chunk_size
+
+    @max_chunk_size.setter
+    def max_chunk_size(self, value: int) -> None:
+        self._max_chunk_size = value
+        self.size = min(self.size, value)
 
     def observe(self, items: int, seconds: float, nbytes: int = 0) -> None:
         """Learn from a chunk of ``items`` items that took ``seconds`` on its worker and answered ``nbytes``."""

@@ -219,9 +219,7 @@ class RPCDataloader:
 
     @max_batches_per_call.setter
     def max_batches_per_call(self, value: int) -> None:
-        sizer = self._chunk_sizer
-        sizer.max_chunk_size = check_max_batches_per_call(value)
-        sizer.size = min(sizer.size, sizer.max_chunk_size)
+        self._chunk_sizer.max_chunk_size = check_max_batches_per_call(value)
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
