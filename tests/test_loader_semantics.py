@@ -275,15 +275,9 @@ class SlowAtOneIndex(helpers.RangeDataset):
 def test_a_batch_slower_than_the_timeout_fails_alone_and_every_other_batch_comes_once(embedded_worker):
     workers = [embedded_worker().address for _ in range(2)]
     dataset = rpcdl.RPCDataset(workers, SlowAtOneIndex, 200, 11, 2.0)
-    batches, failures = iter(rpcdl.RPCDataloader(dataset, timeout=0.3)), []
-    seen = []
-    while True:
-        try:
-            seen.append(next(batches).item())
-        except StopIteration:
-            break
-        except WorkerTimeout as failure:  # the batch is lost, the epoch goes on, as with torch's worker errors
-            failures.append(failure)
+    # the batch is lost, the epoch goes on, as with torch's worker errors
+    batches, failures = helpers.values_and_errors(rpcdl.RPCDataloader(dataset, timeout=0.3), WorkerTimeout)
+    seen = [batch.item() for batch in batches]
     assert len(failures) == 1 and "timed out on 2 workers" in "".join(failures[0].__notes__)
     assert seen == [i for i in range(200) if i != 11]  # in order, none lost, none twice
 
