@@ -6,7 +6,11 @@ each map a chunk of items (:class:`rpcdl.data.chunked_pass.ChunkedPass`, the
 loader's engine too), so scheduling, failover, revival and the handling of a
 failed chunk are the loader's.
 
-Threading: a pass belongs to the thread that advances it (see :mod:`rpcdl.data.scheduler`).
+Threading: a :class:`RemoteMap` runs no thread; its passes are advanced by the
+threads that iterate them, one thread per pass at a time (see
+:mod:`rpcdl.data.scheduler`). What its passes share has its own owner: the
+pool's lock guards the workers' records (:mod:`rpcdl.data.pool`), the chunk
+sizer and the served counts have their own locks; its settings do not change.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import torch
 
 from rpcdl import rpc_async
 from rpcdl.checks import check_positive_int, check_timeout
-from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass
+from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ServedCounts
 from rpcdl.data.chunks import ChunkSizer, run_chunk
-from rpcdl.data.scheduler import Task, WorkerPool, WorkerSlot
+from rpcdl.data.pool import WorkerPool
+from rpcdl.data.records import Task
 
 #: The default bound of items in one chunk.
 DEFAULT_MAX_CHUNK_SIZE = 256
@@ -38,6 +43,25 @@ def check_options(prefetch_factor: Any, timeout: Any, max_chunk_size: Any = 1) -
     check_positive_int(prefetch_factor, "prefetch_factor", "calls in flight per worker")
     check_timeout(timeout)
     check_positive_int(max_chunk_size, "max_chunk_size", "items mapped by one call (1: one call per item)")
+
+
+class MapCall:
+    """Sends a chunk of ``(item, tag)`` pairs to a worker to map the items through ``fn`` (a pass's call).
+
+    Args:
+        fn: the function applied to each item.
+        pin_memory: receive results into pinned memory.
+        timeout: seconds a call may take.
+    """
+
+    __slots__ = ("fn", "pin_memory", "timeout")
+
+    def __init__(self, fn: Callable, *, pin_memory: bool, timeout: float):
+        self.fn, self.pin_memory, self.timeout = fn, pin_memory, timeout
+
+    def __call__(self, task: Task, address: str) -> torch.futures.Future:
+        items = [item for item, _ in task.payload]
+        return rpc_async(address, run_chunk, (self.fn, items), pin_memory=self.pin_memory, timeout=self.timeout)
 
 
 class RemoteMap:
@@ -63,15 +87,12 @@ class RemoteMap:
         self.pid = os.getpid()
         self.pool = WorkerPool(workers, prefetch_factor=prefetch_factor, timeout=timeout)
         self.sizer = ChunkSizer(max_chunk_size, self.timeout)
-        self.items_served = dict.fromkeys(workers, 0)
+        self.items_served = ServedCounts(workers)
+        self._call = MapCall(fn, pin_memory=pin_memory, timeout=self.timeout)
 
     def start(self, items: Iterator[tuple[Any, Any]]) -> ChunkedPass:
         """Begin a pass over ``(item, tag)`` pairs; iterate it for the mapped items, in order."""
         return ChunkedPass(self.pool, items, self._call, self.sizer, self.items_served)
-
-    def _call(self, task: Task, slot: WorkerSlot) -> torch.futures.Future:
-        items = [item for item, _ in task.payload]
-        return rpc_async(slot.address, run_chunk, (self.fn, items), pin_memory=self.pin_memory, timeout=self.timeout)
 
     def result(self, mapped: ChunkedItem) -> Any:
         """The value of a mapped item, or its error raised with a note naming the item and worker."""

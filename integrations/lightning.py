@@ -163,11 +163,8 @@ class _TrainerLoader(RPCDataloader):
         self._epoch_source = epoch_source
         self._batch_limit = batch_limit
 
-    def _begin_epoch(self) -> tuple[int, Any, dict[str, Any] | None]:
-        epoch = self._epoch_source()
-        if epoch is not None and self._resume is None:
-            self.set_epoch(epoch)
-        return super()._begin_epoch()
+    def _requested_epoch(self) -> int | None:
+        return self._epoch_source()  # a loaded state still wins: it names its own epoch
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

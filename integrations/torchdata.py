@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from rpcdl.address import check_workers
 from rpcdl.checks import check_int, check_positive_int
-from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass
+from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ChunkedPassState
 from rpcdl.data.dataloader import RPCDataloader
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import rank_and_world_size
@@ -68,7 +68,7 @@ class _RemoteMapOwner:
         """How many items each worker mapped (and this process accepted) so far."""
         if self._remote_map is None or self._remote_map.pid != os.getpid():
             return dict.fromkeys(self.workers, 0)
-        return dict(self._remote_map.items_served)
+        return self._remote_map.items_served.snapshot()
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state in this process: ``active``, ``down`` or ``probing``."""
@@ -241,7 +241,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         except StopIteration:
             raise
         except Exception:
-            if self._pass.source_failed:  # the source raised: a new pass goes on with what it gives next
+            if self._pass.state is ChunkedPassState.SOURCE_FAILED:  # a new pass goes on with what the source gives next
                 self._pass, self._behind = None, _SOURCE_NOW
             raise
         snapshot = task.payload[1]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rpcdl.data.chunks import ChunkReader, ChunkSizer, answer_bytes, run_chunk
+from rpcdl.data.chunks import ChunkReader, ChunkSizer, ReaderState, answer_bytes, run_chunk
 from rpcdl.errors import ChunkFailed
 from rpcdl.serialization.stacked import StackedSamples
 
@@ -66,9 +66,16 @@ def test_a_lower_bound_applies_to_the_next_chunk_and_a_higher_one_lets_it_grow()
     assert sizer.size == 8
 
 
+def _grown(sizer: ChunkSizer, size: int) -> ChunkSizer:
+    """``sizer`` after cheap full chunks made it ``size`` items (doubling at each)."""
+    while sizer.size < size:
+        sizer.observe(sizer.size, seconds=1e-6)
+    assert sizer.size == size
+    return sizer
+
+
 def test_a_short_chunk_does_not_make_the_next_one_larger_and_restart_goes_back_to_one():
-    sizer = ChunkSizer(64, timeout=120)
-    sizer.size = 8
+    sizer = _grown(ChunkSizer(64, timeout=120), 8)
     sizer.observe(3, seconds=1e-6)  # the source ended or was slow: says nothing about 16
     assert sizer.size == 8
     sizer.restart()
@@ -97,8 +104,9 @@ def test_the_reader_hands_out_what_it_pulled_before_the_source_raised():
         yield from range(5)
         raise KeyError("sampler broke")
 
-    sizer = ChunkSizer(4, timeout=120)
-    sizer.size = 4
-    reader = ChunkReader(source(), sizer)
+    reader = ChunkReader(source(), _grown(ChunkSizer(4, timeout=120), 4))
     assert list(reader) == [[0, 1, 2, 3], [4]]
-    assert isinstance(reader.error, KeyError)
+    assert reader.state is ReaderState.FAILED
+    assert isinstance(reader.take_error(), KeyError)
+    assert reader.state is ReaderState.ENDED and reader.take_error() is None  # handed out once
+    assert list(reader) == []

@@ -17,7 +17,7 @@ from torch.utils.data._utils.collate import collate_tensor_fn, default_collate, 
 
 import rpcdl
 from rpcdl.data import fetch
-from rpcdl.data.scheduler_parts import WorkerSlot, WorkerState, _Attempt
+from rpcdl.data.records import Attempt, WorkerSlot, WorkerState
 from rpcdl.data.scheduling_policy import SLOW_FACTOR, SchedulingPolicy, active, any_active
 from rpcdl.errors import RRefNotFound
 from rpcdl.rpc.rref import RRef, remote_id, resolve_here
@@ -149,7 +149,7 @@ def _random_slots(rng: random.Random, policy: SchedulingPolicy) -> list[WorkerSl
         slot.last_done = rng.uniform(0.0, 1.0)
         slot.last_sent = rng.uniform(0.0, 1.0)
         for _ in range(rng.randint(0, 6)):
-            slot.in_flight.add(_Attempt(None, slot, 0.0, None))
+            slot.in_flight.add(Attempt(0, index, 1, 0.0, torch.futures.Future()))
         slots.append(slot)
     return slots
 

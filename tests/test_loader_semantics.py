@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import signal
 import time
+import weakref
 
 import helpers
 import pytest
@@ -72,19 +73,56 @@ def test_state_dict_follows_the_iterator_that_yielded_last(two_workers):
     assert as_lists(second) == [[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23]]
 
 
+def _in_flight(loader: rpcdl.RPCDataloader) -> int:
+    return sum(entry["in_flight"] for entry in loader.worker_windows().values())
+
+
 @pytest.mark.timeout(60)
 def test_a_dropped_iterator_cancels_what_it_has_in_flight(two_workers):
     dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 400, 0.002)
-    loader = rpcdl.RPCDataloader(dataset, batch_size=2, prefetch_factor=4)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=2, prefetch_factor=4, max_batches_per_call=1)
     for i, _ in enumerate(loader):
         if i == 3:
             next(iter(loader))  # dropped at once, its window in flight
+    assert _in_flight(loader) == 0  # no gc.collect(): its calls were let go as the pool was looked at
+    assert sorted(i for batch in loader for i in batch.tolist()) == list(range(400))
+
+
+@pytest.mark.timeout(60)
+def test_abandoned_epochs_are_freed_by_reference_counting_alone(two_workers):
+    """Without the cyclic collector, an epoch left by ``break`` or peeked at with ``next(iter(loader))`` is freed
+    as it is dropped, and the pool's count of calls in flight is back to 0 at its next look: nothing is left to
+    a finalizer running on another thread."""
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 400, 0.001)
+    loader = rpcdl.RPCDataloader(dataset, batch_size=2, prefetch_factor=4, max_batches_per_call=1)
+    next(iter(loader))  # connections and workers warm
     gc.collect()
-    deadline = time.monotonic() + 20
-    while any(slot.in_flight for slot in loader._pool.slots) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(slot.in_flight for slot in loader._pool.slots)
-    assert not loader._pool._passes  # every pass closed: the finished one, and the dropped one when collected
+    gc.disable()
+    try:
+        for _ in range(5):
+            iterator = iter(loader)
+            for i, _ in enumerate(iterator):
+                if i == 2:
+                    break
+            dropped = weakref.ref(iterator)
+            del iterator
+            assert dropped() is None
+            assert _in_flight(loader) == 0
+        peeked = iter(loader)
+        assert next(peeked).tolist() == [0, 1]
+        dropped = weakref.ref(peeked)
+        del peeked
+        assert dropped() is None and _in_flight(loader) == 0
+        iterator = iter(loader)
+        for batch in iterator:
+            next(iter(loader))  # peeks inside the loop, each dropped at once
+            if batch.tolist() == [10, 11]:
+                break
+        dropped = weakref.ref(iterator)
+        del iterator, batch
+        assert dropped() is None and _in_flight(loader) == 0
+    finally:
+        gc.enable()
     assert sorted(i for batch in loader for i in batch.tolist()) == list(range(400))
 
 

@@ -1,61 +1,29 @@
-"""The scheduler's policy, driven by hand: no process, no socket, the time from a clock the test moves.
+"""The scheduler's policy, driven by hand: no process, no socket, the time given by the test.
 
-The policy alone (:mod:`rpcdl.data.scheduling_policy`) decides on plain records;
-the passes (:class:`rpcdl.data.scheduler.Dispatch`) are driven with futures that
-the test completes, and an injected clock.
+The policy (:mod:`rpcdl.data.scheduling_policy`) decides on plain records
+(:mod:`rpcdl.data.records`); the passes that act on its decisions are tested in
+test_passes.py.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import queue
 
 import pytest
 import torch
 
 from rpcdl import DatasetMismatch
-from rpcdl.data.scheduler import NoWorkersLeft, Task, WorkerPool, WorkerSlot, WorkerState
-from rpcdl.data.scheduler_parts import FIRST_PROBE_DELAY, _Attempt, _StillBusy
+from rpcdl.data.probes import StillBusy
+from rpcdl.data.records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
 from rpcdl.data.scheduling_policy import MAX_PROBE_DELAY, AllDownWatch, SchedulingPolicy
 from rpcdl.errors import WorkerTimeout, WorkerUnavailable
 
 pytestmark = pytest.mark.timeout(20)
 
 
-class Clock:
-    """Monotonic seconds that move only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class Calls:
-    """The pool's ``call``: records each (task, worker) and returns a future the test completes."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, str, torch.futures.Future]] = []
-
-    def __call__(self, task: Task, slot: WorkerSlot) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        self.sent.append((task.payload, slot.address, future))
-        return future
-
-    def where(self) -> list[tuple[int, str]]:
-        return [(payload, address) for payload, address, _ in self.sent]
-
-    def future(self, payload: int, address: str) -> torch.futures.Future:
-        return next(f for p, a, f in self.sent if (p, a) == (payload, address) and not f.done())
-
-
-def _send(policy: SchedulingPolicy, slot: WorkerSlot, now: float) -> _Attempt:
-    attempt = _Attempt(Task(0, None), slot, now, queue.SimpleQueue())
+def _send(policy: SchedulingPolicy, slot: WorkerSlot, now: float) -> Attempt:
+    attempt = Attempt(0, slot.index, 1, now, torch.futures.Future())
     policy.sent(slot, attempt)
     return attempt
 
@@ -68,7 +36,7 @@ class Simulation:
         self.policy, self.workers = policy, dict(workers)
         self.slots = [WorkerSlot(address, index) for index, address in enumerate(workers)]
         self.free_at = {address: [0.0] * parallel for address, (_, _, parallel) in workers.items()}
-        self.answers: list[tuple[float, int, _Attempt]] = []
+        self.answers: list[tuple[float, int, Attempt]] = []
         self.order = itertools.count()
         self.served = dict.fromkeys(workers, 0)
         self.most_in_flight = dict.fromkeys(workers, 0)
@@ -85,9 +53,10 @@ class Simulation:
             self.now = min(self.answers[0][0], wake) if self.answers else wake
             while self.answers and self.answers[0][0] <= self.now:
                 _, _, attempt = heapq.heappop(self.answers)
-                attempt.slot.in_flight.discard(attempt)
-                self.policy.observe(attempt.slot, attempt, self.now)
-                self.served[attempt.slot.address] += 1
+                slot = self.slots[attempt.worker]
+                slot.in_flight.discard(attempt)
+                self.policy.observe(slot, attempt, self.now)
+                self.served[slot.address] += 1
 
     def _send(self, slot: WorkerSlot) -> None:
         service, latency, _ = self.workers[slot.address]
@@ -130,32 +99,6 @@ def test_slow_idle_worker_gets_a_trial_task_after_idling():
 # ---------------------------------------------------------------------------- a hedge won by the copy
 
 
-def test_late_head_task_is_copied_and_the_copy_wins():
-    clock, calls = Clock(), Calls()
-    pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=1, timeout=30.0, clock=clock)
-    for slot in pool.slots:
-        slot.service_time = 0.1
-    dispatch = pool.start(iter([7]), calls)
-    dispatch._dispatch()
-    assert calls.where() == [(7, "w0:1")]
-    clock.advance(0.29)
-    dispatch._dispatch()
-    assert calls.where() == [(7, "w0:1")]  # not late yet: under 3 service times
-    clock.advance(0.02)
-    dispatch._dispatch()
-    assert calls.where() == [(7, "w0:1"), (7, "w1:2")]  # late: a copy on the other worker
-
-    calls.future(7, "w1:2").set_result("from the copy")
-    task = next(dispatch)
-    assert (task.value, task.worker) == ("from the copy", "w1:2")
-    calls.future(7, "w0:1").set_result("late")
-    with pytest.raises(StopIteration):
-        next(dispatch)
-    assert pool.served == {"w0:1": 0, "w1:2": 1}  # the late answer is dropped
-    assert all(not slot.in_flight for slot in pool.slots)
-    assert pool.states() == {"w0:1": "active", "w1:2": "active"}
-
-
 def test_hedge_policy_copies_only_once():
     policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
     slots = [WorkerSlot("w0:1", 0), WorkerSlot("w1:2", 1)]
@@ -171,85 +114,6 @@ def test_hedge_policy_copies_only_once():
 
 
 # ---------------------------------------------------------------------------- a worker lost and rejoining
-
-
-class Probes(list):
-    """The futures of the probes the pool started, completed by the test."""
-
-    def revive(self, slot: WorkerSlot) -> torch.futures.Future:
-        self.append(torch.futures.Future())
-        return self[-1]
-
-
-def test_lost_worker_tasks_go_elsewhere_probed_with_backoff_and_it_rejoins():
-    clock, calls, probes = Clock(), Calls(), Probes()
-    pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=1, timeout=30.0, revive=probes.revive, clock=clock)
-    dispatch = pool.start(iter(range(4)), calls)
-    dispatch._dispatch()
-    assert calls.where() == [(0, "w0:1"), (1, "w1:2")]
-
-    calls.future(0, "w0:1").set_exception(WorkerUnavailable("w0:1 went away"))
-    dispatch._handle_events(wait=False)
-    assert pool.states()["w0:1"] == "down"
-    w0 = pool.slots[0]
-    assert w0.probe_at == pytest.approx(clock() + FIRST_PROBE_DELAY)
-    calls.future(1, "w1:2").set_result(1)
-    dispatch._handle_events(wait=False)
-    dispatch._dispatch()
-    assert calls.where()[2] == (0, "w1:2")  # retried elsewhere, before the next new task
-
-    dispatch._probe_due()
-    assert probes == []  # not due yet
-    clock.advance(FIRST_PROBE_DELAY)
-    dispatch._probe_due()
-    assert len(probes) == 1 and pool.states()["w0:1"] == "probing"
-    probes[0].set_exception(WorkerUnavailable("still away"))
-    dispatch._handle_events(wait=False)
-    assert pool.states()["w0:1"] == "down"
-    assert w0.probe_at == pytest.approx(clock() + 2 * FIRST_PROBE_DELAY)  # backoff
-    clock.advance(2 * FIRST_PROBE_DELAY)
-    dispatch._probe_due()
-    probes[1].set_result(0.001)
-    dispatch._handle_events(wait=False)
-    assert pool.states()["w0:1"] == "active" and w0.probe_delay == FIRST_PROBE_DELAY
-
-    results = []
-    calls.future(0, "w1:2").set_result(0)
-    results.append(next(dispatch).value)
-    results.append(next(dispatch).value)  # task 1, done before
-    for payload in (2, 3):
-        address = next(a for p, a in calls.where() if p == payload)
-        calls.future(payload, address).set_result(payload)
-        results.append(next(dispatch).value)
-    assert results == [0, 1, 2, 3]  # every task once, in order
-    assert "w0:1" in {address for _, address in calls.where()[3:]}  # the rejoined worker is given tasks
-    with pytest.raises(StopIteration):
-        next(dispatch)
-
-
-def test_a_worker_still_running_a_call_that_timed_out_is_probed_until_it_is_free():
-    clock, calls, probes = Clock(), Calls(), Probes()
-    pool = WorkerPool(["w0:1"], prefetch_factor=1, timeout=1.0, revive=probes.revive, clock=clock)
-    dispatch = pool.start(iter(range(2)), calls)
-    dispatch._dispatch()
-    calls.future(0, "w0:1").set_exception(WorkerTimeout("w0:1 did not answer within 1s"))
-    dispatch._handle_events(wait=False)
-    assert pool.states()["w0:1"] == "down"
-    clock.advance(FIRST_PROBE_DELAY)
-    dispatch._probe_due()
-    for attempt in range(1, 5):  # alive, but still running the call: asked again at once, the pass waits
-        probes[-1].set_exception(_StillBusy("still running calls"))
-        clock.advance(1.0)
-        dispatch._handle_events(wait=False)
-        assert len(probes) == attempt + 1 and pool.states()["w0:1"] == "probing"
-    probes[-1].set_result(None)
-    dispatch._handle_events(wait=False)
-    assert pool.states()["w0:1"] == "active"
-    assert isinstance(next(dispatch).error, WorkerTimeout)  # it timed out on every worker: its result
-    dispatch._dispatch()
-    assert calls.where()[1:] == [(1, "w0:1")]  # the next task, to the worker back
-    calls.future(1, "w0:1").set_result(1)
-    assert next(dispatch).value == 1
 
 
 def test_probe_backoff_is_capped_and_a_deterministic_failure_excludes():
@@ -268,33 +132,19 @@ def test_probe_backoff_is_capped_and_a_deterministic_failure_excludes():
     assert slot.state == WorkerState.EXCLUDED
 
 
+def test_a_worker_taken_down_orphans_its_calls_and_a_busy_one_is_probed_again_at_once():
+    policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
+    slot = WorkerSlot("w0:1", 0)
+    calls = [_send(policy, slot, 0.0), _send(policy, slot, 0.0)]
+    assert set(policy.take_down(slot, WorkerTimeout("no answer"), now=1.0)) == set(calls)
+    assert not slot.in_flight and all(call.state is AttemptState.ORPHANED and not call.live for call in calls)
+    assert policy.probes_due([slot], now=1.0 + slot.probe_delay / 2) == [slot]  # the first delay, not the doubled
+    assert policy.probe_ended(slot, StillBusy("running calls"), now=2.0) is WorkerState.PROBING
+    assert policy.probe_ended(slot, None, now=3.0) is WorkerState.ACTIVE
+    assert (slot.service_time, slot.window) == (None, None)  # measured afresh
+
+
 # ---------------------------------------------------------------------------- none left
-
-
-def test_none_left_names_every_worker_and_the_last_failure_after_the_timeout():
-    clock, calls = Clock(), Calls()
-    pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=1, timeout=5.0, clock=clock)
-    dispatch = pool.start(iter(range(2)), calls)
-    dispatch._dispatch()
-    calls.future(0, "w0:1").set_exception(WorkerUnavailable("w0:1 refused the connection"))
-    calls.future(1, "w1:2").set_exception(WorkerTimeout("w1:2 did not answer"))
-    dispatch._handle_events(wait=False)  # both down: the wait begins
-    clock.advance(4.99)
-    dispatch._handle_events(wait=False)  # never before the timeout
-    first, second = pool.slots
-    assert pool.policy.probes_due([first], clock()) == [first]
-    pool.policy.probe_ended(first, WorkerUnavailable("w0:1 refused the connection"), clock())
-    clock.advance(0.01)
-    dispatch._handle_events(wait=False)  # nor before each worker was asked again since: w1:2 was not
-    assert pool.policy.probes_due([second], clock()) == [second]
-    pool.policy.probe_ended(second, WorkerUnavailable("w1:2 refused the connection too"), clock())
-    with pytest.raises(NoWorkersLeft) as raised:
-        dispatch._handle_events(wait=False)
-    message = str(raised.value)
-    assert "w0:1 (down: w0:1 refused the connection)" in message
-    assert "w1:2 (down: w1:2 refused the connection too)" in message
-    assert "waited 5s" in message
-    assert dispatch.closed
 
 
 def test_none_left_watch_resets_when_one_comes_back_waits_for_a_probe_of_each_and_gives_up_at_once_when_none_can():
@@ -400,29 +250,3 @@ def test_answers_read_late_do_not_change_the_window():
     slot.in_flight.clear()
     policy.observe(slot, late, 5.02)  # read as it came: measured
     assert slot.rtt == pytest.approx(0.02)
-
-
-def test_pass_holds_at_most_the_windows_and_windows_are_visible():
-    clock, calls = Clock(), Calls()
-    pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=2, timeout=30.0, clock=clock)
-    local, remote = pool.slots
-    local.service_time = 0.01
-    remote.window, remote.rtt, remote.round_trip, remote.service_time = 5, 0.05, 0.06, 0.01  # as measured
-    dispatch = pool.start(iter(range(100)), calls)
-    dispatch._dispatch()
-    assert len(dispatch._outstanding) == 7
-    assert sorted(address for _, address in calls.where()) == ["w0:1"] * 2 + ["w1:2"] * 5
-    windows = pool.windows()
-    assert windows["w0:1"] == {
-        "state": "active", "in_flight": 2, "window": 2, "service_time": 0.01, "rtt": None, "round_trip": None
-    }  # fmt: skip
-    assert windows["w1:2"] == {
-        "state": "active", "in_flight": 5, "window": 5, "service_time": 0.01, "rtt": 0.05, "round_trip": 0.06
-    }  # fmt: skip
-    for payload, _, future in calls.sent:
-        future.set_result(payload)
-    assert next(dispatch).value == 0
-    dispatch._handle_events(wait=False)
-    dispatch._dispatch()
-    assert len(dispatch._outstanding) == 7  # answers not handed out count: nothing more is pulled
-    dispatch.close()

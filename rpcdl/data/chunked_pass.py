@@ -15,21 +15,30 @@ An exception raised by the source is held back until every item pulled before
 it has been handed out, then raised in its place in the stream, as torchdata's
 ``Mapper`` and ``ParallelMapper`` do.
 
-Threading: a pass belongs to the thread that advances it (see :mod:`rpcdl.data.scheduler`).
+Threading: a :class:`ChunkedPass` belongs to the thread advancing it, one at
+a time (another thread entering it meanwhile gets a ``RuntimeError``); any
+thread may close it (see :meth:`rpcdl.data.scheduler.Dispatch.close`). A
+:class:`ServedCounts` is shared by the passes of a loader or remote map: its
+lock guards every access.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+import enum
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..errors import ChunkFailed
 from ..serialization.pickling import load_exception
 from .chunks import ChunkReader, ChunkSizer
-from .scheduler import Call, Dispatch, Task, WorkerPool
+from .guard import EntryGuard
+from .pool import WorkerPool
+from .records import Task
+from .scheduler import Call, Dispatch
 
-__all__ = ["ChunkedItem", "ChunkedPass"]
+__all__ = ["ChunkedItem", "ChunkedPass", "ChunkedPassState", "ServedCounts"]
 
 
 class ChunkedItem:
@@ -39,6 +48,44 @@ class ChunkedItem:
 
     def __init__(self, seq: int, payload: Any, value: Any, error: BaseException | None, worker: str):
         self.seq, self.payload, self.value, self.error, self.worker = seq, payload, value, error, worker
+
+
+class ServedCounts:
+    """How many items each worker ran (and a pass accepted), counted by the passes of a loader or remote map.
+
+    Args:
+        workers: the addresses counted from the start (at 0).
+
+    Example::
+
+        >>> served = ServedCounts(["a:1"])
+        >>> served.add("a:1", 3)
+        >>> served.snapshot()
+        {'a:1': 3}
+    """
+
+    def __init__(self, workers: Iterable[str]):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(workers, 0)
+
+    def add(self, worker: str, items: int) -> None:
+        """Count ``items`` more for ``worker``."""
+        with self._lock:
+            self._counts[worker] = self._counts.get(worker, 0) + items
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts now, a copy."""
+        with self._lock:
+            return dict(self._counts)
+
+
+class ChunkedPassState(enum.Enum):
+    """Where a :class:`ChunkedPass` is."""
+
+    RUNNING = "running"  #: handing out items
+    SOURCE_FAILED = "source failed"  #: its last ``next()`` raised the source's exception: nothing more comes
+    FINISHED = "finished"  #: every item was handed out
+    CLOSED = "closed"  #: closed before its end
 
 
 class ChunkedPass(Iterator[ChunkedItem]):
@@ -51,50 +98,67 @@ class ChunkedPass(Iterator[ChunkedItem]):
             its future; the call answers ``(values, seconds, nbytes)`` or raises
             :class:`~rpcdl.errors.ChunkFailed` (see :func:`~rpcdl.data.chunks.run_chunk`).
         sizer: the size of the chunks; it learns from their answers.
-        served: worker address -> items it ran, counted up as chunks come back.
+        served: the items each worker ran, counted up as chunks come back.
         in_order: hand out chunks in source order (else as they complete).
 
     Attributes:
-        source_failed: the last ``next()`` raised the source's exception.
+        state: a :class:`ChunkedPassState`.
     """
 
     def __init__(
-        self, pool: WorkerPool, items: Iterator[Any], call: Call, sizer: ChunkSizer,
-        served: dict[str, int], *, in_order: bool = True,
-    ):  # fmt: skip
+        self,
+        pool: WorkerPool,
+        items: Iterator[Any],
+        call: Call,
+        sizer: ChunkSizer,
+        served: ServedCounts,
+        *,
+        in_order: bool = True,
+    ):
         self._pool = pool
         self._call = call
         self._sizer = sizer
         self._served = served
         self._in_order = in_order
         self._reader = ChunkReader(items, sizer)
-        self._dispatch = pool.start(self._reader, call, in_order=in_order)
+        self._dispatch = Dispatch(pool, self._reader, call, in_order=in_order)
         self._split: Dispatch | None = None  # a failed chunk, run again item by item
         self._ready: collections.deque[ChunkedItem] = collections.deque()
         self._handed_out = 0
-        self.source_failed = False
+        self._entry = EntryGuard("this pass")
+        self._closing = threading.Event()  # set by close(), from any thread
+        self.state = ChunkedPassState.RUNNING
 
     def __next__(self) -> ChunkedItem:
-        while not self._ready:
-            if self._split is not None:
+        with self._entry:
+            if self.state is not ChunkedPassState.RUNNING:
+                raise StopIteration
+            while True:
+                if self._closing.is_set():  # closed by another thread
+                    self._end()
+                    raise StopIteration
+                if self._ready:
+                    break
+                if self._split is not None:
+                    try:
+                        self._expand(next(self._split))
+                    except StopIteration:
+                        self._split = None
+                    continue
                 try:
-                    self._expand(next(self._split))
+                    task = next(self._dispatch)
                 except StopIteration:
-                    self._split = None
-                continue
-            try:
-                task = next(self._dispatch)
-            except StopIteration:
-                break
-            self._expand(task)
-        if self._ready:
-            self._handed_out += 1
-            return self._ready.popleft()
-        error, self._reader.error = self._reader.error, None
-        if error is None:
-            raise StopIteration
-        self.source_failed = True
-        raise error
+                    break
+                self._expand(task)
+            if self._ready:
+                self._handed_out += 1
+                return self._ready.popleft()
+            error = self._reader.take_error()
+            if error is None:
+                self.state = ChunkedPassState.FINISHED
+                raise StopIteration
+            self.state = ChunkedPassState.SOURCE_FAILED
+            raise error
 
     def _expand(self, task: Task) -> None:
         """Queue the items of a finished chunk, or run them again one by one if it failed as a whole."""
@@ -106,7 +170,7 @@ class ChunkedPass(Iterator[ChunkedItem]):
             else:
                 values, seconds, nbytes, errors = error.values, error.seconds, error.nbytes, error.errors
             self._sizer.observe(len(chunk), seconds, nbytes)
-            self._served[worker] = self._served.get(worker, 0) + len(chunk)
+            self._served.add(worker, len(chunk))
             for index, (item, value) in enumerate(zip(chunk, values, strict=True)):
                 report = errors.get(index)
                 failure = None if report is None else load_exception(report, worker)
@@ -115,12 +179,26 @@ class ChunkedPass(Iterator[ChunkedItem]):
             self._ready.append(ChunkedItem(self._handed_out + len(self._ready), chunk[0], None, error, worker))
         else:
             self._sizer.restart()
-            self._split = self._pool.start(iter([[item] for item in chunk]), self._call, in_order=self._in_order)
+            self._split = Dispatch(self._pool, iter([[item] for item in chunk]), self._call, in_order=self._in_order)
 
     def close(self) -> None:
-        """End the pass; answers still in flight are dropped when they arrive."""
+        """End the pass; answers still in flight are dropped when they arrive.
+
+        Any thread may close it: one advancing it meanwhile stops at its next step.
+        """
+        self._closing.set()
+        self._dispatch.close()  # from any thread; it wakes the thread advancing it, if it waits
+        if self._entry.try_enter():
+            try:
+                self._end()
+            finally:
+                self._entry.leave()
+
+    def _end(self) -> None:
         if self._split is not None:
             self._split.close()
             self._split = None
-        self._ready.clear()
         self._dispatch.close()
+        self._ready.clear()
+        if self.state is ChunkedPassState.RUNNING:
+            self.state = ChunkedPassState.CLOSED

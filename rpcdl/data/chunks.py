@@ -19,12 +19,16 @@ place, so the worker counts the call as failed (it is not retried) and the
 client raises each error at its item's position
 (:class:`rpcdl.data.chunked_pass.ChunkedPass`).
 
-Threading: a :class:`ChunkReader` and a :class:`ChunkSizer` belong to the
-thread that advances their pass.
+Threading: a :class:`ChunkReader` belongs to the thread advancing its pass. A
+:class:`ChunkSizer` is shared by the passes of a loader or remote map, which
+several threads may advance at once, and set by the user's thread
+(``max_batches_per_call``): its lock guards every access to its size and bound.
 """
 
 from __future__ import annotations
 
+import enum
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,7 +40,7 @@ from ..errors import ChunkFailed
 from ..serialization.pickling import dump_exception
 from ..serialization.stacked import StackedSamples
 
-__all__ = ["ChunkReader", "ChunkSizer", "answer_bytes", "run_chunk"]
+__all__ = ["ChunkReader", "ChunkSizer", "ReaderState", "answer_bytes", "run_chunk"]
 
 #: Seconds of work (measured on the worker) a chunk aims at, enough to make a call's overhead small.
 TARGET_CHUNK_SECONDS = 0.002
@@ -110,51 +114,79 @@ class ChunkSizer:
     """
 
     def __init__(self, max_chunk_size: int, timeout: float, target_bytes: int | None = None):
-        self._max_chunk_size = max_chunk_size
         self.target_seconds = min(TARGET_CHUNK_SECONDS, timeout / 20) if timeout > 0 else TARGET_CHUNK_SECONDS
         self.target_bytes = target_bytes
-        self.size = 1
+        self._lock = threading.Lock()
+        self._max_chunk_size = max_chunk_size
+        self._size = 1
+
+    @property
+    def size(self) -> int:
+        """The items the next chunk may carry."""
+        with self._lock:
+            return self._size
 
     @property
     def max_chunk_size(self) -> int:
         """The most items in one chunk; a new bound applies to the next chunk."""
-        return self._max_chunk_size
+        with self._lock:
+            return self._max_chunk_size
 
     @max_chunk_size.setter
     def max_chunk_size(self, value: int) -> None:
-        self._max_chunk_size = value
-        self.size = min(self.size, value)
+        with self._lock:
+            self._max_chunk_size = value
+            self._size = min(self._size, value)
 
     def observe(self, items: int, seconds: float, nbytes: int = 0) -> None:
         """Learn from a chunk of ``items`` items that took ``seconds`` on its worker and answered ``nbytes``."""
-        wanted = self.max_chunk_size
-        if seconds > 0:
-            wanted = min(wanted, int(self.target_seconds * items / seconds))
-        if self.target_bytes is not None and nbytes > 0:
-            wanted = min(wanted, self.target_bytes * items // nbytes)
-        if wanted > self.size and items < self.size:
-            return  # a short chunk (the source was slow or ended) says nothing about a larger one
-        self.size = max(1, min(wanted, 2 * self.size, self.max_chunk_size))
+        with self._lock:
+            wanted = self._max_chunk_size
+            if seconds > 0:
+                wanted = min(wanted, int(self.target_seconds * items / seconds))
+            if self.target_bytes is not None and nbytes > 0:
+                wanted = min(wanted, self.target_bytes * items // nbytes)
+            if wanted > self._size and items < self._size:
+                return  # a short chunk (the source was slow or ended) says nothing about a larger one
+            self._size = max(1, min(wanted, 2 * self._size, self._max_chunk_size))
 
     def restart(self) -> None:
         """Go back to chunks of one item (a chunk failed as a whole)."""
-        self.size = 1
+        with self._lock:
+            self._size = 1
+
+
+class ReaderState(enum.Enum):
+    """Where a :class:`ChunkReader` is."""
+
+    READING = "reading"  #: pulling items from its source
+    FAILED = "failed"  #: the source raised: its error waits to be taken (:meth:`ChunkReader.take_error`)
+    ENDED = "ended"  #: the source ended, or its error was taken
 
 
 class ChunkReader(Iterator[list[Any]]):
     """The chunks of a pass: lists of items pulled from ``items``, as many as ``sizer`` allows.
 
     An exception the source raises ends the chunks (after the chunk holding the
-    items pulled before it) and is kept in ``error``.
+    items pulled before it) and is kept until :meth:`take_error`.
     """
 
     def __init__(self, items: Iterator[Any], sizer: ChunkSizer):
         self._items = items
         self._sizer = sizer
-        self.error: Exception | None = None
+        self.state = ReaderState.READING
+        self._error: Exception | None = None  # while FAILED
+
+    def take_error(self) -> Exception | None:
+        """The exception the source raised, once (``None`` if it raised none)."""
+        if self.state is not ReaderState.FAILED:
+            return None
+        error, self._error = self._error, None
+        self.state = ReaderState.ENDED
+        return error
 
     def __next__(self) -> list[Any]:
-        if self.error is not None:
+        if self.state is not ReaderState.READING:
             raise StopIteration
         chunk: list[Any] = []
         size = self._sizer.size
@@ -167,10 +199,11 @@ class ChunkReader(Iterator[list[Any]]):
                 if now - pulled_at > FILL_SECONDS or now - started > FILL_SECONDS:
                     break  # the source is slow: the next item might not come soon either
         except StopIteration:
+            self.state = ReaderState.ENDED
             if not chunk:
                 raise
         except Exception as exc:
-            self.error = exc
+            self.state, self._error = ReaderState.FAILED, exc
             if not chunk:
                 raise StopIteration from None
         return chunk

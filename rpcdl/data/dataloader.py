@@ -7,13 +7,22 @@ worker, a worker that fails is taken out, revived (its dataset rebuilt when it
 lost it) and rejoins. An exception raised by user code is not retried: it is
 raised in place of its batch, with the remote traceback and the batch's
 indices.
+
+Threading: a loader runs no thread of its own; each ``next()`` of one of its
+iterators does the work, on the thread that calls it. Several iterators of one
+loader may be advanced by several threads at once, each iterator by one thread
+at a time (see :mod:`rpcdl.data.epoch`). What they share has one owner each:
+the workers' records are the pool's, under its lock
+(:mod:`rpcdl.data.pool`); the epochs' bookkeeping is the
+:class:`~rpcdl.data.loader_state.EpochBook`'s, under its lock; the chunk sizer
+and the served counts have their own locks. The loader's other fields are its
+settings, changed by the user's thread between epochs.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -22,11 +31,14 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ..checks import check_int, check_loader_timeout, check_positive_int
+from .chunked_pass import ServedCounts
 from .chunks import ChunkSizer
-from .dataset import RPCDataset
-from .epoch import TARGET_CHUNK_BYTES, EpochIterator
-from .loader_state import check_state, loader_shape
-from .scheduler import WorkerPool, WorkerSlot, probe_async
+from .dataset import DatasetSetup, RPCDataset
+from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
+from .fetch import fetch_batches_at, fetch_samples_at
+from .loader_state import EpochBook, check_state, loader_shape
+from .pool import WorkerPool
+from .probes import PROBE_TIMEOUT
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
 
 log = logging.getLogger("rpcdl.dataloader")
@@ -84,8 +96,10 @@ class RPCDataloader:
     torch's ``num_workers``, ``persistent_workers``, ``worker_init_fn`` and
     ``multiprocessing_context`` raise a ``TypeError`` saying what replaces them
     here. Several iterators of one loader run independently, each its own
-    epoch, as torch's do; they are advanced by one thread at a time (the
-    loader runs no thread of its own: each ``next()`` does the work). As in
+    epoch, as torch's do, on one thread or several (each iterator advanced by
+    one thread at a time: another thread entering the same iterator's
+    ``next()`` meanwhile gets a ``RuntimeError``). The loader runs no thread of
+    its own: each ``next()`` does the work. As in
     torch, ``batch_size``, ``batch_sampler``, ``sampler``, ``drop_last`` and
     ``dataset`` cannot be set after construction.
 
@@ -173,21 +187,15 @@ class RPCDataloader:
         self.prefetch_factor = prefetch_factor
         self._chunk_sizer = chunk_sizer
         self.in_order = in_order
-        self.generator = generator
         self.seed = seed
+        setup = DatasetSetup(dataset, min(call_timeout, PROBE_TIMEOUT))
         self._pool = WorkerPool(
-            dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(),
-            revive=self._revive, forget=dataset.forget,
-        )  # fmt: skip
-        self._batches_served = dict.fromkeys(dataset.workers, 0)
-        self._next_epoch = 0
-        self._explicit_epoch: int | None = None
-        self._told_epoch: int | None = None
-        self._started_epoch: int | None = None
-        self._iterator: EpochIterator | None = None  # the one that yielded last: state_dict() tells its position
-        self._open_iterators: weakref.WeakSet[EpochIterator] = weakref.WeakSet()
-        self._resume: dict[str, Any] | None = None
-        self._drawn_generator: torch.Generator | None = None  # the sampler's, when drawn each epoch as torch does
+            dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(), setup=setup
+        )
+        self._batches_served = ServedCounts(dataset.workers)
+        random_sampler = sampler if batch_sampler is None else getattr(batch_sampler, "sampler", sampler)
+        samplers = [s for s in (sampler, batch_sampler, getattr(batch_sampler, "sampler", None)) if s]
+        self._epochs = EpochBook(samplers, random_sampler, generator)
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -210,7 +218,17 @@ class RPCDataloader:
     @property
     def batches_served(self) -> dict[str, int]:
         """How many batches each worker delivered (and the loader accepted) so far."""
-        return dict(self._batches_served)
+        return self._batches_served.snapshot()
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The random generator of the default ``RandomSampler`` (torch draws its workers' base seed from it
+        at each epoch; so does this loader, to leave the random streams where torch would)."""
+        return self._epochs.generator
+
+    @generator.setter
+    def generator(self, generator: torch.Generator | None) -> None:
+        self._epochs.generator = generator
 
     @property
     def max_batches_per_call(self) -> int:
@@ -240,7 +258,7 @@ class RPCDataloader:
         Otherwise epochs count iterations from 0, or follow the epoch last given
         to the sampler's own ``set_epoch`` when the training loop calls it.
         """
-        self._explicit_epoch = check_int(epoch, "epoch", minimum=0)
+        self._epochs.choose(check_int(epoch, "epoch", minimum=0))
 
     def __len__(self) -> int:
         if self.batch_sampler is not None:
@@ -250,7 +268,7 @@ class RPCDataloader:
     @property
     def epoch(self) -> int | None:
         """The epoch of the iteration in progress (or last run); ``None`` before the first."""
-        return self._started_epoch
+        return self._epochs.epoch
 
     def __iter__(self) -> Iterator[Any]:
         """Start an epoch. It begins with the first ``next()``: an iterator made and dropped costs nothing.
@@ -258,50 +276,49 @@ class RPCDataloader:
         Iterators already open go on: each yields its whole epoch, as torch's do
         (``zip(loader, loader)``, or ``next(iter(loader))`` inside the training loop).
         """
-        iterator = EpochIterator(self)
-        self._open_iterators.add(iterator)
+        iterator = EpochIterator(_Opener(self))
+        self._epochs.opened(iterator)
         return iterator
 
     def close(self) -> None:
-        """End every epoch in progress; batches still in flight are dropped when they arrive."""
-        for iterator in list(self._open_iterators):
+        """End every epoch in progress; batches still in flight are dropped when they arrive.
+
+        Any thread may close the loader: an iterator advanced meanwhile by another thread ends at its next step.
+        """
+        for iterator in self._epochs.open_iterators():
             iterator.close()
 
-    def _begin_epoch(self) -> tuple[int, Any, dict[str, Any] | None]:
-        """Choose the epoch, tell the samplers; return ``(epoch, generator state, resumed state)``."""
-        resume, self._resume = self._resume, None
-        samplers = [s for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)) if s]
-        told = {getattr(s, "epoch", self._told_epoch) for s in samplers if hasattr(s, "set_epoch")}
-        if resume is not None:
-            epoch = resume["epoch"]
-        elif self._explicit_epoch is not None:
-            epoch = self._explicit_epoch
-        elif told - {self._told_epoch}:
-            epoch = max(told - {self._told_epoch})  # the user called sampler.set_epoch(): follow it
-        else:
-            epoch = self._next_epoch
-        self._explicit_epoch = None
-        self._next_epoch = epoch + 1
-        self._started_epoch = epoch
-        for sampler in samplers:
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-        self._told_epoch = epoch
-        saved = resume.get("generator_state") if resume is not None else None
-        generator = self._own_generator()
-        if generator is not None and saved is not None:
-            generator.set_state(saved)
-        start = generator.get_state() if generator is not None else None
-        # torch's DataLoader draws its workers' base seed here: the same draw keeps the random
-        # streams (the global one, or the loader's generator) where torch would leave them.
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-        if generator is None:
-            generator = self._epoch_generator()
-            if generator is not None:
-                if saved is not None:
-                    generator.set_state(saved)
-                start = generator.get_state()
-        return epoch, start, resume
+    def _requested_epoch(self) -> int | None:
+        """The epoch the next iteration must be, when something outside the loader decides it (a trainer's
+        current epoch); ``None``: the loader's rules (see :meth:`set_epoch`)."""
+        return None
+
+    def _open_epoch(self) -> EpochPlan:
+        """Begin an epoch (on its iterator's first ``next()``): what it needs."""
+        position = self._epochs.begin(self._requested_epoch())
+        batched = self.batch_sampler is not None
+        # torch's default collate (convert) function is named by None: nothing to pickle per call.
+        default = default_collate if batched else default_convert
+        call = EpochCall(
+            self.dataset,
+            self.seed,
+            position.epoch,
+            fetch_batches_at if batched else fetch_samples_at,
+            None if self.collate_fn is default else self.collate_fn,
+            self.pin_memory,
+            self._call_timeout,
+        )
+        return EpochPlan(
+            position=position,
+            batches=self.batch_sampler if batched else self.sampler,
+            call=call,
+            pool=self._pool,
+            sizer=self._chunk_sizer,
+            served=self._batches_served,
+            in_order=self.in_order,
+            book=self._epochs,
+            reseed_timeout=self._revival_wait(),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the current epoch: load it into a new loader to resume.
@@ -318,27 +335,7 @@ class RPCDataloader:
         yielded, the state is the start of the next epoch.
         """
         shape = loader_shape(self)
-        if self._resume is not None:
-            return {**shape, **self._resume}
-        iterator = self._iterator
-        if iterator is not None and iterator.started and not iterator.finished:
-            state = iterator.state_dict()
-            if not self._epoch_complete(state):
-                return {**shape, **state}
-        generator = self._own_generator()
-        return {
-            **shape,
-            "epoch": self._explicit_epoch if self._explicit_epoch is not None else self._next_epoch,
-            "yielded_prefix": 0,
-            "yielded_extra": [],
-            "generator_state": generator.get_state() if generator is not None else None,
-        }
-
-    def _epoch_complete(self, state: dict[str, Any]) -> bool:
-        try:
-            return not state["yielded_extra"] and state["yielded_prefix"] >= len(self)
-        except TypeError:  # a sampler without a length
-            return False
+        return {**shape, **self._epochs.state(shape["batches"])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch.
@@ -351,41 +348,7 @@ class RPCDataloader:
         """
         state = check_state(state, loader_shape(self))
         self.close()
-        self._resume = state
-
-    def _revive(self, slot: WorkerSlot) -> torch.futures.Future:
-        """Make a failed worker usable: rebuild the dataset where it was lost, else probe it."""
-        if self.dataset.rref(slot.address):  # a batch will tell whether it still holds the dataset
-            return probe_async(slot, min(self._call_timeout, 10.0))
-        built = self.dataset.build_async(slot.address)
-        return built.then(lambda done: self.dataset.accept(slot.address, *done.wait()))
-
-    def _random_sampler(self) -> Sampler | Iterable:
-        return self.sampler if self.batch_sampler is None else getattr(self.batch_sampler, "sampler", self.sampler)
-
-    def _epoch_generator(self) -> torch.Generator | None:
-        """A ``RandomSampler`` without a generator of its own: a new one for the epoch starting now.
-
-        Seeded from torch's global generator, as the sampler's ``__iter__`` would
-        seed it: the same order as torch's for the same seed, and a generator the
-        loader can keep in its state to resume the epoch. ``None`` for other samplers.
-        """
-        sampler = self._random_sampler()
-        if not isinstance(sampler, RandomSampler):
-            return None
-        if sampler.generator is not None and sampler.generator is not self._drawn_generator:
-            return None
-        generator = torch.Generator()
-        generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
-        sampler.generator = self._drawn_generator = generator
-        return generator
-
-    def _own_generator(self) -> torch.Generator | None:
-        """The sampler's generator when it is the user's (a generator drawn per epoch is not, between epochs)."""
-        generator = getattr(self._random_sampler(), "generator", None)
-        if not isinstance(generator, torch.Generator) or generator is self._drawn_generator:
-            return None
-        return generator
+        self._epochs.resume(state)
 
     def __repr__(self) -> str:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"
@@ -400,6 +363,22 @@ def check_max_batches_per_call(value: Any) -> int:
         16
     """
     return check_positive_int(value, "max_batches_per_call", "batches one call may fetch (1: one each)")
+
+
+class _Opener:
+    """Begins an epoch of ``loader`` for its iterator (an :class:`~rpcdl.data.epoch.EpochOpener`).
+
+    The iterator holds it; the loader does not hold the iterator (only a weak
+    reference to close it), so no cycle forms.
+    """
+
+    __slots__ = ("loader",)
+
+    def __init__(self, loader: RPCDataloader):
+        self.loader = loader
+
+    def open(self) -> EpochPlan:
+        return self.loader._open_epoch()
 
 
 _DEFAULT_REVIVAL_WAIT = 120.0

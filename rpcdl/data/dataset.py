@@ -1,4 +1,17 @@
-"""RPCDataset: a dataset built on every worker, addressed through remote references."""
+"""RPCDataset: a dataset built on every worker, addressed through remote references.
+
+The dataset keeps where it is built (one reference per worker) and its recipe;
+whether a worker is usable is its loader's pool's record alone
+(:mod:`rpcdl.data.pool`). A call that finds the dataset gone from a worker (it
+restarted) fails with :class:`~rpcdl.errors.RRefNotFound`, which takes the
+worker out of the pool; the pool then revives it through the loader's
+:class:`DatasetSetup`, which builds the dataset there again.
+
+Threading: the references change on the thread that builds the dataset, on the
+threads of a loader's passes (a revival drops a reference) and on the threads
+completing rebuilds; the dataset's lock guards every access to them. The
+recipe and the length are fixed once the dataset is built.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +28,8 @@ from ..address import check_workers
 from ..checks import check_loader_timeout
 from ..errors import DatasetMismatch, WorkerTimeout, is_transient
 from ..rpc.client import rpc_async
-from ..rpc.rref import RRef
+from ..rpc.rref import RRef, RRefNotFound
+from .probes import probe_async
 
 log = logging.getLogger("rpcdl.dataset")
 
@@ -112,24 +126,26 @@ class RPCDataset(Dataset):
         self.kwargs = kwargs
         self._lock = threading.Lock()
         self._rrefs: dict[str, RRef | None] = dict.fromkeys(self.workers)
-        self._failures: dict[str, BaseException] = {}
-        self._length: int | None = None
+        self._length: int | None = None  # the first build's, fixed from then on
         futures = {address: self.build_async(address) for address in self.workers}
+        failures: dict[str, BaseException] = {}
         for address, future in futures.items():
             try:
-                self._accept(address, *future.wait())
-            except DatasetMismatch:
-                raise
+                rref, length = future.wait()
             except Exception as exc:
                 if not is_transient(exc):
                     raise
                 if isinstance(exc, WorkerTimeout):
                     exc = self._build_timed_out(address, exc)
-                self._failures[address] = exc
+                failures[address] = exc
                 log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
-        if not any(self._rrefs.values()):
-            failures = "; ".join(f"{a}: {e}" for a, e in self._failures.items())
-            raise type(next(iter(self._failures.values())))(f"no worker could build the dataset: {failures}")
+                continue
+            if not self._built_any():  # the first copy built: the others must have its length
+                self._length = length
+            self.accept(address, rref, length)
+        if not self._built_any():
+            details = "; ".join(f"{a}: {e}" for a, e in failures.items())
+            raise type(next(iter(failures.values())))(f"no worker could build the dataset: {details}")
 
     def _build_timed_out(self, address: str, exc: WorkerTimeout) -> WorkerTimeout:
         name = getattr(self.factory, "__qualname__", "dataset")
@@ -140,45 +156,49 @@ class RPCDataset(Dataset):
             f"rpcdl.RPCDataset(workers, {name}, ..., rpcdl_timeout=SECONDS) (0: no limit)"
         )
 
+    def _built_any(self) -> bool:
+        with self._lock:
+            return any(rref is not None for rref in self._rrefs.values())
+
     @property
     def rrefs(self) -> list[RRef | None]:
         """The remote references, one per worker (``None`` where not built)."""
-        return [self._rrefs[address] for address in self.workers]
+        with self._lock:
+            return [self._rrefs[address] for address in self.workers]
 
     def rref(self, address: str) -> RRef | None:
         """The reference to the dataset on ``address``, or ``None`` if it is not built there."""
-        return self._rrefs.get(address)
+        with self._lock:
+            return self._rrefs.get(address)
 
     def build_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address``; the future gives ``(rref, length)``."""
         return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
 
-    def _accept(self, address: str, rref: RRef, length: int | None) -> None:
-        """Record a copy built on ``address`` after checking its length."""
+    def rebuild_async(self, address: str) -> torch.futures.Future:
+        """Build the dataset on ``address`` again (it lost it, or never had it) and install it (:meth:`accept`).
+
+        The reference to the lost copy is dropped at once. The future completes
+        once the new copy is installed, or fails with the build's error.
+        """
         with self._lock:
-            if self._length is None:
-                self._length = length
-            elif length != self._length:
+            self._rrefs[address] = None
+        return self.build_async(address).then(lambda built: self.accept(address, *built.wait()))
+
+    def accept(self, address: str, rref: RRef, length: int | None) -> None:
+        """Install a copy built on ``address`` (by :meth:`build_async`), checking its length.
+
+        Raises:
+            DatasetMismatch: its length differs from the others'.
+        """
+        with self._lock:
+            if length != self._length:
                 self._rrefs[address] = None
                 raise DatasetMismatch(
                     f"worker {address} built a dataset of length {length}, the others have {self._length}: "
                     "it is kept out; check that every worker sees the same data"
                 )
             self._rrefs[address] = rref
-            self._failures.pop(address, None)
-
-    def accept(self, address: str, rref: RRef, length: int | None) -> None:
-        """Install a copy rebuilt on ``address`` (by :meth:`build_async`), checking its length.
-
-        Raises:
-            DatasetMismatch: its length differs from the others'.
-        """
-        self._accept(address, rref, length)
-
-    def forget(self, address: str) -> None:
-        """Drop the reference to the copy on ``address`` (lost with a restart, say)."""
-        with self._lock:
-            self._rrefs[address] = None
 
     def release(self) -> None:
         """Free the copies on every worker now rather than when this object is collected."""
@@ -186,9 +206,10 @@ class RPCDataset(Dataset):
             self._rrefs = dict.fromkeys(self.workers)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        with self._lock:
+            state = self.__dict__.copy()
+            state["_rrefs"] = dict(self._rrefs)
         del state["_lock"]
-        state["_failures"] = {}
         state["factory"], state["args"], state["kwargs"] = None, None, None
         state["_recipe"] = cloudpickle.dumps((self.factory, self.args, self.kwargs))
         return state
@@ -206,8 +227,7 @@ class RPCDataset(Dataset):
 
     def __getitem__(self, index: Any) -> Any:
         """Fetch one sample from the first worker holding the dataset (for inspection)."""
-        for address in self.workers:
-            rref = self._rrefs[address]
+        for address, rref in zip(self.workers, self.rrefs, strict=True):
             if rref is not None:
                 return rpc_async(address, _get_item, (rref, index), timeout=self.timeout).wait()
         raise RuntimeError("no worker holds this dataset")
@@ -215,3 +235,27 @@ class RPCDataset(Dataset):
     def __repr__(self) -> str:
         name = getattr(self.factory, "__qualname__", repr(self.factory))
         return f"RPCDataset({name}, workers={self.workers}, length={self._length})"
+
+
+class DatasetSetup:
+    """What a loader's worker needs before it serves: the dataset (a :class:`~rpcdl.data.probes.WorkerSetup`).
+
+    A worker taken out because it lost the dataset (:class:`~rpcdl.errors.RRefNotFound`:
+    it restarted), or that never built it, builds it again; any other is probed
+    (:func:`~rpcdl.data.probes.probe_async`), and a batch tells whether it still
+    holds the dataset.
+
+    Args:
+        dataset: the remote dataset.
+        probe_timeout: seconds a probe may take.
+    """
+
+    def __init__(self, dataset: RPCDataset, probe_timeout: float):
+        self.dataset = dataset
+        self.probe_timeout = probe_timeout
+
+    def revive_async(self, address: str, failure: BaseException | None) -> torch.futures.Future:
+        """Rebuild the dataset on ``address`` where it is lost, else probe it."""
+        if isinstance(failure, RRefNotFound) or self.dataset.rref(address) is None:
+            return self.dataset.rebuild_async(address)
+        return probe_async(address, failure, self.probe_timeout)

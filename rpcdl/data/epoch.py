@@ -10,141 +10,246 @@ keeps its own seed and its own error, and the position counts batches
 yielded, so a resumed epoch starts at the first batch not yielded, wherever
 its chunk began.
 
-Threading: an epoch belongs to the thread that advances it (see :mod:`rpcdl.data.scheduler`).
+An :class:`EpochIterator` starts its epoch at its first ``next()``: it asks its
+:class:`EpochOpener` (the loader) for an :class:`EpochPlan`, everything the
+epoch needs, fixed then. Nothing it builds refers back to it or to its loader
+(the calls are made by an :class:`EpochCall`, which holds only what a call
+needs), so an epoch dropped mid-way (a ``break``) is freed by reference
+counting at once, and its pool lets go of its calls at its next step.
+
+Threading: an epoch is advanced by one thread at a time; another thread
+entering ``next()`` meanwhile gets a ``RuntimeError``. Its stage (not started,
+running, finished) is changed by that thread under the iterator's lock, which
+:meth:`EpochIterator.close` takes too, from any thread. Its position belongs to
+its loader's :class:`~rpcdl.data.loader_state.EpochBook`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Iterator
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
-from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ..errors import is_transient
 from ..rpc.client import rpc_async
 from ..rpc.rref import RRefNotFound, remote_id
 from ..seeding import derive_seed, set_random_seeds
-from .chunked_pass import ChunkedPass
-from .fetch import fetch_batches_at, fetch_samples_at
-from .scheduler import NoWorkersLeft, Task, WorkerSlot
+from .chunked_pass import ChunkedPass, ChunkedPassState, ServedCounts
+from .chunks import ChunkSizer
+from .dataset import RPCDataset
+from .guard import EntryGuard
+from .loader_state import EpochBook, Position
+from .pool import WorkerPool
+from .records import Task
+from .scheduler import NoWorkersLeft
 
-__all__ = ["TARGET_CHUNK_BYTES", "EpochIterator"]
+__all__ = ["TARGET_CHUNK_BYTES", "EpochCall", "EpochIterator", "EpochOpener", "EpochPlan"]
 
 #: The size of the answer a chunk of batches aims at, in bytes. Enough batches to make a call's overhead
 #: small, few enough that the batches in flight stay a few MB and that a chunk crosses a slow link quickly.
 TARGET_CHUNK_BYTES = 256 * 1024
 
 
-class EpochIterator(Iterator[Any]):
-    """One epoch of ``loader``, started by the first ``next()`` (see the module)."""
+class EpochCall:
+    """Sends a chunk of an epoch's batches to a worker (a pass's :data:`~rpcdl.data.scheduler.Call`).
 
-    def __init__(self, loader: Any):
-        self.loader = loader
-        self.epoch: int | None = None
-        self.started = False
-        self.finished = False
+    It holds what a call needs and nothing else: no reference to the epoch's
+    iterator or loader, so none of them lives in a cycle.
 
-    def _start(self) -> None:
-        loader = self.loader
-        self.started = True
-        self.epoch, self.generator_state, resume = loader._begin_epoch()
-        skip_prefix = resume["yielded_prefix"] if resume else 0
-        skip = set(resume["yielded_extra"]) if resume else set()
-        self._yielded_prefix = skip_prefix
-        self._yielded_extra: set[int] = set(skip)
-        source = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        batches = (
-            (seq, indices) for seq, indices in itertools.islice(enumerate(source), skip_prefix, None) if seq not in skip
-        )
-        batched = loader.batch_sampler is not None
-        self._fetch = fetch_batches_at if batched else fetch_samples_at
-        # torch's default collate (convert) function is named by None: nothing to pickle per call.
-        default = default_collate if batched else default_convert
-        self._collate_fn = None if loader.collate_fn is default else loader.collate_fn
-        if loader.seed is not None:
-            self._reseed_workers()
-        self._pass = ChunkedPass(
-            loader._pool, batches, self._call, loader._chunk_sizer, loader._batches_served, in_order=loader.in_order
-        )
+    Args:
+        dataset: the remote dataset.
+        seed: the loader's seed (``None``: batches are not seeded).
+        epoch: the epoch.
+        fetch: the worker function (:func:`~rpcdl.data.fetch.fetch_batches_at` or ``fetch_samples_at``).
+        collate_fn: sent with each call; ``None`` is torch's default.
+        pin_memory: receive the batches into pinned memory.
+        timeout: seconds a call may take (0: no limit).
+    """
 
-    def __next__(self) -> Any:
-        if self.finished:
-            raise StopIteration
-        if not self.started:
-            self._start()
-        self.loader._iterator = self
-        try:
-            item = next(self._pass)
-        except (StopIteration, NoWorkersLeft):
-            self.finished = True
-            raise
-        except Exception:
-            if self._pass.source_failed:  # the sampler raised, after its batches pulled before were yielded
-                self.finished = True
-            raise
-        seq, indices = item.payload
-        self._mark_yielded(seq)
-        if item.error is not None:
-            raise self._annotate(item.error, seq, indices, item.worker)
-        return item.value
+    __slots__ = ("collate_fn", "dataset", "epoch", "fetch", "pin_memory", "seed", "timeout")
 
-    def close(self) -> None:
-        """Stop the epoch; answers still in flight are dropped when they arrive."""
-        self.finished = True
-        if self.started:
-            self._pass.close()
+    def __init__(
+        self,
+        dataset: RPCDataset,
+        seed: int | None,
+        epoch: int,
+        fetch: Callable[..., Any],
+        collate_fn: Callable | None,
+        pin_memory: bool,
+        timeout: float,
+    ):
+        self.dataset, self.seed, self.epoch, self.fetch = dataset, seed, epoch, fetch
+        self.collate_fn, self.pin_memory, self.timeout = collate_fn, pin_memory, timeout
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position: the epoch, the batches yielded, and the sampler's generator at the epoch's start."""
-        return {
-            "epoch": self.epoch,
-            "yielded_prefix": self._yielded_prefix,
-            "yielded_extra": sorted(self._yielded_extra),
-            "generator_state": self.generator_state,
-        }
-
-    def _call(self, task: Task, slot: WorkerSlot) -> torch.futures.Future:
-        loader = self.loader
-        rref = loader.dataset.rref(slot.address)
+    def __call__(self, task: Task, address: str) -> torch.futures.Future:
+        rref = self.dataset.rref(address)
         if rref is None:
-            raise RRefNotFound(f"the dataset is not built on worker {slot.address}")
-        if loader.seed is None:
+            raise RRefNotFound(f"the dataset is not built on worker {address}")
+        seed, epoch = self.seed, self.epoch
+        if seed is None:
             chunk = [(indices, None) for _, indices in task.payload]
         else:
-            chunk = [(indices, derive_seed(loader.seed, self.epoch, seq)) for seq, indices in task.payload]
-        return rpc_async(
-            slot.address, self._fetch, (remote_id(rref), chunk, self._collate_fn),
-            pin_memory=loader.pin_memory, timeout=loader._call_timeout,
-        )  # fmt: skip
+            chunk = [(indices, derive_seed(seed, epoch, seq)) for seq, indices in task.payload]
+        args = (remote_id(rref), chunk, self.collate_fn)
+        return rpc_async(address, self.fetch, args, pin_memory=self.pin_memory, timeout=self.timeout)
 
-    def _mark_yielded(self, seq: int) -> None:
-        if seq == self._yielded_prefix:
-            self._yielded_prefix += 1
-            while self._yielded_prefix in self._yielded_extra:
-                self._yielded_extra.discard(self._yielded_prefix)
-                self._yielded_prefix += 1
-        else:
-            self._yielded_extra.add(seq)
 
-    def _annotate(self, exc: BaseException, seq: int, indices: Any, worker: str) -> BaseException:
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """Everything an epoch needs, fixed as it begins (built by its loader).
+
+    Attributes:
+        position: where it starts (a resumed epoch skips the batches yielded),
+            kept up to date in ``book``.
+        batches: the sampler (or batch sampler): each item is a batch's indices.
+        call: sends a chunk of batches to a worker.
+        pool, sizer, served: the loader's workers, chunk sizer and counts.
+        in_order: yield batches in sampler order.
+        book: the loader's epochs.
+        reseed_timeout: seconds each worker has to be reseeded at the start
+            (when ``call.seed`` is set).
+    """
+
+    position: Position
+    batches: Iterable[Any]
+    call: EpochCall
+    pool: WorkerPool
+    sizer: ChunkSizer
+    served: ServedCounts
+    in_order: bool
+    book: EpochBook
+    reseed_timeout: float
+
+
+class EpochOpener(Protocol):
+    """Begins an epoch when its iterator is first advanced (its loader's side of the iterator)."""
+
+    def open(self) -> EpochPlan:
+        """Choose the epoch, tell the samplers, and return the plan."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _NotStarted:
+    opener: EpochOpener
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Running:
+    plan: EpochPlan
+    batches: ChunkedPass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Finished:
+    pass
+
+
+_FINISHED = _Finished()
+
+
+class EpochIterator(Iterator[Any]):
+    """One epoch, started by the first ``next()`` (see the module).
+
+    Args:
+        opener: begins the epoch.
+    """
+
+    def __init__(self, opener: EpochOpener):
+        self._lock = threading.Lock()  # guards _stage: changed by the advancing thread, read by close()
+        self._stage: _NotStarted | _Running | _Finished = _NotStarted(opener)
+        self._entry = EntryGuard("this epoch")
+
+    def __next__(self) -> Any:
+        with self._entry:
+            with self._lock:
+                stage = self._stage
+            if type(stage) is _NotStarted:
+                stage = self._start(stage.opener)
+            elif type(stage) is not _Running:
+                raise StopIteration
+            try:
+                item = next(stage.batches)
+            except (StopIteration, NoWorkersLeft):
+                self._end(stage)
+                raise
+            except Exception:
+                if stage.batches.state is ChunkedPassState.SOURCE_FAILED:  # the sampler raised, after its batches
+                    self._end(stage)
+                raise
+            seq, indices = item.payload
+            plan = stage.plan
+            plan.book.yielded(plan.position, seq)
+            if item.error is not None:
+                raise self._annotate(item.error, plan.position.epoch, seq, indices, item.worker)
+            return item.value
+
+    def close(self) -> None:
+        """Stop the epoch; answers still in flight are dropped when they arrive. Any thread may close it."""
+        with self._lock:
+            stage, self._stage = self._stage, _FINISHED
+        if type(stage) is _Running:
+            stage.batches.close()
+            stage.plan.book.finished(stage.plan.position)
+
+    def _start(self, opener: EpochOpener) -> _Running:
+        try:
+            plan = opener.open()
+            skip = plan.position.start_extra
+            batched = (
+                (seq, indices)
+                for seq, indices in itertools.islice(enumerate(plan.batches), plan.position.start_prefix, None)
+                if seq not in skip
+            )
+            if plan.call.seed is not None:
+                _reseed(plan)
+            running = _Running(
+                plan, ChunkedPass(plan.pool, batched, plan.call, plan.sizer, plan.served, in_order=plan.in_order)
+            )
+        except BaseException:
+            with self._lock:
+                self._stage = _FINISHED
+            raise
+        with self._lock:
+            closed = self._stage is _FINISHED  # closed by another thread meanwhile
+            if not closed:
+                self._stage = running
+        if closed:
+            self._end(running)
+            running.batches.close()
+            raise StopIteration
+        return running
+
+    def _end(self, stage: _Running) -> None:
+        with self._lock:
+            if self._stage is stage:
+                self._stage = _FINISHED
+        stage.plan.book.finished(stage.plan.position)
+
+    @staticmethod
+    def _annotate(exc: BaseException, epoch: int, seq: int, indices: Any, worker: str) -> BaseException:
         if isinstance(indices, (list, tuple)) and len(indices) > 16:
             shown = f"{list(indices[:16])} ... ({len(indices)} in all)"
         else:
             shown = repr(indices)
-        exc.add_note(f"while loading batch {seq} of epoch {self.epoch} (indices {shown}) on worker {worker}")
+        exc.add_note(f"while loading batch {seq} of epoch {epoch} (indices {shown}) on worker {worker}")
         return exc
 
-    def _reseed_workers(self) -> None:
-        base = derive_seed(self.loader.seed, self.epoch)
-        futures = [
-            rpc_async(slot.address, set_random_seeds, (base, slot.index), timeout=self.loader._revival_wait())
-            for slot in self.loader._pool.active()
-        ]
-        for future in futures:
-            try:
-                future.wait()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
+
+def _reseed(plan: EpochPlan) -> None:
+    """Seed every active worker's random generators from ``(seed, epoch)`` and its index."""
+    base = derive_seed(plan.call.seed, plan.call.epoch)
+    futures = [
+        rpc_async(address, set_random_seeds, (base, index), timeout=plan.reseed_timeout)
+        for index, address in plan.pool.active()
+    ]
+    for future in futures:
+        try:
+            future.wait()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise

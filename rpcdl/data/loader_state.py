@@ -1,19 +1,37 @@
-"""What an :class:`~rpcdl.RPCDataloader` state holds, and the checks a state passes before it is loaded.
+"""An :class:`~rpcdl.RPCDataloader`'s epochs: which one comes next, where each is, and the state that says so.
 
 A state is the position in an epoch (``epoch``, ``yielded_prefix``: batches
 ``0 .. yielded_prefix - 1`` were yielded, ``yielded_extra``: batches yielded
 beyond them, ``generator_state``: the sampler's random generator at the start of
 the epoch) and what determines the epoch's batches (:data:`SHAPE_FIELDS`). A
 position only means something in a loader that makes the same batches: a state
-is refused by a loader whose shape differs. States written before the shape was
-recorded still load (their missing fields are not checked).
+is refused by a loader whose shape differs (:func:`check_state`). States written
+before the shape was recorded still load (their missing fields are not checked).
+
+An :class:`EpochBook` keeps a loader's epochs: what the next one is
+(:class:`Counted`, :class:`Chosen` by ``set_epoch`` or :class:`Resumed` from a
+state), the :class:`Position` of the epoch that yielded last, and the open
+iterators, to close them.
+
+Threading: a loader's iterators may start and advance epochs on several
+threads while another asks for the state. The book's lock guards every access
+to its fields and to its positions, and is held through the start of an epoch
+(the samplers are told the epoch and the random generators drawn, as one step).
+Each :class:`Position` is changed by the thread advancing its epoch, through
+the book.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import enum
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
+from torch.utils.data import RandomSampler
 
 from ..checks import check_int
 
@@ -22,7 +40,19 @@ SHAPE_FIELDS = ("batches", "batch_size", "drop_last", "sampler", "batch_sampler"
 POSITION_FIELDS = ("epoch", "yielded_prefix", "yielded_extra")
 
 
-def loader_shape(loader: Any) -> dict[str, Any]:
+class Shaped(Protocol):
+    """What a loader's shape is read from (an :class:`~rpcdl.RPCDataloader`)."""
+
+    batch_size: int | None
+    drop_last: bool
+    sampler: Any
+    batch_sampler: Any
+    in_order: bool
+
+    def __len__(self) -> int: ...
+
+
+def loader_shape(loader: Shaped) -> dict[str, Any]:
     """The fields of :data:`SHAPE_FIELDS` for ``loader`` (``batches`` is ``None`` for a sampler without length)."""
     try:
         batches: int | None = len(loader)
@@ -100,3 +130,255 @@ def check_state(state: Any, shape: dict[str, Any]) -> dict[str, Any]:
 
 def _check_counter(state: dict[str, Any], name: str) -> int:
     return check_int(state[name], name, minimum=0, wrong_type=TypeError)
+
+
+# ---------------------------------------------------------------------------- the epochs of a loader
+
+
+class PositionState(enum.Enum):
+    """Where the epoch of a :class:`Position` is."""
+
+    RUNNING = "running"  #: batches may still come
+    FINISHED = "finished"  #: it ended (every batch, an error that ends it, or closed)
+
+
+class Position:
+    """Where an epoch is: its number, the batches yielded, the sampler's generator at its start.
+
+    ``yielded_prefix``, ``yielded_extra`` and ``state`` change, through its
+    :class:`EpochBook` (whose lock guards them), as the thread advancing its
+    epoch yields; ``epoch``, ``generator_state`` and where it started
+    (``start_prefix``, ``start_extra``: the batches a resumed epoch skips) never do.
+    """
+
+    __slots__ = ("epoch", "generator_state", "start_extra", "start_prefix", "state", "yielded_extra", "yielded_prefix")
+
+    def __init__(self, epoch: int, generator_state: torch.Tensor | None, prefix: int, extra: Iterable[int]):
+        self.epoch = epoch
+        self.generator_state = generator_state
+        self.start_prefix = prefix
+        self.start_extra = frozenset(extra)
+        self.yielded_prefix = prefix
+        self.yielded_extra = set(extra)
+        self.state = PositionState.RUNNING
+
+    def as_state(self) -> dict[str, Any]:
+        """The position as the fields of a state."""
+        return {
+            "epoch": self.epoch,
+            "yielded_prefix": self.yielded_prefix,
+            "yielded_extra": sorted(self.yielded_extra),
+            "generator_state": self.generator_state,
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counted:
+    """The next epoch is the one after the last (or the one a sampler was told, see :meth:`EpochBook.begin`)."""
+
+    epoch: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chosen:
+    """The next epoch was chosen with ``set_epoch``."""
+
+    epoch: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resumed:
+    """The next epoch continues a loaded state."""
+
+    state: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoEpoch:
+    """No epoch has begun yet."""
+
+
+#: The one :class:`NoEpoch`.
+NO_EPOCH = NoEpoch()
+
+
+class Closeable(Protocol):
+    """An open iterator of a loader, as its book sees it."""
+
+    def close(self) -> None: ...
+
+
+class EpochBook:
+    """A loader's epochs (see the module): the next one, the position of the one that yielded last.
+
+    Args:
+        samplers: the loader's samplers (sampler, batch sampler, the batch
+            sampler's sampler): those with ``set_epoch`` are told each epoch.
+        random_sampler: the sampler whose random order a state restores.
+        generator: the loader's ``generator`` (torch's DataLoader draws its
+            workers' base seed from it at each epoch: the same draw keeps the
+            random streams where torch leaves them).
+    """
+
+    def __init__(self, samplers: Sequence[Any], random_sampler: Any, generator: torch.Generator | None):
+        self._lock = threading.Lock()
+        self._samplers = [sampler for sampler in samplers if hasattr(sampler, "set_epoch")]
+        self._random_sampler = random_sampler
+        self._generator = generator
+        self._next: Counted | Chosen | Resumed = Counted(0)
+        self._begun: Position | NoEpoch = NO_EPOCH  # the epoch that began last (its number was told the samplers)
+        self._last: Position | NoEpoch = NO_EPOCH  # the epoch that began or yielded last: the one a state tells
+        self._drawn: torch.Generator | None = None  # the generator drawn for the sampler at the last epoch
+        self._open: list[weakref.ref[Closeable]] = []  # no callbacks: pruned here, when an iterator opens
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The loader's generator."""
+        with self._lock:
+            return self._generator
+
+    @generator.setter
+    def generator(self, generator: torch.Generator | None) -> None:
+        with self._lock:
+            self._generator = generator
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch that began last; ``None`` before the first."""
+        with self._lock:
+            return None if isinstance(self._begun, NoEpoch) else self._begun.epoch
+
+    def choose(self, epoch: int) -> None:
+        """Make the next epoch ``epoch`` (a loaded state still wins: it names its own epoch)."""
+        with self._lock:
+            if not isinstance(self._next, Resumed):
+                self._next = Chosen(epoch)
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """Make the next epoch continue ``state`` (checked already)."""
+        with self._lock:
+            self._next = Resumed(state)
+
+    def opened(self, iterator: Closeable) -> None:
+        """Keep ``iterator`` (weakly) to close it with :meth:`open_iterators`."""
+        with self._lock:
+            self._open = [reference for reference in self._open if reference() is not None]
+            self._open.append(weakref.ref(iterator))
+
+    def open_iterators(self) -> list[Closeable]:
+        """The iterators opened and not freed yet."""
+        with self._lock:
+            alive = [reference() for reference in self._open]
+            iterators = [iterator for iterator in alive if iterator is not None]
+            self._open = [weakref.ref(iterator) for iterator in iterators]
+            return iterators
+
+    def begin(self, requested: int | None) -> Position:
+        """Begin an epoch: choose it, tell the samplers, set the random generators; its position.
+
+        The epoch is, first to last: the loaded state's, ``requested`` (a
+        trainer's epoch), the one chosen with ``set_epoch``, the one the user
+        last told a sampler (its ``set_epoch``), the one after the last.
+        """
+        with self._lock:
+            plan = self._next
+            last = None if isinstance(self._begun, NoEpoch) else self._begun.epoch
+            told = {getattr(sampler, "epoch", last) for sampler in self._samplers} - {last}
+            if isinstance(plan, Resumed):
+                epoch = plan.state["epoch"]
+            elif requested is not None:
+                epoch = requested
+            elif isinstance(plan, Chosen):
+                epoch = plan.epoch
+            elif told:
+                epoch = max(told)  # the user called sampler.set_epoch(): follow it
+            else:
+                epoch = plan.epoch
+            self._next = Counted(epoch + 1)
+            for sampler in self._samplers:
+                sampler.set_epoch(epoch)
+            saved = plan.state.get("generator_state") if isinstance(plan, Resumed) else None
+            start = self._set_generators(saved)
+            prefix, extra = (
+                (plan.state["yielded_prefix"], plan.state["yielded_extra"]) if isinstance(plan, Resumed) else (0, ())
+            )
+            position = Position(epoch, start, prefix, extra)
+            self._begun = self._last = position
+            return position
+
+    def yielded(self, position: Position, seq: int) -> None:
+        """Batch ``seq`` of ``position``'s epoch was handed out: it is the epoch a state tells now."""
+        with self._lock:
+            if seq == position.yielded_prefix:
+                position.yielded_prefix += 1
+                while position.yielded_prefix in position.yielded_extra:
+                    position.yielded_extra.discard(position.yielded_prefix)
+                    position.yielded_prefix += 1
+            else:
+                position.yielded_extra.add(seq)
+            self._last = position
+
+    def finished(self, position: Position) -> None:
+        """``position``'s epoch ended."""
+        with self._lock:
+            position.state = PositionState.FINISHED
+
+    def state(self, batches: int | None) -> dict[str, Any]:
+        """The position fields of the state: the loaded state not used yet, the epoch that yielded last while
+        it runs and has batches left (``batches`` in an epoch; ``None``: unknown), else the start of the next."""
+        with self._lock:
+            if isinstance(self._next, Resumed):
+                return dict(self._next.state)
+            last = self._last
+            if isinstance(last, Position) and last.state is PositionState.RUNNING:
+                complete = batches is not None and not last.yielded_extra and last.yielded_prefix >= batches
+                if not complete:
+                    return last.as_state()
+            generator = self._own_generator()
+            return {
+                "epoch": self._next.epoch,
+                "yielded_prefix": 0,
+                "yielded_extra": [],
+                "generator_state": generator.get_state() if generator is not None else None,
+            }
+
+    def _set_generators(self, saved: torch.Tensor | None) -> torch.Tensor | None:
+        """Restore or draw the sampler's random generator for the epoch starting; its state at the start."""
+        generator = self._own_generator()
+        if generator is not None and saved is not None:
+            generator.set_state(saved)
+        start = generator.get_state() if generator is not None else None
+        # torch's DataLoader draws its workers' base seed here: the same draw keeps the random
+        # streams (the global one, or the loader's generator) where torch would leave them.
+        torch.empty((), dtype=torch.int64).random_(generator=self._generator)
+        if generator is None:
+            generator = self._epoch_generator()
+            if generator is not None:
+                if saved is not None:
+                    generator.set_state(saved)
+                start = generator.get_state()
+        return start
+
+    def _epoch_generator(self) -> torch.Generator | None:
+        """A ``RandomSampler`` without a generator of its own: a new one for the epoch starting now.
+
+        Seeded from torch's global generator, as the sampler's ``__iter__`` would
+        seed it: the same order as torch's for the same seed, and a generator the
+        loader can keep in its state to resume the epoch. ``None`` for other samplers.
+        """
+        sampler = self._random_sampler
+        if not isinstance(sampler, RandomSampler):
+            return None
+        if sampler.generator is not None and sampler.generator is not self._drawn:
+            return None
+        generator = torch.Generator()
+        generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        sampler.generator = self._drawn = generator
+        return generator
+
+    def _own_generator(self) -> torch.Generator | None:
+        """The sampler's generator when it is the user's (a generator drawn per epoch is not, between epochs)."""
+        generator = getattr(self._random_sampler, "generator", None)
+        if not isinstance(generator, torch.Generator) or generator is self._drawn:
+            return None
+        return generator

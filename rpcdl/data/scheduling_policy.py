@@ -1,19 +1,24 @@
 """The scheduler's decisions, as plain functions of the workers' and tasks' records and the time.
 
-:class:`~rpcdl.data.scheduler.Dispatch` and :class:`~rpcdl.data.scheduler.WorkerPool`
+:class:`~rpcdl.data.scheduler.Dispatch` and :class:`~rpcdl.data.pool.WorkerPool`
 do the I/O (calls, futures, queues, logging); they ask a
 :class:`SchedulingPolicy` what to do. Nothing here reads a clock, sleeps,
 sends or waits: the time is an argument (``now``, from the pool's injected
 clock), so the policy can be driven by hand. The policy updates the records it
-is given (:class:`~rpcdl.data.scheduler_parts.WorkerSlot` holds a worker's state,
+is given (:class:`~rpcdl.data.records.WorkerSlot` holds a worker's state,
 estimates and probe schedule) and returns decisions: which worker, which task
 to copy where, which calls to retry, which probes are due, whether no worker
-is left and what to report. Threading: it is called by the thread advancing a
-pass (see :mod:`rpcdl.data.scheduler`), holds no lock and starts no thread.
+is left and what to report.
 
-Invariants, between any two steps of the thread advancing a pass:
+Threading: no thread, no lock of its own. A :class:`SchedulingPolicy` does not
+change after it is made; the records it reads and updates belong to their
+pool's lock, which its caller holds (see :mod:`rpcdl.data.pool`). An
+:class:`AllDownWatch` belongs to the thread advancing its pass.
 
-1. A worker is in exactly one :class:`~rpcdl.data.scheduler_parts.WorkerState`;
+Invariants, between any two steps of the threads advancing passes (each step
+holds the pool's lock):
+
+1. A worker is in exactly one :class:`~rpcdl.data.records.WorkerState`;
    only an ``ACTIVE`` worker is given tasks.
 2. A worker is sent a call only while it has fewer than its
    :meth:`SchedulingPolicy.window` in flight, and
@@ -40,7 +45,8 @@ from collections.abc import Sequence
 
 from ..errors import is_transient
 from ..rpc.rref import RRefNotFound
-from .scheduler_parts import FIRST_PROBE_DELAY, Task, WorkerSlot, WorkerState, _Attempt, _StillBusy
+from .probes import StillBusy
+from .records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, TaskState, WorkerSlot, WorkerState
 
 __all__ = [
     "HEDGE_FACTOR",
@@ -118,18 +124,18 @@ class SchedulingPolicy:
         """How many tasks a pass may hold pulled and not handed out: the active workers' windows together."""
         total = 0
         for slot in slots:
-            if slot.state is _ACTIVE:
+            if slot.state is WorkerState.ACTIVE:
                 total += self.window(slot)
         return total or self.prefetch_factor
 
-    def sent(self, slot: WorkerSlot, attempt: _Attempt) -> None:
+    def sent(self, slot: WorkerSlot, attempt: Attempt) -> None:
         """Record a call sent to ``slot``."""
         slot.in_flight.add(attempt)
         slot.last_sent = attempt.sent_at
         if len(slot.in_flight) >= self.window(slot):
             slot.window_filled = True
 
-    def observe(self, slot: WorkerSlot, attempt: _Attempt, now: float, *, measure_link: bool = True) -> None:
+    def observe(self, slot: WorkerSlot, attempt: Attempt, now: float, *, measure_link: bool = True) -> None:
         """Learn from an answer to ``attempt`` seen at ``now``: the service time, and the window.
 
         The window follows the bandwidth-delay product of the worker and its
@@ -200,10 +206,10 @@ class SchedulingPolicy:
         best_possible = float("inf")
         chosen, chosen_key = None, None
         for slot in slots:  # one pass: the best any candidate could do, and the best one with room
-            if slot.state is not _ACTIVE or slot is exclude:
+            if slot.state is not WorkerState.ACTIVE or slot is exclude:
                 continue
             calls = len(slot.in_flight)
-            done = (calls + 1) * (slot.service_time or default)  # slot.expected_done(default)
+            done = slot.expected_done(default)
             if done < best_possible:
                 best_possible = done
             if calls < self.window(slot):
@@ -219,30 +225,31 @@ class SchedulingPolicy:
     def hedge(self, head: Task, slots: Sequence[WorkerSlot], now: float) -> WorkerSlot | None:
         """Another worker to send a copy of ``head`` (the task the consumer waits for) to: when it is late
         on its worker, or another is expected to finish it much sooner (a slow worker's trial task)."""
-        if head.done or len(head.attempts) > 2:
+        if head.state is TaskState.DONE or len(head.attempts) > 2:
             return None
         live = [attempt for attempt in head.attempts if attempt.live]
         if len(live) != 1:
             return None
         attempt = live[0]
+        here = slots[attempt.worker]
         default = self.default_service_time(slots)
         age = now - attempt.sent_at
         late = age >= max(HEDGE_FACTOR * default, MIN_HEDGE_AGE)
-        remaining_here = (attempt.slot.service_time or default) - age
+        remaining_here = (here.service_time or default) - age
         if not late and remaining_here <= SLOW_FACTOR * default:
             return None
-        slot = self.pick(slots, now, exclude=attempt.slot)
+        slot = self.pick(slots, now, exclude=here)
         if slot is not None and (late or remaining_here > SLOW_FACTOR * slot.expected_done(default)):
             return slot
         return None
 
     # ------------------------------------------------------------------ failover
 
-    def take_down(self, slot: WorkerSlot, failure: BaseException, now: float) -> list[_Attempt]:
+    def take_down(self, slot: WorkerSlot, failure: BaseException, now: float) -> list[Attempt]:
         """Take a failed worker out and schedule its first probe.
 
         Returns:
-            its calls that were in flight, no longer live: their tasks are to
+            its calls that were in flight, now orphaned: their tasks are to
             be retried elsewhere (nothing, for an excluded worker).
         """
         if slot.state == WorkerState.EXCLUDED:
@@ -253,7 +260,7 @@ class SchedulingPolicy:
         self._schedule_probe(slot, now)
         orphans = list(slot.in_flight)
         for attempt in orphans:
-            attempt.live = False
+            attempt.state = AttemptState.ORPHANED
         slot.in_flight.clear()
         return orphans
 
@@ -269,7 +276,7 @@ class SchedulingPolicy:
 
     def probes_due(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
         """The down workers whose probe is due; they are ``PROBING`` from now on."""
-        due = [slot for slot in slots if slot.state is _DOWN and slot.probe_at <= now]
+        due = [slot for slot in slots if slot.state is WorkerState.DOWN and slot.probe_at <= now]
         for slot in due:
             slot.state = WorkerState.PROBING
         return due
@@ -279,7 +286,7 @@ class SchedulingPolicy:
 
         Returns:
             the worker's new state: ``ACTIVE`` (it rejoins, measured afresh),
-            ``PROBING`` (``failure`` is ``_StillBusy``: it is alive but still
+            ``PROBING`` (``failure`` is :class:`~rpcdl.data.probes.StillBusy`: it is alive but still
             running calls that timed out; probe it again now), ``DOWN`` (a
             transient failure: probed again later, after a longer delay) or
             ``EXCLUDED`` (a deterministic failure); ``None`` when the worker
@@ -288,7 +295,7 @@ class SchedulingPolicy:
         if slot.state != WorkerState.PROBING:
             return None
         slot.probes += 1
-        if isinstance(failure, _StillBusy):
+        if isinstance(failure, StillBusy):
             slot.failure = failure
         elif failure is None:
             slot.state = WorkerState.ACTIVE
@@ -314,7 +321,7 @@ class SchedulingPolicy:
         consumer waits for (``awaiting_head``) may need a copy."""
         deadline = now + IDLE_WAIT
         for slot in slots:
-            if slot.state is _DOWN and slot.probe_at < deadline:
+            if slot.state is WorkerState.DOWN and slot.probe_at < deadline:
                 deadline = slot.probe_at
         if awaiting_head:
             deadline = min(deadline, now + max(MIN_HEDGE_AGE, self.default_service_time(slots)))
@@ -362,12 +369,9 @@ class AllDownWatch:
 
 def active(slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
     """The workers that may be given tasks."""
-    return [slot for slot in slots if slot.state is _ACTIVE]
+    return [slot for slot in slots if slot.state is WorkerState.ACTIVE]
 
 
 def any_active(slots: Sequence[WorkerSlot]) -> bool:
     """Whether a worker may be given tasks."""
-    return any(slot.state is _ACTIVE for slot in slots)
-
-
-_ACTIVE, _DOWN = WorkerState.ACTIVE, WorkerState.DOWN
+    return any(slot.state is WorkerState.ACTIVE for slot in slots)
