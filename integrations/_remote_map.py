@@ -78,9 +78,15 @@ class RemoteMap:
     """
 
     def __init__(
-        self, workers: Sequence[str], fn: Callable, *, prefetch_factor: int, timeout: float, pin_memory: bool,
+        self,
+        workers: Sequence[str],
+        fn: Callable,
+        *,
+        prefetch_factor: int,
+        timeout: float,
+        pin_memory: bool,
         max_chunk_size: int,
-    ):  # fmt: skip
+    ):
         self.fn = fn
         self.timeout = float(timeout)
         self.pin_memory = pin_memory

@@ -1,8 +1,14 @@
 """The stores behind :mod:`rpcdl.data.cache.cached`: one LRU store per process, or Redis servers.
 
 Each backend turns its own failures into :class:`StoreError` naming the server;
-the cache decides what to do about them. A backend is used under its cache's
-lock, by one thread at a time.
+the cache decides what to do about them.
+
+Threading: any thread may call a backend at any time (the caches of a worker
+running several calls at once share the process's store). A
+:class:`MemoryStore`'s lock guards every access to its entries, size and
+capacity; the process's store is made once under ``_memory_lock``. A redis
+backend's fields do not change after it is made, and redis-py's clients are
+safe for concurrent use (each takes a connection from its pool per command).
 """
 
 from __future__ import annotations
@@ -38,10 +44,27 @@ class MemoryStore:
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
-        self.capacity = capacity
-        self.size = 0
+        self._capacity = capacity
+        self._size = 0
         self._values: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        """The most bytes of serialized values it keeps."""
+        with self._lock:
+            return self._capacity
+
+    @property
+    def size(self) -> int:
+        """The bytes of serialized values it keeps now."""
+        with self._lock:
+            return self._size
+
+    def grow(self, capacity: int) -> None:
+        """Keep at least ``capacity`` bytes from now on."""
+        with self._lock:
+            self._capacity = max(self._capacity, capacity)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -55,14 +78,14 @@ class MemoryStore:
             for key, value in items.items():
                 previous = self._values.pop(key, None)
                 if previous is not None:
-                    self.size -= len(previous)
-                if len(value) > self.capacity:
+                    self._size -= len(previous)
+                if len(value) > self._capacity:
                     continue  # larger than the whole store: not kept
                 self._values[key] = value
-                self.size += len(value)
-            while self.size > self.capacity:
+                self._size += len(value)
+            while self._size > self._capacity:
                 _, evicted = self._values.popitem(last=False)
-                self.size -= len(evicted)
+                self._size -= len(evicted)
 
     def num_keys(self) -> int:
         with self._lock:
@@ -82,8 +105,8 @@ def _shared_memory_store(capacity: int) -> MemoryStore:
     with _memory_lock:
         if _memory_store is None:
             _memory_store = MemoryStore(capacity)
-        elif capacity > _memory_store.capacity:
-            _memory_store.capacity = capacity
+        else:
+            _memory_store.grow(capacity)
         return _memory_store
 
 

