@@ -1,1 +1,10 @@
-"""Datasets and loaders on workers: RPCDataset, RPCDataloader, the scheduler, samplers, cache, distributed helpers."""
+"""Datasets and loaders on workers: RPCDataset, RPCDataloader, the scheduler, samplers, cache, distributed helpers.
+
+Threading: the data layer runs no thread of its own. The threads that advance
+loaders' and remote maps' iterators do the work; each module says what it
+keeps, who owns it and how the others reach it. In short: a pool's workers and
+calls are guarded by the pool's lock (:mod:`rpcdl.data.pool`); a pass belongs
+to the thread advancing it (:mod:`rpcdl.data.scheduler`); other threads (the
+connections', reading answers) only put events on queues (:mod:`rpcdl.data.events`);
+a loader's epochs are its :class:`~rpcdl.data.loader_state.EpochBook`'s, under its lock.
+"""

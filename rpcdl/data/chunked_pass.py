@@ -83,7 +83,7 @@ class ChunkedPassState(enum.Enum):
     """Where a :class:`ChunkedPass` is."""
 
     RUNNING = "running"  #: handing out items
-    SOURCE_FAILED = "source failed"  #: its last ``next()`` raised the source's exception: nothing more comes
+    SOURCE_FAILED = "source failed"  #: its last ``next()`` raised the source's exception; nothing more comes
     FINISHED = "finished"  #: every item was handed out
     CLOSED = "closed"  #: closed before its end
 

@@ -160,7 +160,7 @@ class ReaderState(enum.Enum):
     """Where a :class:`ChunkReader` is."""
 
     READING = "reading"  #: pulling items from its source
-    FAILED = "failed"  #: the source raised: its error waits to be taken (:meth:`ChunkReader.take_error`)
+    FAILED = "failed"  #: the source raised; its error waits to be taken by :meth:`ChunkReader.take_error`
     ENDED = "ended"  #: the source ended, or its error was taken
 
 

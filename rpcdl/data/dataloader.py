@@ -295,8 +295,9 @@ class RPCDataloader:
 
     def _open_epoch(self) -> EpochPlan:
         """Begin an epoch (on its iterator's first ``next()``): what it needs."""
-        position = self._epochs.begin(self._requested_epoch())
         batched = self.batch_sampler is not None
+        start = self._epochs.begin(self._requested_epoch(), self.batch_sampler if batched else self.sampler)
+        position = start.position
         # torch's default collate (convert) function is named by None: nothing to pickle per call.
         default = default_collate if batched else default_convert
         call = EpochCall(
@@ -310,7 +311,7 @@ class RPCDataloader:
         )
         return EpochPlan(
             position=position,
-            batches=self.batch_sampler if batched else self.sampler,
+            batches=start.batches,
             call=call,
             pool=self._pool,
             sizer=self._chunk_sizer,

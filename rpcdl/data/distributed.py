@@ -1,4 +1,8 @@
-"""Helpers for data-parallel training: split workers and data across ranks."""
+"""Helpers for data-parallel training: split workers and data across ranks.
+
+Threading: plain functions; they keep no state (the rank and world size come
+from the arguments or from torch.distributed's initialized group).
+"""
 
 from __future__ import annotations
 

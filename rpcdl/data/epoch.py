@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -64,7 +64,7 @@ class EpochCall:
         dataset: the remote dataset.
         seed: the loader's seed (``None``: batches are not seeded).
         epoch: the epoch.
-        fetch: the worker function (:func:`~rpcdl.data.fetch.fetch_batches_at` or ``fetch_samples_at``).
+        fetch: the worker function (``rpcdl.data.fetch.fetch_batches_at`` or ``fetch_samples_at``).
         collate_fn: sent with each call; ``None`` is torch's default.
         pin_memory: receive the batches into pinned memory.
         timeout: seconds a call may take (0: no limit).
@@ -105,7 +105,7 @@ class EpochPlan:
     Attributes:
         position: where it starts (a resumed epoch skips the batches yielded),
             kept up to date in ``book``.
-        batches: the sampler (or batch sampler): each item is a batch's indices.
+        batches: the sampler's (or batch sampler's) iterator, started: each item is a batch's indices.
         call: sends a chunk of batches to a worker.
         pool, sizer, served: the loader's workers, chunk sizer and counts.
         in_order: yield batches in sampler order.
@@ -115,7 +115,7 @@ class EpochPlan:
     """
 
     position: Position
-    batches: Iterable[Any]
+    batches: Iterator[Any]
     call: EpochCall
     pool: WorkerPool
     sizer: ChunkSizer

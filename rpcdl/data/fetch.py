@@ -12,6 +12,11 @@ A loader's call fetches a chunk of batches (:func:`fetch_batches_at`, or
 samples: :func:`fetch_samples_at`; see :mod:`rpcdl.data.chunks`). It names its
 dataset by the id of its RRef and torch's default collate or convert function by
 ``None``: what does not change within an epoch costs the pickler nothing per batch.
+
+Threading: these functions run on a worker, on the threads that execute its
+calls (several at once with ``--parallel``); they keep no state between calls.
+The segment a batch is stacked into is the calling thread's own
+(:mod:`rpcdl.transport.context`); the module's collate table is built once, at import.
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -202,6 +203,24 @@ class NoEpoch:
 NO_EPOCH = NoEpoch()
 
 
+@dataclasses.dataclass(frozen=True)
+class EpochStart:
+    """An epoch begun: its position, and its batches (their order fixed)."""
+
+    position: Position
+    batches: Iterator[Any]
+
+
+def _started(batches: Iterable[Any]) -> Iterator[Any]:
+    """``batches`` as an iterator that already drew its first item (a generator's body runs up to it)."""
+    iterator = iter(batches)
+    try:
+        first = next(iterator)
+    except StopIteration:
+        return iter(())
+    return itertools.chain((first,), iterator)
+
+
 class Closeable(Protocol):
     """An open iterator of a loader, as its book sees it."""
 
@@ -273,12 +292,21 @@ class EpochBook:
             self._open = [weakref.ref(iterator) for iterator in iterators]
             return iterators
 
-    def begin(self, requested: int | None) -> Position:
-        """Begin an epoch: choose it, tell the samplers, set the random generators; its position.
+    def begin(self, requested: int | None, batches: Iterable[Any]) -> EpochStart:
+        """Begin an epoch: choose it, tell the samplers, set the random generators, start ``batches``.
 
         The epoch is, first to last: the loaded state's, ``requested`` (a
         trainer's epoch), the one chosen with ``set_epoch``, the one the user
         last told a sampler (its ``set_epoch``), the one after the last.
+
+        ``batches`` (the sampler, or the batch sampler) is started here, its
+        first batch drawn: its order is fixed now, from the epoch and the
+        generators just set, even if another epoch begins on another thread
+        before this one pulls its next batch.
+
+        Raises:
+            Exception: what the sampler raised for its first batch (the epoch
+                begun is over then).
         """
         with self._lock:
             plan = self._next
@@ -304,7 +332,12 @@ class EpochBook:
             )
             position = Position(epoch, start, prefix, extra)
             self._begun = self._last = position
-            return position
+            try:
+                started = _started(batches)
+            except BaseException:
+                position.state = PositionState.FINISHED
+                raise
+            return EpochStart(position, started)
 
     def yielded(self, position: Position, seq: int) -> None:
         """Batch ``seq`` of ``position``'s epoch was handed out: it is the epoch a state tells now."""

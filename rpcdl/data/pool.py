@@ -57,7 +57,7 @@ class Registration(enum.Enum):
     """Whether the pool counts a pass as open."""
 
     OPEN = "open"  #: its calls are the pool's to count and to tell it about
-    CLOSED = "closed"  #: closed, or dropped and reclaimed: its calls were let go
+    CLOSED = "closed"  #: closed, or dropped and reclaimed; its calls were let go
 
 
 class PassRecord:

@@ -32,7 +32,7 @@ class WorkerState(enum.Enum):
     ACTIVE = "active"  #: given tasks
     DOWN = "down"  #: failed; revived when its probe is due
     PROBING = "probing"  #: a revival is in flight
-    EXCLUDED = "excluded"  #: cannot serve (its dataset differs, say): never used again
+    EXCLUDED = "excluded"  #: cannot serve, its dataset differs say; never used again
 
 
 class WorkerSlot:
@@ -142,9 +142,9 @@ class AttemptState(enum.Enum):
 
     IN_FLIGHT = "in flight"  #: sent, counted in its worker's calls in flight
     ANSWERED = "answered"  #: its answer came; it no longer counts against its worker
-    FAILED = "failed"  #: its answer was its worker's failure: its task is sent again
-    ORPHANED = "orphaned"  #: its worker was taken out: its answer is dropped, its task sent again
-    DROPPED = "dropped"  #: its task no longer needs it (done, or the pass closed): its answer is dropped
+    FAILED = "failed"  #: its answer was its worker's failure; its task is sent again
+    ORPHANED = "orphaned"  #: its worker was taken out; its answer is dropped, its task sent again
+    DROPPED = "dropped"  #: its task is done or its pass closed; its answer is dropped
 
 
 class Attempt:

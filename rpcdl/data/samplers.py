@@ -5,10 +5,17 @@ data-parallel job wait for the slowest. These samplers sort the samples by a
 measure of their cost, cut the sorted list into chunks of ``num_replicas``
 samples and give each replica one sample of every chunk, so the replicas'
 total costs differ by at most the cost of one sample.
+
+Threading: as torch's samplers, a sampler is set (``set_epoch``) and iterated
+by the threads of the training loop; an :class:`~rpcdl.RPCDataloader` tells it
+the epoch and starts its iteration under its epochs' lock, and may ask its
+length from any thread. The batch sampler's batches of the current epoch,
+built once per epoch, are guarded by its lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -190,8 +197,18 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         self.drop_last = bool(drop_last)
         self.num_replicas = sampler.num_replicas
         self.rank = sampler.rank
+        self._lock = threading.Lock()  # guards the batches built, and their epoch
         self._epoch_built: int | None = None
         self._batches: list[list[int]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def epoch(self) -> int:
@@ -199,6 +216,10 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         return self.sampler.epoch
 
     def _build(self) -> list[list[int]]:
+        with self._lock:
+            return self._build_locked()
+
+    def _build_locked(self) -> list[list[int]]:
         if self._epoch_built == self.sampler.epoch:
             return self._batches
         per_replica = []

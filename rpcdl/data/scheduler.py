@@ -64,8 +64,8 @@ from .scheduling_policy import AllDownWatch, is_worker_failure
 
 __all__ = ["Call", "Dispatch", "NoWorkersLeft", "PassState"]
 
-#: Sends a task to the worker at an address: returns the call's future. Raising a transient
-#: error or :class:`~rpcdl.rpc.rref.RRefNotFound` takes the worker out.
+#: Sends a task to the worker at an address and returns the call's future. Raising a transient
+#: error or :class:`~rpcdl.errors.RRefNotFound` takes the worker out.
 Call = Callable[[Task, str], torch.futures.Future]
 
 
@@ -78,7 +78,7 @@ class PassState(enum.Enum):
 
     OPEN = "open"  #: pulling from its source
     SOURCE_EXHAUSTED = "source exhausted"  #: every payload pulled; handing out what is outstanding
-    CLOSED = "closed"  #: ended (closed, done, or no worker left): hands out nothing more
+    CLOSED = "closed"  #: ended, closed or done or without workers; hands out nothing more
 
 
 class _Closed(Exception):

@@ -1,4 +1,7 @@
-"""Rules of torch's DataLoader that :class:`~rpcdl.RPCDataloader` keeps beside its own code."""
+"""Rules of torch's DataLoader that :class:`~rpcdl.RPCDataloader` keeps beside its own code.
+
+Threading: constants and a pure function; no state.
+"""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ Threading: a cache runs no thread. Any thread may use a cache (a worker runs
 several calls at once with ``--parallel``): its lock guards every access to its
 buffer, the values being written, its counters and its outage record; the
 store is called outside it (each backend is safe for concurrent use, see
-:mod:`rpcdl.data.cache.backends`), so a slow store never holds the other
+``rpcdl.data.cache.backends``), so a slow store never holds the other
 threads' buffered reads. The registry of open caches, flushed at exit, has its
 own lock; it holds weak references without callbacks, pruned as caches open.
 """
