@@ -199,6 +199,11 @@ class EpochIterator(Iterator[Any]):
     def _start(self, opener: EpochOpener) -> _Running:
         try:
             plan = opener.open()
+        except BaseException:
+            with self._lock:
+                self._stage = _FINISHED
+            raise
+        try:
             skip = plan.position.start_extra
             batched = (
                 (seq, indices)
@@ -213,6 +218,7 @@ class EpochIterator(Iterator[Any]):
         except BaseException:
             with self._lock:
                 self._stage = _FINISHED
+            plan.book.finished(plan.position)
             raise
         with self._lock:
             closed = self._stage is _FINISHED  # closed by another thread meanwhile

@@ -248,9 +248,9 @@ class PoolState:
             record = self._passes.get(attempt.owner)
             if attempt.owner == by.number:
                 own.append(attempt)
-            elif record is not None:
+            elif record is not None and record.reference() is not None:
                 record.events.put(Orphaned(attempt))
-            else:
+            else:  # its pass was dropped: nobody reads its answer
                 self._unread.append(attempt.future)
         return own
 

@@ -245,9 +245,9 @@ class Dispatch(Iterator[Task]):
                 self._finish(shared, task, slot, error=exc)
             return
         attempt = Attempt(task.seq, slot.index, self._record.number, sent_at, future)
+        future.add_done_callback(functools.partial(post, self._events, Answered(attempt)))  # first: it always ends
         task.attempts.append(attempt)
         shared.sent(attempt)
-        future.add_done_callback(functools.partial(post, self._events, Answered(attempt)))
 
     # ------------------------------------------------------------------ events
 
