@@ -34,6 +34,7 @@ from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ChunkedPassState
 from rpcdl.data.dataloader import RPCDataloader
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import rank_and_world_size
+from rpcdl.data.guard import EntryGuard
 
 from ._remote_map import DEFAULT_MAX_CHUNK_SIZE, RemoteMap, check_fn, check_options
 
@@ -185,6 +186,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         self._steps = 0
         self._pulled = 0
         self._behind: Any = _UP_TO_DATE  # what the error handed out last did not apply to the state yet
+        self._entry = EntryGuard("this RPCMapper")  # one thread at a time in next()
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -231,6 +233,14 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
             self._steps += 1
 
     def next(self) -> T:
+        if not self._entry.try_enter():
+            raise self._entry.busy()
+        try:
+            return self._next()
+        finally:
+            self._entry.leave()
+
+    def _next(self) -> T:
         if self._behind is not _UP_TO_DATE:  # the caller went on after an error: the state moves past it
             self._advance(self._behind)
             self._behind = _UP_TO_DATE

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import threading
 import time
 import weakref
 
@@ -124,6 +125,35 @@ def test_abandoned_epochs_are_freed_by_reference_counting_alone(two_workers):
     finally:
         gc.enable()
     assert sorted(i for batch in loader for i in batch.tolist()) == list(range(400))
+
+
+@pytest.mark.timeout(60)
+def test_a_second_thread_in_an_epoch_is_refused_and_a_close_from_another_thread_ends_it(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, helpers.RangeDataset, 40, 0.5)  # a batch of 4 takes 2 s
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4, max_batches_per_call=1)
+    iterator = iter(loader)
+    outcome: list = []
+
+    def advance() -> None:
+        try:
+            outcome.append(next(iterator))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=advance, name="test-advance")
+    thread.start()
+    deadline = time.monotonic() + 10
+    while sum(entry["in_flight"] for entry in loader.worker_windows().values()) == 0:
+        assert time.monotonic() < deadline, "the epoch did not start"
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="already being advanced by another thread"):
+        next(iterator)
+    loader.close()  # from this thread, while the other waits for its first batch
+    thread.join(10)
+    assert not thread.is_alive() and isinstance(outcome[0], StopIteration)
+    assert sum(entry["in_flight"] for entry in loader.worker_windows().values()) == 0  # its calls let go at once
+    with pytest.raises(StopIteration):
+        next(iterator)
 
 
 @pytest.mark.timeout(90)

@@ -16,10 +16,13 @@ it has been handed out, then raised in its place in the stream, as torchdata's
 ``Mapper`` and ``ParallelMapper`` do.
 
 Threading: a :class:`ChunkedPass` belongs to the thread advancing it, one at
-a time (another thread entering it meanwhile gets a ``RuntimeError``); any
-thread may close it (see :meth:`rpcdl.data.scheduler.Dispatch.close`). A
-:class:`ServedCounts` is shared by the passes of a loader or remote map: its
-lock guards every access.
+a time: its owner admits that thread (an epoch, a mapper: their
+:class:`~rpcdl.data.guard.EntryGuard` refuses a second one; a DataPipe's
+generator refuses it as any generator does), and its passes refuse a second
+thread too. Any thread may close it: its lock guards the pass re-running a
+failed chunk, which the closing thread closes, and an event tells the thread
+advancing it to stop. A :class:`ServedCounts` is shared by the passes of a
+loader or remote map: its lock guards every access.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from typing import Any
 from ..errors import ChunkFailed
 from ..serialization.pickling import load_exception
 from .chunks import ChunkReader, ChunkSizer
-from .guard import EntryGuard
 from .pool import WorkerPool
 from .records import Task
 from .scheduler import Call, Dispatch
@@ -122,43 +124,52 @@ class ChunkedPass(Iterator[ChunkedItem]):
         self._in_order = in_order
         self._reader = ChunkReader(items, sizer)
         self._dispatch = Dispatch(pool, self._reader, call, in_order=in_order)
-        self._split: Dispatch | None = None  # a failed chunk, run again item by item
         self._ready: collections.deque[ChunkedItem] = collections.deque()
         self._handed_out = 0
-        self._entry = EntryGuard("this pass")
         self._closing = threading.Event()  # set by close(), from any thread
+        self._lock = threading.Lock()  # guards _split: the advancing thread sets it, close() closes it
+        self._split: Dispatch | None = None  # a failed chunk, run again item by item
         self.state = ChunkedPassState.RUNNING
 
     def __next__(self) -> ChunkedItem:
-        with self._entry:
-            if self.state is not ChunkedPassState.RUNNING:
+        if self.state is not ChunkedPassState.RUNNING:
+            raise StopIteration
+        while True:
+            if self._closing.is_set():  # closed, by this thread or another
+                self._end()
                 raise StopIteration
-            while True:
-                if self._closing.is_set():  # closed by another thread
-                    self._end()
-                    raise StopIteration
-                if self._ready:
-                    break
-                if self._split is not None:
-                    try:
-                        self._expand(next(self._split))
-                    except StopIteration:
-                        self._split = None
-                    continue
-                try:
-                    task = next(self._dispatch)
-                except StopIteration:
-                    break
-                self._expand(task)
             if self._ready:
                 self._handed_out += 1
                 return self._ready.popleft()
-            error = self._reader.take_error()
-            if error is None:
-                self.state = ChunkedPassState.FINISHED
-                raise StopIteration
-            self.state = ChunkedPassState.SOURCE_FAILED
-            raise error
+            if not self._expand_next():
+                break
+        if self._closing.is_set():  # its passes ended because it was closed
+            self._end()
+            raise StopIteration
+        error = self._reader.take_error()
+        if error is None:
+            self.state = ChunkedPassState.FINISHED
+            raise StopIteration
+        self.state = ChunkedPassState.SOURCE_FAILED
+        raise error
+
+    def _expand_next(self) -> bool:
+        """Queue the items of the next chunk done; ``False`` when no chunk is left."""
+        with self._lock:
+            split = self._split
+        if split is not None:
+            try:
+                self._expand(next(split))
+            except StopIteration:
+                with self._lock:
+                    self._split = None
+            return True
+        try:
+            task = next(self._dispatch)
+        except StopIteration:
+            return False
+        self._expand(task)
+        return True
 
     def _expand(self, task: Task) -> None:
         """Queue the items of a finished chunk, or run them again one by one if it failed as a whole."""
@@ -179,26 +190,28 @@ class ChunkedPass(Iterator[ChunkedItem]):
             self._ready.append(ChunkedItem(self._handed_out + len(self._ready), chunk[0], None, error, worker))
         else:
             self._sizer.restart()
-            self._split = Dispatch(self._pool, iter([[item] for item in chunk]), self._call, in_order=self._in_order)
+            split = Dispatch(self._pool, iter([[item] for item in chunk]), self._call, in_order=self._in_order)
+            with self._lock:
+                self._split = split  # closed by close() from now on, or at the next step if it was closed before
 
     def close(self) -> None:
         """End the pass; answers still in flight are dropped when they arrive.
 
-        Any thread may close it: one advancing it meanwhile stops at its next step.
+        Any thread may close it: its calls are let go at once, and the thread
+        advancing it, if another, stops at its next step.
         """
         self._closing.set()
-        self._dispatch.close()  # from any thread; it wakes the thread advancing it, if it waits
-        if self._entry.try_enter():
-            try:
-                self._end()
-            finally:
-                self._entry.leave()
+        with self._lock:
+            split = self._split
+        if split is not None:
+            split.close()
+        self._dispatch.close()  # it wakes the thread advancing it, if that one waits
 
     def _end(self) -> None:
-        if self._split is not None:
-            self._split.close()
-            self._split = None
+        with self._lock:
+            split, self._split = self._split, None
+        if split is not None:
+            split.close()
         self._dispatch.close()
         self._ready.clear()
-        if self.state is ChunkedPassState.RUNNING:
-            self.state = ChunkedPassState.CLOSED
+        self.state = ChunkedPassState.CLOSED

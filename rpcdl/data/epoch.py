@@ -18,10 +18,13 @@ needs), so an epoch dropped mid-way (a ``break``) is freed by reference
 counting at once, and its pool lets go of its calls at its next step.
 
 Threading: an epoch is advanced by one thread at a time; another thread
-entering ``next()`` meanwhile gets a ``RuntimeError``. Its stage (not started,
-running, finished) is changed by that thread under the iterator's lock, which
-:meth:`EpochIterator.close` takes too, from any thread. Its position belongs to
-its loader's :class:`~rpcdl.data.loader_state.EpochBook`.
+entering ``next()`` meanwhile gets a ``RuntimeError``
+(:class:`~rpcdl.data.guard.EntryGuard`). Its stage (not started, running,
+finished) belongs to that thread. :meth:`EpochIterator.close` may come from any
+thread: it sets an event the advancing thread reads at its next step, and
+closes the running epoch's pass, which the advancing thread publishes under
+the iterator's lock as it starts. Its position belongs to its loader's
+:class:`~rpcdl.data.loader_state.EpochBook`.
 """
 
 from __future__ import annotations
@@ -160,18 +163,22 @@ class EpochIterator(Iterator[Any]):
     """
 
     def __init__(self, opener: EpochOpener):
-        self._lock = threading.Lock()  # guards _stage: changed by the advancing thread, read by close()
-        self._stage: _NotStarted | _Running | _Finished = _NotStarted(opener)
         self._entry = EntryGuard("this epoch")
+        self._stage: _NotStarted | _Running | _Finished = _NotStarted(opener)  # the advancing thread's
+        self._closing = threading.Event()  # set by close(), from any thread
+        self._lock = threading.Lock()  # guards _closable: the epoch running, published for close()
+        self._closable: _Running | _Finished = _FINISHED
 
     def __next__(self) -> Any:
-        with self._entry:
-            with self._lock:
-                stage = self._stage
-            if type(stage) is _NotStarted:
+        if not self._entry.try_enter():
+            raise self._entry.busy()
+        try:
+            stage = self._stage
+            if type(stage) is not _Running:
+                if type(stage) is _Finished or self._closing.is_set():
+                    self._stage = _FINISHED
+                    raise StopIteration
                 stage = self._start(stage.opener)
-            elif type(stage) is not _Running:
-                raise StopIteration
             try:
                 item = next(stage.batches)
             except (StopIteration, NoWorkersLeft):
@@ -187,21 +194,32 @@ class EpochIterator(Iterator[Any]):
             if item.error is not None:
                 raise self._annotate(item.error, plan.position.epoch, seq, indices, item.worker)
             return item.value
+        finally:
+            self._entry.leave()
 
     def close(self) -> None:
-        """Stop the epoch; answers still in flight are dropped when they arrive. Any thread may close it."""
+        """Stop the epoch; answers still in flight are dropped when they arrive.
+
+        Any thread may close it: its calls are let go at once, and the thread
+        advancing it, if another, stops at its next step.
+        """
+        self._closing.set()
         with self._lock:
-            stage, self._stage = self._stage, _FINISHED
-        if type(stage) is _Running:
-            stage.batches.close()
-            stage.plan.book.finished(stage.plan.position)
+            running, self._closable = self._closable, _FINISHED
+        if type(running) is _Running:
+            running.batches.close()
+            running.plan.book.finished(running.plan.position)
+        if self._entry.try_enter():  # no thread advances it: let its batches go now
+            try:
+                self._stage = _FINISHED
+            finally:
+                self._entry.leave()
 
     def _start(self, opener: EpochOpener) -> _Running:
         try:
             plan = opener.open()
         except BaseException:
-            with self._lock:
-                self._stage = _FINISHED
+            self._stage = _FINISHED
             raise
         try:
             skip = plan.position.start_extra
@@ -216,24 +234,20 @@ class EpochIterator(Iterator[Any]):
                 plan, ChunkedPass(plan.pool, batched, plan.call, plan.sizer, plan.served, in_order=plan.in_order)
             )
         except BaseException:
-            with self._lock:
-                self._stage = _FINISHED
+            self._stage = _FINISHED
             plan.book.finished(plan.position)
             raise
+        self._stage = running
         with self._lock:
-            closed = self._stage is _FINISHED  # closed by another thread meanwhile
-            if not closed:
-                self._stage = running
-        if closed:
-            self._end(running)
+            self._closable = running
+        if self._closing.is_set():  # closed meanwhile, perhaps before it could see this epoch: its next() ends
             running.batches.close()
-            raise StopIteration
         return running
 
     def _end(self, stage: _Running) -> None:
+        self._stage = _FINISHED
         with self._lock:
-            if self._stage is stage:
-                self._stage = _FINISHED
+            self._closable = _FINISHED
         stage.plan.book.finished(stage.plan.position)
 
     @staticmethod

@@ -110,6 +110,9 @@ class PoolState:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if not (self._unread or self._notes or self._to_probe):  # the usual step: nothing left for after
+            self._lock.release()
+            return
         unread, self._unread = self._unread, []
         notes, self._notes = self._notes, []
         probing, self._to_probe = self._to_probe, []
@@ -151,10 +154,6 @@ class PoolState:
             del self._passes[record.number]
         if dropped:
             self._let_go({record.number for record in dropped})
-
-    def open_passes(self) -> int:
-        """How many passes are open (dropped ones not reclaimed yet included)."""
-        return len(self._passes)
 
     def _let_go(self, owners: set[int]) -> None:
         for slot in self.slots:
@@ -262,11 +261,9 @@ class PoolState:
 
     def handle_probe_ends(self) -> None:
         """Handle the revivals that ended: the workers rejoin, are probed again, or wait for their next probe."""
-        while True:
-            try:
-                event = self._probe_events.get_nowait()
-            except queue.Empty:
-                return
+        probe_events = self._probe_events
+        while not probe_events.empty():  # drained under the lock: what is there stays there
+            event = probe_events.get_nowait()
             slot = event.slot
             try:
                 event.future.wait()
@@ -369,9 +366,3 @@ class WorkerPool:
                 }
                 for slot in state.slots
             }
-
-    def open_passes(self) -> int:
-        """How many passes are open, once those dropped without being closed are reclaimed."""
-        with self._state as state:
-            state.reclaim_dropped()
-            return state.open_passes()

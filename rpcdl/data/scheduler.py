@@ -120,32 +120,31 @@ class Dispatch(Iterator[Task]):
             self._record: PassRecord = shared.open_pass(self, self._events)
 
     def __next__(self) -> Task:
-        with self._entry:
+        if not self._entry.try_enter():
+            raise self._entry.busy()
+        try:
             if self.state is PassState.CLOSED:
                 raise StopIteration
-            try:
-                return self._next()
-            except _Closed:
-                self._end()
-                raise StopIteration from None
+            return self._next()
+        except _Closed:
+            self._end()
+            raise StopIteration from None
+        finally:
+            self._entry.leave()
 
     def _next(self) -> Task:
-        # Answers that came meanwhile free their workers' slots, and the task handed out last
-        # left room in the window: top it up now, before waiting. (Not as a task is handed out:
-        # the consumer still holds the one before, so the window would hold one batch more.)
-        self._handle_events(wait=False)
+        # Answers that came meanwhile free their workers' slots, and the task handed out last left
+        # room in the window: top it up now, before waiting. (Not as a task is handed out: the
+        # consumer still holds the one before, so the window would hold one batch more.)
+        self._step(wait=False)
         while True:
-            self._top_up()
             task = self._pop_finished()
             if task is not None:
                 return task
             if self.state is PassState.SOURCE_EXHAUSTED and not self._outstanding:
                 self._end()
                 raise StopIteration
-            self._handle_events(wait=True)
-            task = self._pop_finished()  # before topping up: see above
-            if task is not None:
-                return task
+            self._step(wait=True)
 
     def close(self) -> None:
         """End the pass; answers still in flight are dropped when they arrive.
@@ -191,28 +190,50 @@ class Dispatch(Iterator[Task]):
         del self._outstanding[task.seq]
         return task
 
-    # ------------------------------------------------------------------ sending
+    # ------------------------------------------------------------------ one step
 
-    def _top_up(self) -> None:
-        """Send what waits to the workers with room, pulling from the source while the pass has room."""
+    def _step(self, wait: bool) -> None:
+        """Handle the answers that came (waiting for one first when ``wait``), then send what may go,
+        pulling from the source while the pass has room."""
+        with self.pool.locked() as shared:
+            self._check_open()
+            if wait:  # before waiting: what dropped passes hold may be what this one waits for
+                shared.reclaim_dropped()
+                shared.start_due_probes()
+            in_flight = shared.in_flight()
+            timeout = shared.wait_time(self.in_order and bool(self._outstanding)) if wait else 0.0
+        # Outside the lock: waiting. The answers read here complete their futures (of any pass) on this thread.
+        if read_answers(in_flight, timeout) is not None:  # read here (their events are queued), or none came in time
+            timeout = 0.0
+        events = self._take_events(timeout)
         with sent_together(), answers_read_here():  # one system call per worker for what goes out now
-            copy = True  # first: the consumer waits for its head; it must not wait for a slot behind new tasks
-            while True:
+            with self.pool.locked() as shared:
+                self._check_open()
+                message = self._handle(shared, events, arrived_now=wait) if events or wait else None
+                if message is None:
+                    room = self._send_ready(shared)
+            if message is not None:
+                self._end()
+                raise NoWorkersLeft(message)
+            pulled = 0
+            while pulled < room and self._pull():  # outside the lock: the source is user code, or another stage
+                pulled += 1
+            if pulled:
                 with self.pool.locked() as shared:
                     self._check_open()
-                    if copy and self.in_order and self._outstanding:
-                        head = self._head()
-                        slot = shared.hedge(head)
-                        if slot is not None:
-                            self._send(shared, head, slot)
-                    copy = False
                     self._send_waiting(shared)
-                    if self._waiting or self.state is not PassState.OPEN:
-                        return
-                    if len(self._outstanding) >= shared.pass_window():
-                        return
-                if not self._pull():  # outside the lock
-                    return
+
+    def _send_ready(self, shared: PoolState) -> int:
+        """Send a copy of the head if it is late, then what waits; how many tasks the pass may pull now."""
+        if self.in_order and self._outstanding:
+            head = self._head()
+            slot = shared.hedge(head)
+            if slot is not None:  # first: the consumer waits for it; it must not wait for a slot behind new tasks
+                self._send(shared, head, slot)
+        self._send_waiting(shared)
+        if self._waiting or self.state is not PassState.OPEN:
+            return 0
+        return shared.pass_window() - len(self._outstanding)
 
     def _pull(self) -> bool:
         try:
@@ -251,44 +272,31 @@ class Dispatch(Iterator[Task]):
 
     # ------------------------------------------------------------------ events
 
-    def _handle_events(self, wait: bool) -> None:
-        with self.pool.locked() as shared:
-            self._check_open()
-            shared.reclaim_dropped()
-            if wait:
-                shared.start_due_probes()
-            in_flight = shared.in_flight()
-            timeout = shared.wait_time(self.in_order and bool(self._outstanding)) if wait else 0.0
-        # Outside the lock: waiting. The answers read here complete their futures (of any pass) on this thread.
-        if read_answers(in_flight, timeout) is not None:  # read here (their events are queued), or none came in time
-            timeout = 0.0
-        events = self._take_events(timeout)
-        with self.pool.locked() as shared:
-            self._check_open()
-            for event in events:
-                if type(event) is Answered:
-                    self._on_answered(shared, event.attempt, arrived_now=wait)
-                elif type(event) is Orphaned:
-                    task = self._outstanding.get(event.attempt.seq)
-                    if task is not None:
-                        self._retry(task)
-                        self._sort_waiting()
-            shared.handle_probe_ends()
-            shared.release_answered(self._record)
-            message = self._all_down.check(shared.slots, shared.clock())
-        if message is not None:
-            self._end()
-            raise NoWorkersLeft(message)
+    def _handle(self, shared: PoolState, events: list[PassEvent], arrived_now: bool) -> str | None:
+        """Handle ``events`` and the pool's ended probes; the error to raise if no worker is left."""
+        for event in events:
+            if type(event) is Answered:
+                self._on_answered(shared, event.attempt, arrived_now)
+            elif type(event) is Orphaned:
+                task = self._outstanding.get(event.attempt.seq)
+                if task is not None:
+                    self._retry(task)
+                    self._sort_waiting()
+        shared.handle_probe_ends()
+        shared.release_answered(self._record)
+        return self._all_down.check(shared.slots, shared.clock())
 
     def _take_events(self, timeout: float) -> list[PassEvent]:
         events: list[PassEvent] = []
-        try:
-            if timeout > 0:
-                events.append(self._events.get(timeout=timeout))
-            while True:
-                events.append(self._events.get_nowait())
-        except queue.Empty:
-            return events
+        queued = self._events
+        if timeout > 0:
+            try:
+                events.append(queued.get(timeout=timeout))
+            except queue.Empty:
+                return events
+        while not queued.empty():  # only this thread takes from it: what is there stays there
+            events.append(queued.get_nowait())
+        return events
 
     def _on_answered(self, shared: PoolState, attempt: Attempt, arrived_now: bool) -> None:
         try:
