@@ -56,3 +56,6 @@ class EntryGuard:
 
     def __exit__(self, *exc_info: object) -> None:
         self.leave()
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return EntryGuard, (self._what,)  # a copy (a pickled iterator's) is entered by no thread
