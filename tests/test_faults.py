@@ -186,6 +186,23 @@ def _epochs_until(loader: rpcdl.RPCDataloader, n: int, condition, deadline_s: fl
 # ---------------------------------------------------------------------------- tests
 
 
+def test_a_worker_down_when_the_dataset_is_built_is_built_there_once_it_is_back(spawn_workers, monkeypatch):
+    """Its first rebuilds fail (refused: a transient failure): it stays down, probed again, and serves once
+    restarted. (torch's ``future.then()`` turned such a failure into a RuntimeError, which kept it out for good.)"""
+    monkeypatch.setenv("RPCDL_CONNECT_GRACE", "0.2")
+    workers = spawn_workers(2)
+    workers.kill(1)
+    dataset = rpcdl.RPCDataset(list(workers), helpers.RangeDataset, 64, 0.002)
+    assert dataset.rref(workers[1]) is None
+    loader = rpcdl.RPCDataloader(dataset, batch_size=4, timeout=5)
+    until = time.monotonic() + 1.5  # long enough for its first probes to fail
+    _epochs_until(loader, 64, lambda: time.monotonic() > until)
+    assert loader.worker_states()[workers[1]] in ("down", "probing")  # not excluded: its failures are transient
+    workers.restart(1)
+    _epochs_until(loader, 64, lambda: loader.batches_served[workers[1]] > 0)
+    assert loader.worker_states()[workers[1]] == "active" and dataset.rref(workers[1]) is not None
+
+
 def test_sigkill_mid_epoch_then_restarts_with_same_and_other_length(spawn_workers, embedded_worker, tmp_path, caplog):
     """A worker killed in the middle of an epoch restarts with the same dataset
     and rejoins, though the epoch in which it died is over. Killed again, it

@@ -24,7 +24,7 @@ from rpcdl.data.chunked_pass import ChunkedPass, ServedCounts
 from rpcdl.data.chunks import ChunkSizer
 from rpcdl.data.events import Answered, Orphaned
 from rpcdl.data.pool import PassRecord, Registration, WorkerPool
-from rpcdl.data.probes import StillBusy
+from rpcdl.data.probes import Revival
 from rpcdl.data.records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, WorkerState
 from rpcdl.data.scheduler import Dispatch, NoWorkersLeft, PassState
 from rpcdl.errors import WorkerTimeout, WorkerUnavailable
@@ -100,9 +100,9 @@ class FakeWorkers:
 
 class ScriptedSetup:
     """The pool's :class:`~rpcdl.data.probes.WorkerSetup`: each revival ends with the next outcome of the
-    script (``None``: the worker is back; an exception: it is not), at once."""
+    script (a :class:`~rpcdl.data.probes.Revival`, or the exception it fails with), at once."""
 
-    def __init__(self, outcomes: Iterator[BaseException | None]):
+    def __init__(self, outcomes: Iterator[Revival | BaseException]):
         self.outcomes = outcomes
         self.calls: list[tuple[str, BaseException | None, float]] = []
 
@@ -110,8 +110,8 @@ class ScriptedSetup:
         self.calls.append((address, failure, time.monotonic()))
         future: torch.futures.Future = torch.futures.Future()
         outcome = next(self.outcomes)
-        if outcome is None:
-            future.set_result(None)
+        if isinstance(outcome, Revival):
+            future.set_result(outcome)
         else:
             future.set_exception(outcome)
         return future
@@ -193,7 +193,7 @@ def test_lost_worker_tasks_go_elsewhere_it_is_probed_with_backoff_and_rejoins():
         return payload
 
     workers = FakeWorkers({"w0:1": 0.0, "w1:2": 0.02}, answer)
-    setup = ScriptedSetup(iter([WorkerUnavailable("still away"), None]))
+    setup = ScriptedSetup(iter([WorkerUnavailable("still away"), Revival.BACK]))
     try:
         pool = WorkerPool(["w0:1", "w1:2"], prefetch_factor=1, timeout=30.0, setup=setup)
         assert [task.value for task in Dispatch(pool, iter(range(60)), workers)] == list(range(60))  # once, in order
@@ -212,8 +212,7 @@ def test_a_worker_still_running_a_call_that_timed_out_is_probed_until_it_is_free
         return WorkerTimeout("no answer in 1s") if payload == 0 else payload
 
     workers = FakeWorkers({"w0:1": 0.0}, answer)
-    busy = [StillBusy("still running calls")] * 4
-    setup = ScriptedSetup(iter([*busy, None]))
+    setup = ScriptedSetup(iter([*[Revival.BUSY] * 4, Revival.BACK]))
     try:
         pool = WorkerPool(["w0:1"], prefetch_factor=1, timeout=1.0, setup=setup)
         dispatch = Dispatch(pool, iter(range(2)), workers)
@@ -222,7 +221,7 @@ def test_a_worker_still_running_a_call_that_timed_out_is_probed_until_it_is_free
         assert "timed out on 1 workers" in str(first.error.__notes__)
         assert next(dispatch).value == 1
         failures = [failure for _, failure, _ in setup.calls]
-        assert isinstance(failures[0], WorkerTimeout) and all(isinstance(f, StillBusy) for f in failures[1:])
+        assert all(isinstance(failure, WorkerTimeout) for failure in failures)  # each asked with a call queued
         assert len(failures) == 5  # asked again at once while busy, until free
         assert workers.sent[-1][2] > setup.calls[-1][2]  # the next task went to the worker once it was back
         assert pool.states() == {"w0:1": "active"}

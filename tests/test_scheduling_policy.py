@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rpcdl import DatasetMismatch
-from rpcdl.data.probes import StillBusy
+from rpcdl.data.probes import Revival
 from rpcdl.data.records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
 from rpcdl.data.scheduling_policy import MAX_PROBE_DELAY, AllDownWatch, SchedulingPolicy
 from rpcdl.errors import WorkerTimeout, WorkerUnavailable
@@ -139,8 +139,9 @@ def test_a_worker_taken_down_orphans_its_calls_and_a_busy_one_is_probed_again_at
     assert set(policy.take_down(slot, WorkerTimeout("no answer"), now=1.0)) == set(calls)
     assert not slot.in_flight and all(call.state is AttemptState.ORPHANED and not call.live for call in calls)
     assert policy.probes_due([slot], now=1.0 + slot.probe_delay / 2) == [slot]  # the first delay, not the doubled
-    assert policy.probe_ended(slot, StillBusy("running calls"), now=2.0) is WorkerState.PROBING
-    assert policy.probe_ended(slot, None, now=3.0) is WorkerState.ACTIVE
+    assert policy.probe_ended(slot, Revival.BUSY, now=2.0) is WorkerState.PROBING
+    assert isinstance(slot.failure, WorkerTimeout)  # what took it out: its next probe queues a call again
+    assert policy.probe_ended(slot, Revival.BACK, now=3.0) is WorkerState.ACTIVE
     assert (slot.service_time, slot.window) == (None, None)  # measured afresh
 
 
@@ -178,7 +179,7 @@ def test_none_left_watch_starts_again_after_a_rejoin_it_did_not_see():
     assert watch.check(slots, now=0.0) is None
     for slot in slots:  # each is probed, comes back, and times out again, all before the next check
         slot.state = WorkerState.PROBING
-        assert policy.probe_ended(slot, None, now=0.8) is WorkerState.ACTIVE
+        assert policy.probe_ended(slot, Revival.BACK, now=0.8) is WorkerState.ACTIVE
         policy.take_down(slot, WorkerTimeout("did not answer within 0.5s"), now=1.4)
     assert watch.check(slots, now=1.5) is None  # the wait began again: not 1.5 s old, and none asked since
     assert watch.check(slots, now=2.1) is None  # past the timeout, but none asked since

@@ -15,6 +15,7 @@ recipe and the length are fixed once the dataset is built.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ from ..checks import check_loader_timeout
 from ..errors import DatasetMismatch, WorkerTimeout, is_transient
 from ..rpc.client import rpc_async
 from ..rpc.rref import RRef, RRefNotFound
-from .probes import probe_async
+from .probes import Revival, back_when, probe_async
 
 log = logging.getLogger("rpcdl.dataset")
 
@@ -183,7 +184,18 @@ class RPCDataset(Dataset):
         """
         with self._lock:
             self._rrefs[address] = None
-        return self.build_async(address).then(lambda built: self.accept(address, *built.wait()))
+        installed: torch.futures.Future = torch.futures.Future()
+        self.build_async(address).add_done_callback(functools.partial(self._install, address, installed))
+        return installed
+
+    def _install(self, address: str, installed: torch.futures.Future, built: torch.futures.Future) -> None:
+        # On the thread that read the build's answer: errors keep their type (a transient one is retried).
+        try:
+            self.accept(address, *built.wait())
+        except Exception as exc:
+            installed.set_exception(exc)
+        else:
+            installed.set_result(None)
 
     def accept(self, address: str, rref: RRef, length: int | None) -> None:
         """Install a copy built on ``address`` (by :meth:`build_async`), checking its length.
@@ -254,8 +266,8 @@ class DatasetSetup:
         self.dataset = dataset
         self.probe_timeout = probe_timeout
 
-    def revive_async(self, address: str, failure: BaseException | None) -> torch.futures.Future:
+    def revive_async(self, address: str, failure: BaseException | None) -> torch.futures.Future[Revival]:
         """Rebuild the dataset on ``address`` where it is lost, else probe it."""
         if isinstance(failure, RRefNotFound) or self.dataset.rref(address) is None:
-            return self.dataset.rebuild_async(address)
+            return back_when(self.dataset.rebuild_async(address))
         return probe_async(address, failure, self.probe_timeout)

@@ -44,7 +44,7 @@ import torch
 
 from ..rpc.client import read_in_background
 from .events import WAKE, Orphaned, post_probe_end
-from .probes import PROBE_TIMEOUT, PingSetup, StillBusy, WorkerSetup
+from .probes import PROBE_TIMEOUT, PingSetup, Revival, WorkerSetup
 from .records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
 from .scheduling_policy import SchedulingPolicy, active
 
@@ -266,21 +266,20 @@ class PoolState:
             event = probe_events.get_nowait()
             slot = event.slot
             try:
-                event.future.wait()
-                failure = None
+                outcome = event.future.wait()
             except Exception as exc:
-                failure = exc
-            was_busy = isinstance(slot.failure, StillBusy)
-            state = self.policy.probe_ended(slot, failure, self.clock())
+                outcome = exc
+            if not isinstance(outcome, (Revival, BaseException)):
+                outcome = TypeError(f"a revival of worker {slot.address} gave {outcome!r}, not a Revival")
+            state = self.policy.probe_ended(slot, outcome, self.clock())
             if state is WorkerState.ACTIVE:
                 self._notes.append((logging.WARNING, "worker %s is back", (slot.address,)))
             elif state is WorkerState.PROBING:
-                if not was_busy:
-                    message = "worker %s is not back yet: %s; it rejoins when they end"
-                    self._notes.append((logging.WARNING, message, (slot.address, failure)))
+                message = "worker %s answers but still runs calls that timed out; it rejoins when they end"
+                self._notes.append((logging.WARNING, message, (slot.address,)))
                 self._to_probe.append(slot)
             elif state is WorkerState.EXCLUDED:
-                self._notes.append((logging.ERROR, "worker %s is kept out: %s", (slot.address, failure)))
+                self._notes.append((logging.ERROR, "worker %s is kept out: %s", (slot.address, outcome)))
 
     def _start_probe(
         self, slot: WorkerSlot, address: str, failure: BaseException | None, waiting: tuple[weakref.ref, ...]

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 from ..errors import is_transient
 from ..rpc.rref import RRefNotFound
-from .probes import StillBusy
+from .probes import Revival
 from .records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, TaskState, WorkerSlot, WorkerState
 
 __all__ = [
@@ -281,36 +281,34 @@ class SchedulingPolicy:
             slot.state = WorkerState.PROBING
         return due
 
-    def probe_ended(self, slot: WorkerSlot, failure: BaseException | None, now: float) -> WorkerState | None:
-        """A probe of ``slot`` ended (``failure`` is ``None`` when it answered).
+    def probe_ended(self, slot: WorkerSlot, outcome: Revival | BaseException, now: float) -> WorkerState | None:
+        """A probe of ``slot`` ended: with a :class:`~rpcdl.data.probes.Revival`, or with the exception it failed with.
 
         Returns:
-            the worker's new state: ``ACTIVE`` (it rejoins, measured afresh),
-            ``PROBING`` (``failure`` is :class:`~rpcdl.data.probes.StillBusy`: it is alive but still
-            running calls that timed out; probe it again now), ``DOWN`` (a
-            transient failure: probed again later, after a longer delay) or
-            ``EXCLUDED`` (a deterministic failure); ``None`` when the worker
-            was not being probed (the answer is stale).
+            the worker's new state: ``ACTIVE`` (it is back: it rejoins,
+            measured afresh), ``PROBING`` (it is busy: alive but still running
+            calls that timed out; probe it again now), ``DOWN`` (a transient
+            failure: probed again later, after a longer delay) or ``EXCLUDED``
+            (a deterministic failure); ``None`` when the worker was not being
+            probed (the answer is stale).
         """
         if slot.state != WorkerState.PROBING:
             return None
         slot.probes += 1
-        if isinstance(failure, StillBusy):
-            slot.failure = failure
-        elif failure is None:
+        if outcome is Revival.BACK:
             slot.state = WorkerState.ACTIVE
             slot.probe_delay = FIRST_PROBE_DELAY
             slot.last_done = 0.0
             slot.service_time = slot.rtt = slot.round_trip = slot.window = None
             slot.round_trips, slot.answers, slot.window_filled = 0.0, 0, False
-        else:
-            slot.failure = failure
-            if is_transient(failure):
+        elif isinstance(outcome, BaseException):
+            slot.failure = outcome
+            if is_transient(outcome):
                 slot.state = WorkerState.DOWN
                 self._schedule_probe(slot, now)
             else:
                 slot.state = WorkerState.EXCLUDED
-        return slot.state
+        return slot.state  # busy: it stays PROBING, taken out by the timeout that took it out
 
     def _schedule_probe(self, slot: WorkerSlot, now: float) -> None:
         slot.probe_at = now + slot.probe_delay
