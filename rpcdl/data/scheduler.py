@@ -195,13 +195,16 @@ class Dispatch(Iterator[Task]):
     def _step(self, wait: bool) -> None:
         """Handle the answers that came (waiting for one first when ``wait``), then send what may go,
         pulling from the source while the pass has room."""
-        with self.pool.locked() as shared:
-            self._check_open()
-            if wait:  # before waiting: what dropped passes hold may be what this one waits for
-                shared.reclaim_dropped()
+        if wait:
+            with self.pool.locked() as shared:
+                self._check_open()
+                shared.reclaim_dropped()  # what dropped passes hold may be what this one waits for
                 shared.start_due_probes()
-            in_flight = shared.in_flight()
-            timeout = shared.wait_time(self.in_order and bool(self._outstanding)) if wait else 0.0
+                in_flight = shared.in_flight()  # every pass's: an answer to another frees a worker for this one
+                timeout = shared.wait_time(self.in_order and bool(self._outstanding))
+        else:  # its own calls' answers that came meanwhile (their futures never change: no lock)
+            in_flight = [attempt.future for task in self._outstanding.values() for attempt in task.attempts]
+            timeout = 0.0
         # Outside the lock: waiting. The answers read here complete their futures (of any pass) on this thread.
         if read_answers(in_flight, timeout) is not None:  # read here (their events are queued), or none came in time
             timeout = 0.0
