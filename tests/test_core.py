@@ -22,7 +22,7 @@ import rpcdl
 import rpcdl.rpc.client
 from rpcdl.errors import RemoteError
 from rpcdl.processes import stop_process
-from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate
 from rpcdl.transport.wire import Frame, FrameReader, Kind, send_frame
 
 TESTS = Path(__file__).resolve().parent
@@ -438,8 +438,10 @@ def test_non_loopback_bind_without_token_is_refused():
         rpcdl.Worker("0.0.0.0", 0)
     result = subprocess.run(
         [sys.executable, "-m", "rpcdl", "worker", "--host", "0.0.0.0", "--port", "0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--insecure" in result.stderr
 
 
@@ -449,7 +451,7 @@ def test_non_loopback_bind_without_token_is_refused():
 def _raw_authenticated_socket(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     raw = socket.create_connection((host, int(port)), timeout=5)
-    client_handshake(raw, None, address)
+    client_negotiate(raw, None, address)
     return raw
 
 
@@ -487,8 +489,10 @@ def test_sigterm_lets_the_running_call_finish(tmp_path):
     except subprocess.TimeoutExpired:
         stacks = subprocess.run(
             [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(process.pid)],
-            capture_output=True, text=True, check=False,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
         process.kill()
         raise AssertionError(f"the worker did not exit:\n{stacks}\n{process.stderr.read()}") from None
     assert code == 0, process.stderr.read()
