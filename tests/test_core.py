@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import helpers
@@ -215,6 +216,36 @@ def test_remote_exception_keeps_type_traceback_and_worker(two_workers):
     assert "raise_value_error" in error.remote_traceback
     frames = [frame.name for frame in __import__("traceback").extract_tb(error.__traceback__)]
     assert "raise_value_error" in frames  # the remote frames are part of the traceback
+
+
+class _Marker:
+    pass
+
+
+def _wait_for_a_failed_call(address: str) -> tuple[weakref.ref, torch.futures.Future]:
+    """Wait, in a frame of its own holding a marker, for a call that fails; return the marker weakly."""
+    marker = _Marker()
+    future = rpcdl.rpc_async(address, raise_value_error)
+    try:
+        future.wait()
+    except ValueError:
+        pass
+    return weakref.ref(marker), future
+
+
+def test_a_frame_that_waited_for_a_failed_call_is_freed_when_it_returns(two_workers):
+    """The future keeps its error where the cyclic collector cannot see it: raised itself, that error would
+    hold (through its traceback) every frame that waited for it, and all they hold, for ever."""
+    gc.disable()  # freed by reference counting alone: no reference cycle either
+    try:
+        marker, future = _wait_for_a_failed_call(two_workers[0])
+        assert marker() is None
+    finally:
+        gc.enable()
+    for _ in range(2):  # the error is raised again, whole, as often as asked
+        with pytest.raises(ValueError, match="bad value from the worker") as info:
+            future.wait()
+        assert info.value.rpcdl_worker == two_workers[0] and info.value.__notes__
 
 
 def test_exception_of_a_type_the_client_lacks_becomes_remote_error(two_workers, tmp_path):

@@ -31,7 +31,7 @@ def deliver(address: str, connection: Any, frame: Frame, call: Call) -> None:
             result = call.transform(result)
         except Exception as exc:
             exc.add_note(f"while unpickling the answer of worker {address} to {call.what}")
-            error = exc
+            error = exc.with_traceback(exc.__traceback__.tb_next)  # not this frame: it holds the future
     if error is not None:
         call.future.fail(error)
     else:

@@ -12,6 +12,7 @@ torch's, which publishes it.
 
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import threading
@@ -62,6 +63,8 @@ class CallFuture(torch.futures.Future):
     ``wait()`` and ``value()`` return a result from there once the future is
     done, because torch's own release the GIL, and a thread giving it up while
     another runs Python waits for that thread's next switch (milliseconds).
+    An error is raised as a copy (see :func:`raisable`), so the frames it
+    passes through are freed with it.
 
     Args:
         call: the call whose answer completes it (held weakly: the answer's
@@ -103,8 +106,40 @@ class CallFuture(torch.futures.Future):
         if result is not _NO_RESULT:
             return result
         if self._error is not None:
-            raise self._error
+            raise raisable(self._error)
         return super().wait()  # completed through torch's own methods
+
+
+def raisable(error: BaseException) -> BaseException:
+    """A copy of ``error`` to raise, so that ``error`` itself never holds a traceback.
+
+    Raising an exception ties to it every frame it passes through, and a torch
+    future keeps its error where the cyclic garbage collector cannot see it:
+    raised itself, the error would keep the frames that waited on the future
+    (which hold the future) alive for ever, and all they hold. A copy raised
+    instead goes with its frames. An error that does not rebuild from its
+    arguments is returned itself.
+
+    Example::
+
+        >>> error = ValueError("bad")
+        >>> copied = raisable(error)
+        >>> type(copied), copied.args, copied is error
+        (<class 'ValueError'>, ('bad',), False)
+    """
+    try:
+        fresh = copy.copy(error)
+    except Exception:
+        return error
+    if type(fresh) is not type(error):
+        return error
+    fresh.__dict__.update(error.__dict__)  # what a __reduce__ of its own may leave out (notes, attributes)
+    notes = getattr(error, "__notes__", None)
+    if notes is not None:
+        fresh.__notes__ = list(notes)  # notes added to the copy stay its own
+    fresh.__cause__, fresh.__context__ = error.__cause__, error.__context__
+    fresh.__suppress_context__ = error.__suppress_context__
+    return fresh.with_traceback(error.__traceback__)
 
 
 def describe(func: Callable) -> str:

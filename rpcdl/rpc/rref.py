@@ -181,7 +181,8 @@ def _when_gone(key: tuple[str, int], connection: Any) -> Callable[[weakref.ref],
 
 def _handle(owner: str, uid: int, connection: Any) -> Handle:
     """The live handle of ``(owner, uid)`` (under ``_handles_lock``); a new one if there is none, or if
-    ``connection`` holds the object and the handle there is borrowed."""
+    ``connection`` holds the object and the handle there is borrowed or held over a connection closed since
+    (a call retried on a new connection: the worker frees the object when ``connection`` lets it go)."""
     for key in drain(_gone):  # forget the handles that died, unless their key names a newer one
         ref = _handles.get(key)
         if ref is not None and ref() is None:
@@ -189,7 +190,11 @@ def _handle(owner: str, uid: int, connection: Any) -> Handle:
     key = (owner, uid)
     ref = _handles.get(key)
     handle = ref() if ref is not None else None
-    if handle is None or (handle.connection is None and connection is not None):
+    if handle is None or (
+        connection is not None
+        and handle.connection is not connection
+        and (handle.connection is None or handle.connection.closed)
+    ):
         handle = Handle(owner, uid, connection)
         _handles[key] = weakref.ref(handle, _when_gone(key, connection))
     return handle
