@@ -381,7 +381,7 @@ class Connection:
                 with self._lock:
                     state = self._state
                 if isinstance(state, Closed):
-                    error = ConnectionLost(state.reason)
+                    error = state.error()
                 else:
                     error = overdue_error(self.address, subject, timeout, True, None)
         if error is not None:
