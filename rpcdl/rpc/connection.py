@@ -145,7 +145,8 @@ class Connection:
         ssl_context: TLS context, or ``None`` for plain TCP.
         timeout: seconds the connection tries to open, and a peer may stall mid-message.
         grace: seconds to keep retrying while the worker refuses connections (see :mod:`rpcdl.rpc.dial`).
-        on_close: called with this connection once it is closed (the pool forgets it).
+        on_close: called with this connection as it closes, before any call can find it closed (the pool
+            forgets it); maybe more than once.
     """
 
     def __init__(
@@ -237,9 +238,9 @@ class Connection:
                 raise ConnectionClosed(state.reason)
             busy = len(self._calls) > 0  # the worker has calls of ours to run: this one may wait for the next
             self._calls.add(call, call.started)
-            # the connection's thread may sleep: wake it for this call's deadline, or for its answer
-            turn = self._role.background_turn() if call.read_by is ReadBy.BACKGROUND else call.deadline
-            self._wake_thread_by(min(turn, call.deadline))
+            if self._alarm.asleep:  # wake the connection's thread for this call's deadline, or for its answer
+                turn = self._role.background_turn() if call.read_by is ReadBy.BACKGROUND else call.deadline
+                self._wake_thread_by(min(turn, call.deadline))
             if isinstance(state, Connecting):
                 state.queued.append(frame)
                 return
@@ -274,32 +275,34 @@ class Connection:
     def wait(self, call: Call) -> None:
         """Wait until ``call`` is answered (or fails), reading answers meanwhile."""
         held.send_held()
-        with self._lock:
-            state = self._state
-            deferred = isinstance(state, Open) and state.sending.state is OutboxState.DEFERRED
-        if deferred:  # another thread's, maybe this call: they leave before this thread waits
-            self._send(state.sending, [])
         future, calls, role, call_id = call.future, self._calls, self._role, call.call_id
+        first = True
         while not future.done():
             with self._lock:
-                while call_id in calls and not (role.free and isinstance(self._state, Open)):
+                state = self._state
+                flush = first and isinstance(state, Open) and state.sending.state is OutboxState.DEFERRED
+                first = False
+                if not flush:
+                    while call_id in calls and not (role.free and isinstance(self._state, Open)):
+                        left = call.deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        role.begin_waiting()
+                        try:
+                            self._answered.wait(min(left, RELEASE_TICK))
+                        finally:
+                            role.end_waiting(time.monotonic())
+                            self._caller_left()
+                    if call_id not in calls:
+                        break  # answered or failed: whoever took it from the pending calls completes the future
                     left = call.deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    role.begin_waiting()
-                    try:
-                        self._answered.wait(min(left, RELEASE_TICK))
-                    finally:
-                        role.end_waiting(time.monotonic())
-                        self._caller_left()
-                if call_id not in calls:
-                    break  # answered or failed: whoever took it from the pending calls completes the future
-                left = call.deadline - time.monotonic()
-                overdue = left <= 0
-                if not overdue:
-                    role.take(Reader.CALLER)
-                    receiver = self._state.receiver
-            if overdue:
+                    overdue = left <= 0
+                    if not overdue:
+                        role.take(Reader.CALLER)
+                        receiver = self._state.receiver
+            if flush:  # other threads' deferred calls, maybe this one: they leave before this thread waits
+                self._send(state.sending, [])
+            elif overdue:
                 self._expire(time.monotonic())
             elif receiver.nothing_arrives_within(left):
                 self._end_turn([], None)  # a read would have blocked past the deadline: the call is overdue now
@@ -438,6 +441,7 @@ class Connection:
     ) -> None:
         """Close the connection for good: the calls pending fail with ``error_type(reason)``, and so do calls
         made on it later (:class:`ConnectionClosed`). Nothing if it is closed already."""
+        self._on_close(self)  # first: nobody finds it closed in the pool (and retries on it)
         with self._lock:
             state = self._state
             if isinstance(state, Closed):
@@ -446,7 +450,6 @@ class Connection:
             pending = self._calls.clear()
             self._answered.notify_all()
             self._chores.notify()
-        self._on_close(self)
         if isinstance(state, Open) and os.getpid() == self._pid:  # (a forked child must not cut its parent's)
             try:
                 state.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread reading or writing it; its thread closes it

@@ -13,7 +13,7 @@ import os
 import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..address import format_address, parse_address
 from ..checks import check_timeout
@@ -28,15 +28,6 @@ from .pool import connection_to
 READ_ALONE_BYTES = 1 << 16  #: synchronous calls up to this size leave with their caller already reading
 _LIMITS = Variables(MAX_MESSAGE_BYTES_ENV, MAX_BUFFERS_ENV)
 _ATTEMPTS = 3  # connections a call tries, when the one it found closes before the call leaves
-
-
-class Prepared(NamedTuple):
-    """A call checked and pickled, ready to send."""
-
-    address: str  #: the worker, ``"host:port"`` as checked
-    timeout: float  #: seconds
-    payload: bytes  #: the pickled function and arguments
-    buffers: list  #: their out-of-band buffers (tensors, arrays)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -70,8 +61,12 @@ def _outgoing_limits() -> Limits:
     return _limits_for(os.environ.get(MAX_MESSAGE_BYTES_ENV), os.environ.get(MAX_BUFFERS_ENV))
 
 
-def prepare(host: Any, func: Callable, args: Any, kwargs: Any, timeout: Any) -> Prepared:
+def prepare(host: Any, func: Callable, args: Any, kwargs: Any, timeout: Any) -> tuple[str, float, bytes, list]:
     """Check a call's arguments and pickle it.
+
+    Returns:
+        ``(address, timeout, payload, buffers)``: the worker's address and the timeout as checked, the pickled
+        function and arguments, and their out-of-band buffers (tensors, arrays).
 
     Raises:
         TypeError: ``func`` is not callable, ``args`` or ``kwargs`` are of the wrong type, or they do not pickle.
@@ -98,7 +93,7 @@ def prepare(host: Any, func: Callable, args: Any, kwargs: Any, timeout: Any) -> 
     if buffers or len(payload) > SMALLEST_MESSAGE_LIMIT:
         sizes = [b.nbytes for b in buffers]
         _outgoing_limits().check_outgoing(len(payload), sizes, lambda: f"the call of {describe(func)}")
-    return Prepared(address, timeout, payload, buffers)
+    return address, timeout, payload, buffers
 
 
 def submit(

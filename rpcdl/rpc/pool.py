@@ -11,7 +11,9 @@ The pool is a dictionary that is never changed once published: a thread that
 adds or removes a connection does it under ``_pool_lock``, on a copy, which it
 then publishes by rebinding ``_pool`` (one atomic store). So a thread looking a
 connection up reads ``_pool`` without the lock and sees a whole pool, a moment
-old at most; a connection it finds closed meanwhile is replaced under the lock.
+old at most. A closing connection leaves the pool before it is closed, so a
+call that finds it closed (:class:`~rpcdl.rpc.connection.ConnectionClosed`)
+finds another, new one when it asks again.
 Each connection has its own thread (see :mod:`rpcdl.rpc.connection`); a forked
 child starts with an empty pool and a new lock.
 """
@@ -54,7 +56,8 @@ def connection_to(
         ssl_context: TLS context; defaults to one from ``RPCDL_TLS_CA`` when set.
 
     Returns:
-        The connection, open, opening, or (rarely: closed since) closed.
+        The connection, open or opening (or closing since: a call made on it then raises
+        :class:`~rpcdl.rpc.connection.ConnectionClosed`, and the next one asked for is new).
 
     Example::
 
@@ -69,7 +72,7 @@ def connection_to(
             ssl_context = default_client_tls()
         key = (address, token.secret if token is not None else None, ssl_context)
     connection = _pool.get(key)  # a published pool: never changed in place
-    if connection is not None and not connection.closed:
+    if connection is not None:
         return connection
     return _open(key, address, timeout, token, ssl_context)
 
@@ -78,14 +81,14 @@ def _open(key: tuple, address: str, timeout: float, token: Token | None, ssl_con
     global _pool
     with _pool_lock:
         connection = _pool.get(key)
-        if connection is None or connection.closed:
+        if connection is None:
             connection = start_connection(address, token, ssl_context, timeout, grace=connect_grace(), on_close=_forget)
             _pool = {**_pool, key: connection}
     return connection
 
 
 def _forget(connection: Connection) -> None:
-    """A connection closed: later calls open a new one."""
+    """A connection closes: later calls open a new one."""
     global _pool
     with _pool_lock:
         if connection in _pool.values():

@@ -342,6 +342,11 @@ class Alarm:
         self._asleep = False
         self._until = math.inf
 
+    @property
+    def asleep(self) -> bool:
+        """Whether the thread sleeps (it may have to be woken)."""
+        return self._asleep
+
     def sleep_until(self, until: float) -> None:
         """The thread goes to sleep until ``until`` (or until woken)."""
         self._asleep, self._until = True, until
