@@ -249,3 +249,43 @@ def test_threads_on_one_connection_get_every_answer_or_one_error_through_a_kill_
     assert _rrefs_held(torture.stable) == 0
     rpcdl.shutdown()
     assert join_connection_threads(timeout=10) == []
+
+
+def test_shutdowns_while_other_threads_open_connections_join_only_started_threads(embedded_worker):
+    """rpcdl.shutdown() joins the connections' threads; one being created meanwhile must already run."""
+    address = embedded_worker().address
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def shut_down_again_and_again() -> None:
+        try:
+            while not stop.is_set():
+                rpcdl.shutdown()
+        except BaseException as exc:
+            failures.append(exc)
+
+    def open_again_and_again() -> None:
+        while not stop.is_set():
+            client.connection_to(address)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [
+            _start_plain(shut_down_again_and_again, "test-shutdowns"),
+            *(_start_plain(open_again_and_again, f"test-opener-{i}") for i in range(2)),
+        ]
+        time.sleep(2)
+        stop.set()
+        _join_all(threads)
+    finally:
+        sys.setswitchinterval(previous)
+    assert failures == []
+    rpcdl.shutdown()
+    assert join_connection_threads(timeout=10) == []
+
+
+def _start_plain(target, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..transport.security import Token
 from .connection import RELEASE_TICK, Connection
-from .live_threads import live_thread
+from .live_threads import start_live_thread
 
 
 def thread_name(address: str) -> str:
@@ -35,7 +35,7 @@ def start_connection(
     """A new :class:`~rpcdl.rpc.connection.Connection` (same arguments), its thread started: it opens in the
     background, and calls made meanwhile wait for it."""
     connection = Connection(address, token, ssl_context, timeout, grace=grace, on_close=on_close)
-    live_thread(lambda: serve(connection), name=thread_name(address)).start()
+    start_live_thread(lambda: serve(connection), name=thread_name(address))
     return connection
 
 
