@@ -123,6 +123,7 @@ class Status:
     read_in_background: int  #: of those, how many the connection's thread reads
     left_to_callers: int  #: of those, how many their callers read (``answers_read_here``)
     outbox: OutboxState | None  #: what the outbox does; ``None`` unless open
+    shared_memory: bool  #: whether answers' buffers may arrive in the worker's shared segment (same host)
 
 
 class Connection:
@@ -219,6 +220,7 @@ class Connection:
                 read_in_background=calls.background,
                 left_to_callers=calls.left_to_callers,
                 outbox=state.sending.state if isinstance(state, Open) else None,
+                shared_memory=isinstance(state, Open) and state.segment is not None,
             )
 
     # ------------------------------------------------------------------ calls
