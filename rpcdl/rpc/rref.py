@@ -38,6 +38,7 @@ from typing import Any, Generic, TypeVar
 from ..errors import RRefNotFound
 from ..serialization.pickling import current_connection, current_peer
 from ..transport.control import drain
+from .calls import raisable
 from .invoke import call_and_wait
 
 T = TypeVar("T")
@@ -65,12 +66,24 @@ class RRefStore:
 
     Entries are announced (:meth:`expect`) in the order calls arrive, so a call
     using a reference waits for the call creating it, and are freed when their
-    holder releases them or disconnects.
+    holder releases them or disconnects. A holder that disconnected
+    (:meth:`release_holder`) holds nothing any more: an entry announced or added
+    for it later (a call its session had read already, run after the
+    disconnection was noticed) is freed as soon as it is complete.
+
+    Threading model: every field is guarded by ``_lock``, taken by every
+    access; an entry's object is awaited on the entry's own event.
     """
 
     def __init__(self):
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
+        # holders released, by id, weakly (no callback: pruned under the lock); a live one is compared by identity
+        self._gone: dict[int, weakref.ref] = {}
+
+    def _holder_gone(self, holder: object) -> bool:
+        ref = self._gone.get(id(holder))
+        return ref is not None and ref() is holder
 
     def __len__(self) -> int:
         with self._lock:
@@ -78,7 +91,9 @@ class RRefStore:
 
     def expect(self, uid: int, holder: object) -> None:
         with self._lock:
-            self._entries.setdefault(uid, _Entry(holder))
+            entry = self._entries.setdefault(uid, _Entry(holder))
+            if self._holder_gone(holder):
+                entry.released = True  # freed once complete
 
     def complete(self, uid: int, value: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
@@ -97,7 +112,8 @@ class RRefStore:
         entry.value = value
         entry.ready.set()
         with self._lock:
-            self._entries[uid] = entry
+            if not self._holder_gone(holder):
+                self._entries[uid] = entry
         return uid
 
     def resolve(self, uid: int, timeout: float | None = None) -> Any:
@@ -108,7 +124,7 @@ class RRefStore:
         if not entry.ready.is_set() and not entry.ready.wait(timeout):  # set: no lock to take
             raise TimeoutError(f"the call creating RRef {uid:#x} did not finish within {timeout}s")
         if entry.error is not None:
-            raise entry.error
+            raise raisable(entry.error)  # the entry's error stays free of this frame, which holds the entry
         return entry.value
 
     def release(self, uid: int) -> None:
@@ -122,8 +138,11 @@ class RRefStore:
                 entry.released = True
 
     def release_holder(self, holder: object) -> int:
-        """Free every entry held by ``holder`` (a disconnected client); return how many."""
+        """Free every entry held by ``holder`` (a disconnected client), and those it is given later; return how
+        many it held."""
         with self._lock:
+            self._gone = {key: ref for key, ref in self._gone.items() if ref() is not None}
+            self._gone[id(holder)] = weakref.ref(holder)
             uids = [uid for uid, entry in self._entries.items() if entry.holder is holder]
         for uid in uids:
             self.release(uid)
