@@ -99,10 +99,6 @@ BACKGROUND_DELAY = 0.001  #: seconds no caller must have been here before the co
 SOCKET_CLOSE_WAIT = 5.0  #: seconds a closed connection's thread waits for readers and writers to leave the socket
 
 
-class ConnectionClosed(Exception):
-    """The connection closed before the call left: make it on a new connection."""
-
-
 class Chores(NamedTuple):
     """What the connection's thread has to do, as :meth:`Connection.await_chores` found it."""
 
@@ -225,19 +221,19 @@ class Connection:
 
     # ------------------------------------------------------------------ calls
 
-    def submit(self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> None:
+    def submit(self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> bool:
         """Make ``call``: its frame leaves now, with the next ones (deferred, or held by this thread), or once
         connected; its answer completes ``call.future``.
 
-        Raises:
-            ConnectionClosed: the connection is closed (make the call on a new one).
+        Returns:
+            Whether the call was made; ``False`` if the connection is closed (make it on a new one).
         """
         awaited = AWAITED if call.read_by is ReadBy.WAITER else 0  # its caller blocks: the worker may poll for the next
         frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers), awaited)
         with self._lock:
             state = self._state
             if isinstance(state, Closed):
-                raise ConnectionClosed(state.reason)
+                return False
             busy = len(self._calls) > 0  # the worker has calls of ours to run: this one may wait for the next
             self._calls.add(call, call.started)
             if self._alarm.asleep:  # wake the connection's thread for this call's deadline, or for its answer
@@ -245,11 +241,11 @@ class Connection:
                 self._wake_thread_by(min(turn, call.deadline))
             if isinstance(state, Connecting):
                 state.queued.append(frame)
-                return
+                return True
         if held.hold(self, frame):
             if call.read_by is ReadBy.WAITER:  # after what this thread holds, in the order it made the calls
                 held.send_held()
-            return
+            return True
         if call.read_by is ReadBy.WAITER:  # it waits: what it holds (enclosing blocks' calls) leaves first
             held.send_held()
             self._send(state.sending, [frame])
@@ -257,6 +253,7 @@ class Connection:
             self._defer(state.sending, frame)
         else:
             self._send(state.sending, [frame])
+        return True
 
     def send(self, frames: list[Frame]) -> None:
         """Send ``frames``, which a thread held back, now (nothing once closed: their calls failed then)."""
@@ -324,16 +321,14 @@ class Connection:
 
         Returns:
             ``(True, result)``, or ``(False, None)`` when another thread reads or
-            sends, or this one holds calls back: make the call the usual way.
+            sends, this one holds calls back, or the connection is closed: make
+            the call the usual way (which finds a new connection then).
 
         Raises:
-            ConnectionClosed: the connection was closed before the call left (make it on a new one).
             Exception: the remote error, or why no answer came (:class:`~rpcdl.errors.WorkerTimeout`, ...).
         """
         with self._lock:
             state = self._state
-            if isinstance(state, Closed):
-                raise ConnectionClosed(state.reason)
             alone = (
                 isinstance(state, Open)
                 and state.sending.state is OutboxState.IDLE
@@ -441,8 +436,8 @@ class Connection:
         reason: str = "the connection was closed by rpcdl.shutdown()",
         error_type: type[Exception] = ConnectionLost,
     ) -> None:
-        """Close the connection for good: the calls pending fail with ``error_type(reason)``, and so do calls
-        made on it later (:class:`ConnectionClosed`). Nothing if it is closed already."""
+        """Close the connection for good: the calls pending fail with ``error_type(reason)``; calls made on it
+        later are refused (:meth:`submit` returns ``False``). Nothing if it is closed already."""
         self._on_close(self)  # first: nobody finds it closed in the pool (and retries on it)
         with self._lock:
             state = self._state

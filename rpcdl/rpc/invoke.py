@@ -21,7 +21,7 @@ from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps_for
 from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
 from .calls import Call, describe
-from .connection import Connection, ConnectionClosed
+from .connection import Connection
 from .environment import Variables
 from .pool import connection_to
 
@@ -138,11 +138,8 @@ def submit(
         connection = connection_to(address, timeout, token, ssl_context)
         transform = transform_for(connection) if transform_for is not None else None
         call = Call(connection, timeout, what, sync=sync, pin_memory=pin_memory, transform=transform, started=started)
-        try:
-            connection.submit(kind, call, payload, buffers, ref)
+        if connection.submit(kind, call, payload, buffers, ref):
             return call
-        except ConnectionClosed:
-            continue
     raise WorkerUnavailable(f"could not keep a connection to worker {address} open")
 
 
@@ -166,10 +163,7 @@ def call_and_wait(
     address, timeout, payload, buffers = prepare(host, func, args, kwargs, timeout)
     if not buffers and len(payload) <= READ_ALONE_BYTES:
         connection = connection_to(address, timeout, token, ssl_context)
-        try:
-            answered, result = connection.call_sync(payload, func, timeout)
-        except ConnectionClosed:  # submit makes the call on a new connection
-            answered, result = False, None
+        answered, result = connection.call_sync(payload, func, timeout)  # not answered: made as any call, below
         if answered:
             return result
     call = submit(Kind.CALL, address, timeout, func, payload, buffers, sync=True, token=token, ssl_context=ssl_context)

@@ -12,8 +12,8 @@ adds or removes a connection does it under ``_pool_lock``, on a copy, which it
 then publishes by rebinding ``_pool`` (one atomic store). So a thread looking a
 connection up reads ``_pool`` without the lock and sees a whole pool, a moment
 old at most. A closing connection leaves the pool before it is closed, so a
-call that finds it closed (:class:`~rpcdl.rpc.connection.ConnectionClosed`)
-finds another, new one when it asks again.
+call that finds it closed (:meth:`~rpcdl.rpc.connection.Connection.submit`
+refuses it) finds another, new one when it asks again.
 Each connection has its own thread (see :mod:`rpcdl.rpc.connection`); a forked
 child starts with an empty pool and a new lock.
 """
@@ -56,8 +56,8 @@ def connection_to(
         ssl_context: TLS context; defaults to one from ``RPCDL_TLS_CA`` when set.
 
     Returns:
-        The connection, open or opening (or closing since: a call made on it then raises
-        :class:`~rpcdl.rpc.connection.ConnectionClosed`, and the next one asked for is new).
+        The connection, open or opening (or closing since: it then refuses calls, and the next one asked
+        for is new).
 
     Example::
 
