@@ -248,6 +248,29 @@ def test_a_frame_that_waited_for_a_failed_call_is_freed_when_it_returns(two_work
             future.wait()
 
 
+def _read_a_remote_error_here(address: str) -> tuple[weakref.ref, torch.futures.Future]:
+    """Read, in a frame of its own holding a marker, the answer of a call that raises on the worker."""
+    marker = _Marker()
+    with rpcdl.rpc.client.answers_read_here():
+        future = rpcdl.rpc_async(address, raise_value_error)
+    while not future.done():
+        rpcdl.rpc.client.read_answers([future], timeout=1.0)  # this thread reads the answer and completes it
+    return weakref.ref(marker), future
+
+
+def test_the_frames_that_read_a_remote_error_are_freed_with_its_future(two_workers):
+    """A remote error's traceback (rebuilt by tblib) holds the frames of the thread that read it, which hold
+    the future: the future's error must not hold them where the collector cannot see."""
+    marker, future = _read_a_remote_error_here(two_workers[0])
+    with pytest.raises(ValueError, match="bad value from the worker") as info:
+        future.wait()
+    frames = [frame.name for frame in __import__("traceback").extract_tb(info.value.__traceback__)]
+    assert "raise_value_error" in frames  # the remote frames are still there
+    del future, info
+    gc.collect()
+    assert marker() is None
+
+
 def test_exception_of_a_type_the_client_lacks_becomes_remote_error(two_workers, tmp_path):
     def raise_private():
         import importlib
