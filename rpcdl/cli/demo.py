@@ -116,9 +116,9 @@ def _batch_length(batch: Any) -> int:
 
 def _warm_up() -> None:
     """Runs on each worker while the trainer starts: import scikit-learn and read the digits once."""
-    from ..examples.digits import _load_digits
+    from ..examples.digits import load_digits
 
-    _load_digits()
+    load_digits()
 
 
 def _worker_counters(workers: list[str]) -> dict[str, dict[str, Any]]:

@@ -120,7 +120,7 @@ def _native_decompressor() -> Callable[..., int] | None:
     if _lz4 is None:
         return None
     try:
-        function = ctypes.CDLL(_lz4._block.__file__).LZ4_decompress_safe
+        function = ctypes.CDLL(_lz4._block.__file__).LZ4_decompress_safe  # private-ok: lz4's C extension module
     except (AttributeError, OSError):
         return None
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]

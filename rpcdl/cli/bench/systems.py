@@ -187,10 +187,12 @@ class TorchLoaderSystem(System):
         )  # fmt: skip
 
     def release_loader(self, loader: Any) -> None:
-        iterator = getattr(loader, "_iterator", None)
+        # torch has no public way to stop a DataLoader's persistent workers now rather than when
+        # its iterator is collected: ask that iterator as its own finalizer does
+        iterator = getattr(loader, "_iterator", None)  # private-ok: torch's iterator of persistent workers
         if iterator is not None:
-            iterator._shutdown_workers()
-            loader._iterator = None
+            iterator._shutdown_workers()  # private-ok: what torch's iterator runs when collected
+            loader._iterator = None  # private-ok: the next iter() starts workers again
 
 
 def start_peer(module: str, server: str) -> tuple[subprocess.Popen, socket.socket]:
