@@ -124,11 +124,11 @@ def test_a_stream_streams_the_bytes_asked_for(two_workers):
 def _raw_connection(address: str):
     import socket
 
-    from rpcdl.transport.handshake import client_handshake
+    from rpcdl.transport.handshake import client_negotiate
 
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
-    client_handshake(sock, None, address, compression="off")
+    client_negotiate(sock, None, address, compression="off")
     sock = io_stream(sock, receive=10, send=10)
     return sock, FrameReader(sock, Limits(), stall_timeout=10)
 

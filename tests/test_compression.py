@@ -17,7 +17,7 @@ import rpcdl
 from rpcdl.errors import FrameTooLarge, ProtocolError
 from rpcdl.rpc.client import connection_to
 from rpcdl.transport.compression import Compressor
-from rpcdl.transport.handshake import _HELLO, _WELCOME, MAGIC, VERSION, server_handshake
+from rpcdl.transport.handshake import _HELLO, _WELCOME, MAGIC, VERSION, server_negotiate
 from rpcdl.transport.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
 
 pytest.importorskip("lz4.block")
@@ -281,7 +281,7 @@ def test_a_hostile_worker_cannot_make_the_client_allocate_a_huge_decompressed_bu
         sock, _ = listener.accept()
         with sock:
             sock.settimeout(10)
-            server_handshake(sock, None, "client", compression="on")
+            server_negotiate(sock, None, "client", compression="on")
             call = FrameReader(sock, Limits(), stall_timeout=10).read_frame()
             send_pieces(sock, [_compressed_frame_bytes([64], [1 << 50], call.call_id) + bytes(64)])
             sock.recv(1)  # until the client hangs up

@@ -40,7 +40,7 @@ import rpcdl
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
 from rpcdl.serialization.pickling import dumps, loads
 from rpcdl.transport.control import decode_stats, encode_release
-from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake, server_handshake
+from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate, server_negotiate
 from rpcdl.transport.security import Token
 from rpcdl.transport.wire import COMPRESSED, IN_SEGMENT, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
@@ -382,7 +382,7 @@ def _handshake_against(data: bytes, handshake) -> BaseException | None:
 @settings(fuzz_settings, max_examples=PARSER_EXAMPLES)
 @given(hellos, proofs, st.binary(max_size=64))
 def test_server_handshake_never_admits_a_fuzzed_client(hello, proof, rest):
-    error = _handshake_against(hello + proof + rest, lambda sock: server_handshake(sock, Token(b"k"), "fuzz"))
+    error = _handshake_against(hello + proof + rest, lambda sock: server_negotiate(sock, Token(b"k"), "fuzz"))
     assert error is not None, "a client without the token passed the handshake"
 
 
@@ -411,7 +411,7 @@ verdicts = st.one_of(
 @given(welcomes, verdicts, st.booleans())
 def test_client_handshake_trusts_no_fuzzed_worker(welcome, verdict, with_token):
     token = Token(b"k") if with_token else None
-    error = _handshake_against(welcome + verdict, lambda sock: client_handshake(sock, token, "fuzz"))
+    error = _handshake_against(welcome + verdict, lambda sock: client_negotiate(sock, token, "fuzz"))
     if error is None:  # only a well-formed, tokenless, accepting worker gets through, and only without a token
         assert token is None
         assert welcome[:6] == MAGIC and struct.unpack("!H", welcome[6:8])[0] == VERSION
@@ -474,7 +474,7 @@ def test_worker_survives_fuzzed_frames(fuzz_worker, traced, thread_errors, strea
     event(f"stream: {outcome}")
     data = stream.data
     with _Allocations() as allocations, _connect(address) as sock:
-        client_handshake(sock, None, address)
+        client_negotiate(sock, None, address)
         _send_quietly(sock, data)
         if outcome != "closes":
             _shutdown_write(sock)
@@ -532,7 +532,7 @@ def test_pickle_used_by_the_fuzzer_creates_its_file(token_worker, marker, tmp_pa
     """The control: past a real handshake, the same frame is unpickled and creates the file."""
     target = tmp_path / "created"
     with _connect(token_worker.address) as sock:
-        client_handshake(sock, Token(FUZZ_TOKEN.encode()), token_worker.address)
+        client_negotiate(sock, Token(FUZZ_TOKEN.encode()), token_worker.address)
         sock.sendall(_join(Frame(Kind.CALL, 1, payload=pickle.dumps(CreatesFile(str(target)), protocol=5))))
         sock = io_stream(sock, receive=ANSWER_TIMEOUT, send=ANSWER_TIMEOUT)
         answer = FrameReader(sock, Limits(), stall_timeout=ANSWER_TIMEOUT).read_frame()
