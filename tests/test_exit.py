@@ -56,3 +56,24 @@ def test_exit_waits_for_a_connection_thread_still_completing_a_call():
     assert "failed as expected: WorkerUnavailable" in result.stdout
     # The interpreter did not finalize under the thread: it waited for the thread to finish its work.
     assert "callback finished" in result.stdout
+
+
+# A worker embedded and never stopped, its reference dropped and the garbage collected: it serves on
+# (its own threads hold it, no finalizer stops it), and at exit the exit hook stops it, a call in flight.
+WORKER_DROPPED_THEN_EXIT = """
+import gc, time
+import rpcdl
+
+address = rpcdl.Worker(parallel=2).start().address
+gc.collect()
+print("served:", rpcdl.rpc_sync(address, sum, ([1, 2, 3],), timeout=10), flush=True)
+pending = rpcdl.rpc_async(address, time.sleep, (0.5,))
+time.sleep(0.1)  # the call runs as the program ends
+"""
+
+
+def test_a_worker_never_stopped_serves_until_exit_and_exit_stops_it():
+    result = run_script(WORKER_DROPPED_THEN_EXIT)
+    assert "terminate called" not in result.stderr, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "served: 6" in result.stdout
