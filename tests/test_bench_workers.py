@@ -96,9 +96,16 @@ def test_the_link_report_across_a_cluster_host_with_tls(tmp_path, monkeypatch):
         make_ca(tmp_path, "ca")
         make_certificate(tmp_path, "ca", "worker", f"IP:{host.address}")
         tls_worker = box.start_worker(
-            0, "--token-file", str(tmp_path / "token"), "--tls-cert", str(tmp_path / "worker.pem"),
-            "--tls-key", str(tmp_path / "worker.key"), "--log-level", "WARNING",
-        )  # fmt: skip
+            0,
+            "--token-file",
+            str(tmp_path / "token"),
+            "--tls-cert",
+            str(tmp_path / "worker.pem"),
+            "--tls-key",
+            str(tmp_path / "worker.key"),
+            "--log-level",
+            "WARNING",
+        )
         monkeypatch.setenv("RPCDL_TOKEN", TOKEN)
         report = measure_link(box.workers, LinkSizes.quick(), progress=lambda line: None)
         check_report(report, box.workers)

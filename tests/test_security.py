@@ -247,10 +247,27 @@ def test_token_never_appears_in_logs_errors_or_status(pki, tmp_path, caplog, cap
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "rpcdl", "worker", "--port", "0", "--token-file", str(token_file),
-             "--tls-cert", str(pki / "worker.pem"), "--tls-key", str(pki / "worker.key"), "--log-level", "DEBUG"],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "rpcdl",
+                "worker",
+                "--port",
+                "0",
+                "--token-file",
+                str(token_file),
+                "--tls-cert",
+                str(pki / "worker.pem"),
+                "--tls-key",
+                str(pki / "worker.key"),
+                "--log-level",
+                "DEBUG",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
     try:
         address = process.stdout.readline().strip()
         assert address, stderr_path.read_text()

@@ -181,10 +181,13 @@ class TorchLoaderSystem(System):
         # more worker processes than CPUs is the point of the io scenario: no warning about it
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         return DataLoader(
-            spec.dataset(*spec.args), batch_size=spec.batch_size, num_workers=spec.workers,
-            persistent_workers=True, prefetch_factor=PREFETCH,
+            spec.dataset(*spec.args),
+            batch_size=spec.batch_size,
+            num_workers=spec.workers,
+            persistent_workers=True,
+            prefetch_factor=PREFETCH,
             worker_init_fn=functools.partial(slow_torch_worker, spec.slow_worker),
-        )  # fmt: skip
+        )
 
     def release_loader(self, loader: Any) -> None:
         # torch has no public way to stop a DataLoader's persistent workers now rather than when
@@ -199,8 +202,10 @@ def start_peer(module: str, server: str) -> tuple[subprocess.Popen, socket.socke
     """Start ``module.server()`` in a process of its own on loopback (it prints its port) and connect to it."""
     process = subprocess.Popen(
         [sys.executable, "-c", f"from {module} import {server}; {server}()"],
-        stdout=subprocess.PIPE, text=True, env=child_environment(),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_environment(),
+    )
     port = int(process.stdout.readline())
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
