@@ -134,8 +134,11 @@ def test_a_worker_command_asked_for_compression_without_lz4_says_how_to_install_
     env = {**os.environ, "RPCDL_NO_LZ4": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "rpcdl", "worker", "--compression", "on"],
-        env=env, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2
     assert "--compression 'on' needs the lz4 package" in done.stderr
     assert "pip install 'rpcdl[compression]'" in done.stderr

@@ -322,8 +322,19 @@ def _read_stream(data: bytes) -> tuple[list[Frame], BaseException | None, list[i
 
 
 @settings(fuzz_settings, max_examples=PARSER_EXAMPLES)
-@given(st.lists(st.tuples(st.sampled_from(list(Kind)), call_ids, call_ids, st.binary(max_size=3000),
-                          st.lists(st.binary(max_size=500), max_size=3)), min_size=1, max_size=5))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(list(Kind)),
+            call_ids,
+            call_ids,
+            st.binary(max_size=3000),
+            st.lists(st.binary(max_size=500), max_size=3),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
 def test_reader_reads_back_every_frame_written(frames):
     # flags without a meaning (bits 0 and 1, COMPRESSED and IN_SEGMENT, need a negotiation) come back as sent
     written = [Frame(kind, call_id, ref, payload, buffers, flags=12) for kind, call_id, ref, payload, buffers in frames]
@@ -493,8 +504,9 @@ def marker(tmp_path_factory):
 
 @fuzz_settings
 @given(hello=hellos, proof=proofs, frames=st.lists(st.sampled_from(["call", "ping"]), max_size=2))
-def test_worker_refuses_fuzzed_handshakes_and_unpickles_nothing(token_worker, marker, thread_errors, hello, proof,
-                                                                frames):  # fmt: skip
+def test_worker_refuses_fuzzed_handshakes_and_unpickles_nothing(
+    token_worker, marker, thread_errors, hello, proof, frames
+):
     address = token_worker.address
     refused = rpcdl.stats(address, token=FUZZ_TOKEN)["connections_refused"]
     after = b""

@@ -118,9 +118,14 @@ def main(argv: list[str]) -> None:
     from rpcdl.transport import handshake, wire
 
     for function in (
-        wire.FrameReader.read_frame, wire.FrameReader._read_payload, wire.FrameReader._read_into,
-        wire.FrameReader._fill, wire.FrameReader._recv_into, handshake.server_negotiate, handshake._recv_exact,
-    ):  # fmt: skip
+        wire.FrameReader.read_frame,
+        wire.FrameReader._read_payload,
+        wire.FrameReader._read_into,
+        wire.FrameReader._fill,
+        wire.FrameReader._recv_into,
+        handshake.server_negotiate,
+        handshake._recv_exact,
+    ):
         atheris.instrument_func(function)
     atheris.Setup([argv[0], *libfuzzer_args], TARGETS[options.target])
     atheris.Fuzz()
