@@ -77,3 +77,36 @@ def test_a_worker_never_stopped_serves_until_exit_and_exit_stops_it():
     assert "terminate called" not in result.stderr, result.stderr
     assert result.returncode == 0, result.stderr
     assert "served: 6" in result.stdout
+
+
+# A fork while another thread registers a hook: here that thread holds the registry's lock for
+# 0.3 s (a registration holds it a few bytecodes) while the main thread forks. The fork waits for
+# the lock, so the child starts with it free, may register hooks itself and ran the fork hooks.
+FORK_WHILE_REGISTERING = """
+import os, signal, threading, time
+from rpcdl import _lifecycle
+
+forked = []
+_lifecycle.in_forked_child(lambda: forked.append(True))
+holding = threading.Event()
+
+def register_slowly():
+    with _lifecycle._lock:
+        holding.set()
+        time.sleep(0.3)
+
+threading.Thread(target=register_slowly, name="test-registering").start()
+holding.wait(10)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(5)  # a child that found the lock held would wait forever: it dies of SIGALRM instead
+    _lifecycle.at_exit(_lifecycle.ExitPhase.FLUSH, lambda: None)
+    os._exit(0 if forked else 3)
+print("child:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+def test_a_child_forked_while_a_hook_is_registered_starts_with_the_registry_free():
+    result = run_script(FORK_WHILE_REGISTERING)
+    assert result.returncode == 0, result.stderr
+    assert "child: 0" in result.stdout, result.stdout + result.stderr
