@@ -23,8 +23,8 @@ methods: :meth:`~rpcdl.server.session.ClientConnection.drain` when it stops,
 promoter, ``close`` at the end. The slots, the counters and the RRef store
 (:class:`rpcdl.rpc.rref.RRefStore`) each guard their state with their own
 lock; the fields set in the constructor do not change. Locks nest in one order
-only, and no deeper: the slots' inside the worker's (:meth:`Worker.start`), the
-store's and the slots' inside a session's (a call admitted), the compressor's
+only, and no deeper: the slots' and the exit hook's registry inside the
+worker's (:meth:`Worker.start`), the store's and the slots' inside a session's (a call admitted), the compressor's
 inside a session's send lock (timing a send). No lock is held while a call runs.
 
 No client can stop the worker: a connection that misbehaves is logged in one
@@ -203,7 +203,7 @@ class Worker:
             self.slots.start()
             for thread in self._threads:
                 thread.start()
-        _running.add(self)
+            _running.add(self)  # before any stop() can discard it
         return self
 
     def stop(self, grace: float = 30.0) -> bool:
