@@ -303,18 +303,30 @@ def test_clients_pipelining_quick_and_slow_calls_and_pings_get_each_answer_once(
     assert worker.stats()["calls_served"] == 4 * calls
 
 
+_released = threading.Event()
+
+
+def _until_released() -> str:
+    """A call that runs until the test releases it (at most the answer wait)."""
+    assert _released.wait(_ANSWER_WAIT)
+    return "released"
+
+
 def test_calls_arriving_while_the_worker_drains_are_rejected_and_the_running_call_finishes(start_worker):
+    _released.clear()
     worker, connect = start_worker(parallel=1)
     client = connect()
-    client.send(_call(1, time.sleep, 0.5))
+    client.send(_call(1, _until_released))
     _eventually(lambda: worker.stats()["calls_in_flight"] == 1, "the long call running")
     stopping = threading.Thread(target=worker.stop, args=(10.0,), name="test-stopping")
     stopping.start()
     _eventually(lambda: worker.phase is Phase.DRAINING, "the worker draining")
     client.send(_call(2, operator.add, 1, 1))
-    first, second = client.answer(), client.answer()
+    first = client.answer()
+    _released.set()
+    second = client.answer()
     assert (first.kind, first.call_id) == (Kind.REJECTED, 2)
-    assert (second.kind, second.call_id) == (Kind.RESULT, 1)
+    assert (second.kind, second.call_id, _value(second)) == (Kind.RESULT, 1, "released")
     stopping.join(timeout=20)
     assert worker.wait(0) and worker.phase is Phase.STOPPED
     assert worker.stats()["calls_rejected"] == 1

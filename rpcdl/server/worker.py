@@ -24,7 +24,8 @@ promoter, ``close`` at the end. The slots, the counters and the RRef store
 (:class:`rpcdl.rpc.rref.RRefStore`) each guard their state with their own
 lock; the fields set in the constructor do not change. Locks nest in one order
 only, and no deeper: the slots' and the exit hook's registry inside the
-worker's (:meth:`Worker.start`), the store's and the slots' inside a session's (a call admitted), the compressor's
+worker's (:meth:`Worker.start`), each session's inside the worker's (its drain,
+as the worker starts draining), the store's and the slots' inside a session's (a call admitted), the compressor's
 inside a session's send lock (timing a send). No lock is held while a call runs.
 
 No client can stop the worker: a connection that misbehaves is logged in one
@@ -229,6 +230,8 @@ class Worker:
             if previous is Phase.SERVING:
                 self._phase = Phase.DRAINING
                 connections = list(self._connections)
+                for connection in connections:  # with the phase: no call is admitted once it drains
+                    connection.drain()
             elif previous is Phase.NEW:
                 self._phase = Phase.STOPPED
         if previous is Phase.NEW:  # never started: no thread, no session
@@ -240,8 +243,6 @@ class Worker:
             self._stopped.wait(grace + 2.0)
             return True
         shutdown_socket(self._listener)
-        for connection in connections:  # every session admitted: no other is, once draining
-            connection.drain()
         deadline = time.monotonic() + grace
         while self.counters.outstanding > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
