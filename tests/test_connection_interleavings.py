@@ -26,7 +26,7 @@ from rpcdl.errors import ConnectionLost, WorkerTimeout
 from rpcdl.rpc import client, held
 from rpcdl.rpc.state import ConnectionState, Reader
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import server_handshake
+from rpcdl.transport.handshake import server_negotiate
 from rpcdl.transport.wire import _HEADER, Frame, FrameReader, Kind, Limits, encode_frame
 
 pytestmark = pytest.mark.timeout(20)
@@ -343,7 +343,7 @@ def _scripted_peer(answer):
         sock, _ = listener.accept()
         with sock:
             sock.settimeout(10)
-            server_handshake(sock, None, "client")
+            server_negotiate(sock, None, "client")
             frame = FrameReader(sock, Limits(), stall_timeout=10).read_frame()
             answer(sock, frame.call_id)
             answered.set()

@@ -22,7 +22,7 @@ import rpcdl
 import rpcdl.rpc.client
 from rpcdl.errors import RemoteError
 from rpcdl.processes import stop_process
-from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate
 from rpcdl.transport.wire import Frame, FrameReader, Kind, send_frame
 
 TESTS = Path(__file__).resolve().parent
@@ -449,7 +449,7 @@ def test_non_loopback_bind_without_token_is_refused():
 def _raw_authenticated_socket(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     raw = socket.create_connection((host, int(port)), timeout=5)
-    client_handshake(raw, None, address)
+    client_negotiate(raw, None, address)
     return raw
 
 

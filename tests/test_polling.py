@@ -15,7 +15,7 @@ import pytest
 
 import rpcdl
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import server_handshake
+from rpcdl.transport.handshake import server_negotiate
 from rpcdl.transport.polling import POLL_ENV, Poller, window_from_environment
 from rpcdl.transport.wire import AWAITED, COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame
 
@@ -125,7 +125,7 @@ def test_rpc_sync_marks_its_call_awaited_on_either_path_and_rpc_async_does_not()
         sock, _ = listener.accept()
         with sock:
             sock.settimeout(10)
-            server_handshake(sock, None, "client")
+            server_negotiate(sock, None, "client")
             reader = FrameReader(sock, Limits(), stall_timeout=10)
             with contextlib.suppress(rpcdl.ConnectionLost):  # the client's shutdown ends it
                 answer_until_closed(sock, reader)
