@@ -53,7 +53,9 @@ connection's calls (collating into it, placing answers) and its reader
 outside it. Finalizers of the worker's tensors in it only append to a deque,
 drained under the lock (a garbage collection may run them while the lock is held). A :class:`ClientSegment`
 hands out views on the thread reading its connection; finalizers of views may
-run on any thread and only append to a deque.
+run on any thread and only append to a deque; whichever thread sends next
+drains it (:meth:`ClientSegment.release_frames`), drops the spans' pages from
+this process and tells the worker.
 """
 
 from __future__ import annotations
@@ -352,7 +354,7 @@ class ClientSegment:
     def __init__(self, memory: mmap.mmap):
         self.size = len(memory)
         self._map = memory
-        self._released: collections.deque[int] = collections.deque()
+        self._released: collections.deque[tuple[int, int]] = collections.deque()  # (offset, size), by finalizers
         self.base_address = np.frombuffer(memory, np.uint8, 1).ctypes.data
 
     @classmethod
@@ -392,14 +394,8 @@ class ClientSegment:
         if offset < HEADER_BYTES or offset % _ALIGN or offset + size > self.size:
             raise ProtocolError(f"the worker sent span {offset}+{size}, outside its segment of {self.size} bytes")
         array = np.frombuffer(self._map, np.uint8, size, offset)
-        weakref.finalize(array, self._let_go, offset, size)
+        weakref.finalize(array, self._released.append, (offset, size))  # no lock, no system call: see the module
         return array
-
-    def _let_go(self, offset: int, size: int) -> None:
-        # Our pages of the span leave this process's RSS now (the data stays in the segment, the
-        # worker's); the span itself goes back with the next frame sent.
-        self._map.madvise(mmap.MADV_DONTNEED, offset, size)
-        self._released.append(offset)
 
     def copy_out(self, offset: int, size: int, into: Any) -> Any:
         """Copy the span at ``offset`` into ``into`` (pinned memory, say) and release the span now."""
@@ -407,29 +403,20 @@ class ClientSegment:
         return into
 
     def release_frames(self) -> list[Frame]:
-        """A ``SEGMENT_RELEASE`` frame of the spans released since the last call, or none."""
-        offsets = drain(self._released)
+        """A ``SEGMENT_RELEASE`` frame of the spans released since the last call, or none.
+
+        The spans' pages leave this process's memory here (the data stays in the
+        segment, the worker's), before the worker may use them again.
+        """
+        spans = drain(self._released)
+        for offset, size in spans:
+            self._map.madvise(mmap.MADV_DONTNEED, offset, size)
+        offsets = [offset for offset, _ in spans]
         return [Frame(Kind.SEGMENT_RELEASE, payload=encode_span_release(offsets))] if offsets else []
 
     @property
     def releases_waiting(self) -> bool:
         return bool(self._released)
-
-
-class answering_into:  # a class: cheaper per call than a generator-based context manager
-    """Within this block, :func:`empty` in this thread allocates in ``segment`` (``None``: nowhere)."""
-
-    __slots__ = ("_previous", "_segment")
-
-    def __init__(self, segment: WorkerSegment | None):
-        self._segment = segment
-
-    def __enter__(self) -> None:
-        self._previous = previous = thread_context.value
-        thread_context.value = (*previous[:SEGMENT], self._segment)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        thread_context.value = self._previous
 
 
 def empty(shape: tuple[int, ...], dtype: Any) -> Any:
