@@ -7,6 +7,7 @@ to its stall timeout, however the bytes are split.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -112,15 +113,13 @@ def tcp_pair():
 
 
 @pytest.mark.parametrize("transport", ["pair", "tcp_pair"])
-def test_a_large_buffer_in_pieces_with_pauses_lands_whole_in_its_memory_and_the_next_frames_follow(
-    request, transport
-):
+def test_a_large_buffer_in_pieces_with_pauses_lands_whole_in_its_memory_and_the_next_frames_follow(request, transport):
     reading, writing = request.getfixturevalue(transport)
     reader = FrameReader(reading, Limits(), stall_timeout=5.0)
     wire, data = _buffer_frame(3, 3 << 20)
     wire += _frame_bytes(4, b"after") + _frame_bytes(5, b"and after")
     cuts = [0, 100, 70_000, 1 << 20, (3 << 20) - 7, len(wire)]
-    pieces = [wire[start:end] for start, end in zip(cuts, cuts[1:])]
+    pieces = [wire[start:end] for start, end in itertools.pairwise(cuts)]
     sender = _send_later(writing, pieces, pause=RECEIVE_TIMEOUT * 2)  # each pause outlasts a receive
     received: list[bytearray] = []
 
