@@ -53,9 +53,11 @@ connection's calls (collating into it, placing answers) and its reader
 outside it. Finalizers of the worker's tensors in it only append to a deque,
 drained under the lock (a garbage collection may run them while the lock is held). A :class:`ClientSegment`
 hands out views on the thread reading its connection; finalizers of views may
-run on any thread and only append to a deque; whichever thread sends next
-drains it (:meth:`ClientSegment.release_frames`), drops the spans' pages from
-this process and tells the worker.
+run on any thread: they take no lock and change nothing another thread owns,
+only drop the span's pages from this process's own mapping (``madvise``, at
+once, so a trainer's memory does not grow with the batches it dropped) and
+append the span to a deque, which whichever thread sends next drains
+(:meth:`ClientSegment.release_frames`) to tell the worker.
 """
 
 from __future__ import annotations
@@ -354,7 +356,7 @@ class ClientSegment:
     def __init__(self, memory: mmap.mmap):
         self.size = len(memory)
         self._map = memory
-        self._released: collections.deque[tuple[int, int]] = collections.deque()  # (offset, size), by finalizers
+        self._released: collections.deque[int] = collections.deque()  # span offsets, appended by finalizers
         self.base_address = np.frombuffer(memory, np.uint8, 1).ctypes.data
 
     @classmethod
@@ -394,8 +396,14 @@ class ClientSegment:
         if offset < HEADER_BYTES or offset % _ALIGN or offset + size > self.size:
             raise ProtocolError(f"the worker sent span {offset}+{size}, outside its segment of {self.size} bytes")
         array = np.frombuffer(self._map, np.uint8, size, offset)
-        weakref.finalize(array, self._released.append, (offset, size))  # no lock, no system call: see the module
+        weakref.finalize(array, self._let_go, offset, size)
         return array
+
+    def _let_go(self, offset: int, size: int) -> None:
+        # A finalizer (see the module): our pages of the span leave this process's RSS now (the data stays in
+        # the segment, the worker's); the span itself goes back with the next frame sent.
+        self._map.madvise(mmap.MADV_DONTNEED, offset, size)
+        self._released.append(offset)
 
     def copy_out(self, offset: int, size: int, into: Any) -> Any:
         """Copy the span at ``offset`` into ``into`` (pinned memory, say) and release the span now."""
@@ -403,15 +411,8 @@ class ClientSegment:
         return into
 
     def release_frames(self) -> list[Frame]:
-        """A ``SEGMENT_RELEASE`` frame of the spans released since the last call, or none.
-
-        The spans' pages leave this process's memory here (the data stays in the
-        segment, the worker's), before the worker may use them again.
-        """
-        spans = drain(self._released)
-        for offset, size in spans:
-            self._map.madvise(mmap.MADV_DONTNEED, offset, size)
-        offsets = [offset for offset, _ in spans]
+        """A ``SEGMENT_RELEASE`` frame of the spans released since the last call, or none."""
+        offsets = drain(self._released)
         return [Frame(Kind.SEGMENT_RELEASE, payload=encode_span_release(offsets))] if offsets else []
 
     @property
