@@ -130,6 +130,46 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class CpuQuota:
+    """A cgroup (v1 ``cpu`` controller or v2) holding the jobs and workers to ``cores`` CPUs of time, as a
+    container's CPU limit does; needs root. Its throttling counters tell how often the quota ran out."""
+
+    def __init__(self, cores: float):
+        name = f"rpcdl-shared-node-{os.getpid()}"
+        v1 = "/sys/fs/cgroup/cpu"
+        if os.path.exists(os.path.join(v1, "cpu.cfs_quota_us")):
+            self.path = os.path.join(v1, name)
+            os.mkdir(self.path)
+            self._write("cpu.cfs_period_us", "100000")
+            self._write("cpu.cfs_quota_us", str(int(cores * 100000)))
+            self.procs = os.path.join(self.path, "cgroup.procs")
+        else:
+            self.path = os.path.join("/sys/fs/cgroup", name)
+            os.mkdir(self.path)
+            self._write("cpu.max", f"{int(cores * 100000)} 100000")
+            self.procs = os.path.join(self.path, "cgroup.procs")
+
+    def _write(self, name: str, value: str) -> None:
+        with open(os.path.join(self.path, name), "w") as control:
+            control.write(value)
+
+    def enter(self) -> None:
+        """Move the calling process into the group (a ``preexec_fn``)."""
+        with open(self.procs, "w") as procs:
+            procs.write(str(os.getpid()))
+
+    def throttled(self) -> tuple[int, float]:
+        """How many periods the group was throttled in, and for how many seconds, so far."""
+        with open(os.path.join(self.path, "cpu.stat")) as stat:
+            fields = dict(line.split() for line in stat if line.strip())
+        if "throttled_time" in fields:
+            return int(fields["nr_throttled"]), int(fields["throttled_time"]) / 1e9
+        return int(fields["nr_throttled"]), int(fields["throttled_usec"]) / 1e6
+
+    def remove(self) -> None:
+        os.rmdir(self.path)
+
+
 def _environment(poll: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key not in (POLL_ENV, "PYTHONPATH")}
     if poll != "default":
@@ -137,7 +177,9 @@ def _environment(poll: str) -> dict[str, str]:
     return env
 
 
-def _start_workers(python: str, env: dict[str, str], count: int, scratch: str) -> tuple[list, list[str]]:
+def _start_workers(
+    python: str, env: dict[str, str], count: int, scratch: str, quota: CpuQuota | None
+) -> tuple[list, list[str]]:
     workers = [
         subprocess.Popen(
             [python, "-m", "rpcdl", "worker", "--port", "0", "--log-level", "WARNING"],
@@ -145,16 +187,19 @@ def _start_workers(python: str, env: dict[str, str], count: int, scratch: str) -
             text=True,
             env=env,
             cwd=scratch,
+            preexec_fn=quota.enter if quota else None,
         )
         for _ in range(count)
     ]
     return workers, [worker.stdout.readline().strip() for worker in workers]
 
 
-def run_variant(python: str, poll: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
+def run_variant(
+    python: str, poll: str, args: argparse.Namespace, scratch: str, quota: CpuQuota | None
+) -> dict[str, Any]:
     """Both jobs over two fresh workers; each job's wall and CPU, the workers' CPU."""
     env = _environment(poll)
-    workers, addresses = _start_workers(python, env, 2, scratch)
+    workers, addresses = _start_workers(python, env, 2, scratch, quota)
     jobs: list[subprocess.Popen] = []
     hogs: list[subprocess.Popen] = []
     try:
@@ -176,7 +221,15 @@ def run_variant(python: str, poll: str, args: argparse.Namespace, scratch: str) 
             args.mode,
         ]
         jobs = [
-            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=scratch)
+            subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=scratch,
+                preexec_fn=quota.enter if quota else None,
+            )
             for _ in range(args.jobs)
         ]
         hogs = [
@@ -193,10 +246,12 @@ def run_variant(python: str, poll: str, args: argparse.Namespace, scratch: str) 
             if job.stdout.readline().strip() != "ready":
                 raise RuntimeError("a trainer failed to start")
         loads_before = os.getloadavg()[0]
+        throttled_before = quota.throttled() if quota else (0, 0.0)
         for job in [*hogs, *jobs]:
             job.stdin.write("go\n")
             job.stdin.flush()
         results = [json.loads(job.stdout.readline()) for job in jobs]
+        throttled_after = quota.throttled() if quota else (0, 0.0)
         worker_cpu = sum(_cpu_seconds(worker.pid) - cpu for worker, cpu in zip(workers, before, strict=True))
         for process in hogs:
             process.terminate()
@@ -218,6 +273,8 @@ def run_variant(python: str, poll: str, args: argparse.Namespace, scratch: str) 
         "worker_cpu": worker_cpu,
         "load": loads_before,
         "hog_rate": hog_rate,
+        "throttled_periods": throttled_after[0] - throttled_before[0],
+        "throttled_seconds": throttled_after[1] - throttled_before[1],
     }
 
 
@@ -225,21 +282,42 @@ def driver(args: argparse.Namespace) -> None:
     variants = [(python, poll) for python in args.python for poll in args.poll]
     names = [f"{python} poll={poll}" for python, poll in variants]
     figures: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory() as scratch:
-        for round_index in range(args.rounds):
-            shift = round_index % len(variants)
-            for (python, poll), name in (
-                list(zip(variants, names, strict=True))[shift:] + list(zip(variants, names, strict=True))[:shift]
-            ):
-                result = run_variant(python, poll, args, scratch)
-                figures[name].append(result)
-                print(
-                    f"round {round_index + 1} {name}: jobs {result['walls']} s, trainers' CPU "
-                    f"{result['trainer_cpu']:.2f} s, workers' CPU {result['worker_cpu']:.2f} s, "
-                    f"involuntary switches {result['nivcsw']}, other jobs' loops/s {result['hog_rate']:.0f}, "
-                    f"load {result['load']:.2f}",
-                    flush=True,
-                )
+    quota = CpuQuota(args.cpu_quota) if args.cpu_quota else None
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            _rounds(args, variants, names, figures, scratch, quota)
+    finally:
+        if quota is not None:
+            quota.remove()
+    _summary(args, names, figures)
+
+
+def _rounds(
+    args: argparse.Namespace,
+    variants: list[tuple[str, str]],
+    names: list[str],
+    figures: dict[str, list[dict[str, Any]]],
+    scratch: str,
+    quota: CpuQuota | None,
+) -> None:
+    for round_index in range(args.rounds):
+        shift = round_index % len(variants)
+        for (python, poll), name in (
+            list(zip(variants, names, strict=True))[shift:] + list(zip(variants, names, strict=True))[:shift]
+        ):
+            result = run_variant(python, poll, args, scratch, quota)
+            figures[name].append(result)
+            print(
+                f"round {round_index + 1} {name}: jobs {result['walls']} s, trainers' CPU "
+                f"{result['trainer_cpu']:.2f} s, workers' CPU {result['worker_cpu']:.2f} s, "
+                f"involuntary switches {result['nivcsw']}, other jobs' loops/s {result['hog_rate']:.0f}, "
+                f"throttled {result['throttled_periods']} periods ({result['throttled_seconds']:.2f} s), "
+                f"load {result['load']:.2f}",
+                flush=True,
+            )
+
+
+def _summary(args: argparse.Namespace, names: list[str], figures: dict[str, list[dict[str, Any]]]) -> None:
     first = statistics.median(result["wall"] for result in figures[names[0]])
     print("\nmedians over the rounds (wall: the slower job):")
     for name in names:
@@ -274,6 +352,9 @@ def main() -> None:
         choices=("loader", "sync"),
         default="loader",
         help="each job an RPCDataloader (default), or a loop of rpc_sync calls of one batch each",
+    )
+    parser.add_argument(
+        "--cpu-quota", type=float, help="hold the jobs and workers to this many CPUs of time in a cgroup (root)"
     )
     parser.add_argument("--json", help="write every round's figures here")
     args = parser.parse_args()
