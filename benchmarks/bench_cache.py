@@ -84,10 +84,15 @@ def main() -> None:
             "no cache": rpcdl.RPCDataset(workers, SlowDataset, args.samples, args.delay),
             "memory": rpcdl.RPCDataset(workers, CachedDataset, inner, dataset_name=uuid.uuid4().hex),
             "redis": rpcdl.RPCDataset(
-                workers, CachedDataset, inner, backend="redis", hosts=[server.host_spec],
-                dataset_name=uuid.uuid4().hex, writer_buffer_size=args.batch_size,
+                workers,
+                CachedDataset,
+                inner,
+                backend="redis",
+                hosts=[server.host_spec],
+                dataset_name=uuid.uuid4().hex,
+                writer_buffer_size=args.batch_size,
             ),
-        }  # fmt: skip
+        }
         results = {name: run_epochs(dataset, args.batch_size, args.epochs) for name, dataset in configurations.items()}
         rpcdl.shutdown()
 

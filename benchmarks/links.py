@@ -339,10 +339,12 @@ def run_compression(rate: str, dataset: type, modes: list[str], rounds: int, bat
         measures: dict[str, Callable[[], float]] = {mode: (lambda m=mode: run.measure(m)) for mode in modes}
         measures["socket"] = lambda: socket_rate(cluster, batches)
         samples = interleaved_rounds(  # the warm-up lets 'auto' decide
-            measures, rounds,
-            lambda round_, s: f"  {rate} {dataset.__name__} round {round_}: "
-            + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in s.items()),
-        )  # fmt: skip
+            measures,
+            rounds,
+            lambda round_, s: (
+                f"  {rate} {dataset.__name__} round {round_}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in s.items())
+            ),
+        )
         states = {mode: run.states(mode) for mode in modes}
         run.close()
     return {
@@ -388,11 +390,14 @@ def run_rate(
             ),
         }
         samples = interleaved_rounds(  # the warm-up opens connections, builds datasets, grows heaps
-            measures, rounds,
-            lambda round_, s: f"  {rate} round {round_}: "
-            + ", ".join(f"{n} {v[-1]:,.0f} ({meter.samples[n][-1]:.2f} CPU s/GB)" for n, v in s.items()),
+            measures,
+            rounds,
+            lambda round_, s: (
+                f"  {rate} round {round_}: "
+                + ", ".join(f"{n} {v[-1]:,.0f} ({meter.samples[n][-1]:.2f} CPU s/GB)" for n, v in s.items())
+            ),
             warmed_up=meter.samples.clear,
-        )  # fmt: skip
+        )
         systems.close()
     return samples, meter.samples
 
@@ -407,9 +412,12 @@ def main(argv: list[str] | None = None) -> int:
         "--parallel", type=int, default=1, help="rpcdl workers' --parallel: calls run at once (default: %(default)s)"
     )
     parser.add_argument(
-        "--cases", nargs="+", choices=["systems", "compression"], default=["systems", "compression"],
+        "--cases",
+        nargs="+",
+        choices=["systems", "compression"],
+        default=["systems", "compression"],
         help="what to measure: the systems side by side at --rates, and/or compression (default: both)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason is not None:

@@ -41,6 +41,11 @@ _EXPORTS = {
     "CachedDataset": "data.cache.cached",
 }
 
+# Public submodules, reached by attribute after a plain ``import rpcdl`` (``rpcdl.samplers.X``) and
+# imported on that first use, as the names above: ``import rpcdl`` stays free of torch. The
+# integrations are imported only when the user reaches for them; the core never does.
+_SUBMODULES = ("distributed", "integrations", "launch", "samplers")
+
 __all__ = [
     "AuthenticationError",
     "CacheLoader",
@@ -73,6 +78,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"rpcdl.{name}")  # the import sets it as an attribute of the package
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rpcdl' has no attribute {name!r}")
@@ -82,7 +89,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
 
 
 if TYPE_CHECKING:

@@ -172,10 +172,22 @@ def local_workers(
     if token is not None:
         environment["RPCDL_TOKEN"] = token
     command = [
-        sys.executable, "-m", "rpcdl", "worker", "--host", "127.0.0.1",
-        "--parallel", str(parallel), "--timeout", str(timeout), "--watch-pid", str(os.getpid()),
-        "--log-level", level, *extra_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "rpcdl",
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--parallel",
+        str(parallel),
+        "--timeout",
+        str(timeout),
+        "--watch-pid",
+        str(os.getpid()),
+        "--log-level",
+        level,
+        *extra_args,
+    ]
     workers = LocalWorkers(command, environment, startup_timeout)
     try:
         workers.start(n)

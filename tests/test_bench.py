@@ -25,9 +25,18 @@ def run_bench(*args: str, timeout: float = 110, **environment: str) -> subproces
 def test_a_quick_run_prints_the_table_and_writes_json_and_plot(two_workers, tmp_path):
     report, picture = tmp_path / "bench.json", tmp_path / "bench.png"
     result = run_bench(
-        "--workers", *two_workers, "--quick", "--io-workers", "1", "2", "--no-progress",
-        "--json", str(report), "--plot", str(picture),
-    )  # fmt: skip
+        "--workers",
+        *two_workers,
+        "--quick",
+        "--io-workers",
+        "1",
+        "2",
+        "--no-progress",
+        "--json",
+        str(report),
+        "--plot",
+        str(picture),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("scenario"))
@@ -66,9 +75,17 @@ def test_a_quick_run_prints_the_table_and_writes_json_and_plot(two_workers, tmp_
 def test_the_mapper_scenario_and_the_framed_pickle_floor_run_in_quick_mode(two_workers, tmp_path):
     report = tmp_path / "bench.json"
     result = run_bench(
-        "--workers", *two_workers, "--quick", "--no-progress", "--scenario", "latency", "pipelined", "mapper",
-        "--json", str(report),
-    )  # fmt: skip
+        "--workers",
+        *two_workers,
+        "--quick",
+        "--no-progress",
+        "--scenario",
+        "latency",
+        "pipelined",
+        "mapper",
+        "--json",
+        str(report),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     header = next(line for line in result.stdout.splitlines() if line.startswith("scenario"))
     for column in (FRAMED, PARALLEL_MAPPER, f"{RPCDL}/{FRAMED}", f"{RPCDL}/{PARALLEL_MAPPER}"):

@@ -96,9 +96,16 @@ def test_the_link_report_across_a_cluster_host_with_tls(tmp_path, monkeypatch):
         make_ca(tmp_path, "ca")
         make_certificate(tmp_path, "ca", "worker", f"IP:{host.address}")
         tls_worker = box.start_worker(
-            0, "--token-file", str(tmp_path / "token"), "--tls-cert", str(tmp_path / "worker.pem"),
-            "--tls-key", str(tmp_path / "worker.key"), "--log-level", "WARNING",
-        )  # fmt: skip
+            0,
+            "--token-file",
+            str(tmp_path / "token"),
+            "--tls-cert",
+            str(tmp_path / "worker.pem"),
+            "--tls-key",
+            str(tmp_path / "worker.key"),
+            "--log-level",
+            "WARNING",
+        )
         monkeypatch.setenv("RPCDL_TOKEN", TOKEN)
         report = measure_link(box.workers, LinkSizes.quick(), progress=lambda line: None)
         check_report(report, box.workers)
@@ -124,11 +131,11 @@ def test_a_stream_streams_the_bytes_asked_for(two_workers):
 def _raw_connection(address: str):
     import socket
 
-    from rpcdl.transport.handshake import client_handshake
+    from rpcdl.transport.handshake import client_negotiate
 
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
-    client_handshake(sock, None, address, compression="off")
+    client_negotiate(sock, None, address, compression="off")
     sock = io_stream(sock, receive=10, send=10)
     return sock, FrameReader(sock, Limits(), stall_timeout=10)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 import torch
 
@@ -48,6 +49,28 @@ def test_a_buffer_lives_as_long_as_a_tensor_built_on_it():
     del tensor
     gc.collect()
     assert pool.free_buffers() == 1
+
+
+def test_a_buffer_dropped_while_its_pool_is_locked_comes_back_without_waiting_for_the_lock():
+    # A garbage collection may run an array's finalizer at any allocation, on any thread, one inside take()
+    # holding the pool's lock among them: the finalizer must not wait for that lock.
+    pool = BufferPool()
+    held = [pool.take(1 << 20)]
+    held.append(held)  # a cycle: only the collector frees it, whenever it runs
+    address = held[0].ctypes.data
+
+    def collect_while_locked() -> None:
+        nonlocal held
+        with pool._lock:
+            held = None
+            gc.collect()
+
+    collector = threading.Thread(target=collect_while_locked, name="collector", daemon=True)
+    collector.start()
+    collector.join(10)
+    assert not collector.is_alive(), "the finalizer waited for the lock its own thread held"
+    assert pool.free_buffers() == 1
+    assert pool.take(1 << 20).ctypes.data == address
 
 
 def test_big_answers_arrive_intact_through_the_pool(embedded_worker):

@@ -25,8 +25,21 @@ def test_help_is_complete(command):
     result = run_cli(*command)
     assert result.returncode == 0
     if command == ["worker", "--help"]:
-        for option in ("--host", "--port", "--timeout", "--parallel", "--procs", "--address-file", "--token-file",
-                       "--insecure", "--tls-cert", "--tls-key", "--advertise", "--threads", "--grace"):  # fmt: skip
+        for option in (
+            "--host",
+            "--port",
+            "--timeout",
+            "--parallel",
+            "--procs",
+            "--address-file",
+            "--token-file",
+            "--insecure",
+            "--tls-cert",
+            "--tls-key",
+            "--advertise",
+            "--threads",
+            "--grace",
+        ):
             assert option in result.stdout, option
 
 
@@ -50,8 +63,11 @@ def test_procs_and_address_file_then_status_table(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     process = subprocess.Popen(
         [sys.executable, "-m", "rpcdl", "worker", "--port", "0", "--procs", "3", "--address-file", str(address_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         printed = [process.stdout.readline().strip() for _ in range(3)]
         deadline = time.monotonic() + 30

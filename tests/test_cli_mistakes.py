@@ -51,9 +51,19 @@ def _mistakes(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], tuple[str
 
 @pytest.mark.parametrize(
     "mistake",
-    ["token-file", "token-file-env", "tls-cert-missing", "tls-cert-junk", "tls-cert-env", "tls-key-alone",
-     "log-level", "host", "address-file", "procs"],
-)  # fmt: skip
+    [
+        "token-file",
+        "token-file-env",
+        "tls-cert-missing",
+        "tls-cert-junk",
+        "tls-cert-env",
+        "tls-key-alone",
+        "log-level",
+        "host",
+        "address-file",
+        "procs",
+    ],
+)
 @pytest.mark.parametrize("command", list(WORKER_COMMANDS))
 def test_a_worker_option_mistake_is_one_error_line_and_exit_2(tmp_path, command, mistake):
     args, env, phrases = _mistakes(tmp_path)[mistake]

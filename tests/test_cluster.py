@@ -86,9 +86,15 @@ def test_the_datamodule_across_the_cluster(cluster, with_token):
     data = RPCDataModule(workers=cluster.workers, train_dataset=probe_spec(40), batch_size=4, shuffle=True, seed=1)
     model = RecordingModel()
     trainer = pl.Trainer(
-        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, datamodule=data)
     for epoch in (0, 1):
         seen = [i for record in model.records if record["epoch"] == epoch for i in record["indices"]]
@@ -154,9 +160,16 @@ def test_tls_across_the_cluster(cluster, with_token, tmp_path, monkeypatch):
     host = cluster.hosts[1]
     make_certificate(tmp_path, "ca", "worker", f"IP:{host.address}")
     address = cluster.start_worker(
-        1, "--token-file", str(_token_file(tmp_path)), "--tls-cert", str(tmp_path / "worker.pem"),
-        "--tls-key", str(tmp_path / "worker.key"), "--log-level", "WARNING",
-    )  # fmt: skip
+        1,
+        "--token-file",
+        str(_token_file(tmp_path)),
+        "--tls-cert",
+        str(tmp_path / "worker.pem"),
+        "--tls-key",
+        str(tmp_path / "worker.key"),
+        "--log-level",
+        "WARNING",
+    )
     monkeypatch.setenv("RPCDL_TLS_CA", str(tmp_path / "ca.pem"))
     assert rpcdl.stats(address)["tls"] is True
     dataset = rpcdl.RPCDataset([address], helpers.RangeDataset, 50)

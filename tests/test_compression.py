@@ -17,7 +17,7 @@ import rpcdl
 from rpcdl.errors import FrameTooLarge, ProtocolError
 from rpcdl.rpc.client import connection_to
 from rpcdl.transport.compression import Compressor
-from rpcdl.transport.handshake import _HELLO, _WELCOME, MAGIC, VERSION, server_handshake
+from rpcdl.transport.handshake import _HELLO, _WELCOME, MAGIC, VERSION, server_negotiate
 from rpcdl.transport.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
 
 pytest.importorskip("lz4.block")
@@ -134,8 +134,11 @@ def test_a_worker_command_asked_for_compression_without_lz4_says_how_to_install_
     env = {**os.environ, "RPCDL_NO_LZ4": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "rpcdl", "worker", "--compression", "on"],
-        env=env, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2
     assert "--compression 'on' needs the lz4 package" in done.stderr
     assert "pip install 'rpcdl[compression]'" in done.stderr
@@ -200,9 +203,10 @@ def test_auto_compresses_compressible_data_on_a_slow_link_and_stops_when_it_no_l
     compressor = Compressor("auto", clock=clock)
     images = smooth_images(32).reshape(-1)
     _stream(compressor, clock, images, link_rate=125e6, seconds=2.0)
-    assert compressor.active and compressor.buffers_compressed > 0, compressor.reason
+    state = compressor.state()
+    assert state["active"] and state["buffers_compressed"] > 0, state["reason"]
     _stream(compressor, clock, random_bytes(1 << 20), link_rate=125e6, seconds=4.0)
-    assert not compressor.active, compressor.reason
+    assert not compressor.active, compressor.state()["reason"]
 
 
 def test_auto_stays_off_while_sends_return_at_once():
@@ -213,7 +217,8 @@ def test_auto_stays_off_while_sends_return_at_once():
         compressor.prepare([images.numpy()])
         compressor.sent(images.numel(), 1e-6)
         clock.now += 0.1
-    assert not compressor.active and compressor.link_rate is None
+    state = compressor.state()
+    assert not state["active"] and state["link_mbit_s"] is None
 
 
 def _compressed_frame_bytes(wire_sizes: list[int], decoded_sizes: list[int], call_id: int = 7) -> bytes:
@@ -281,7 +286,7 @@ def test_a_hostile_worker_cannot_make_the_client_allocate_a_huge_decompressed_bu
         sock, _ = listener.accept()
         with sock:
             sock.settimeout(10)
-            server_handshake(sock, None, "client", compression="on")
+            server_negotiate(sock, None, "client", compression="on")
             call = FrameReader(sock, Limits(), stall_timeout=10).read_frame()
             send_pieces(sock, [_compressed_frame_bytes([64], [1 << 50], call.call_id) + bytes(64)])
             sock.recv(1)  # until the client hangs up

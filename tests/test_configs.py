@@ -36,10 +36,15 @@ def test_config_is_instantiated_and_trains(config, two_workers, tmp_path, monkey
 
     cli = cli_main(
         args=[
-            "fit", "--config", str(config), "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
-            "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=3",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
         ]
-    )  # fmt: skip
+    )
 
     assert isinstance(cli.model, pl.LightningModule)
     assert isinstance(cli.datamodule, RPCDataModule)

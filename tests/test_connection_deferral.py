@@ -15,7 +15,7 @@ import torch
 from helpers import GATES, gated, gated_workers
 
 import rpcdl
-import rpcdl.rpc.connection_thread
+import rpcdl.rpc.sending
 from rpcdl.rpc import client
 from rpcdl.rpc.outbox import OutboxState
 
@@ -29,7 +29,7 @@ def echo(value):
 @pytest.fixture
 def workers(monkeypatch):
     """Two workers in this process, two slots each, and fresh client connections."""
-    monkeypatch.setattr(rpcdl.rpc.connection_thread, "_DEFER_DELAY", 5.0)
+    monkeypatch.setattr(rpcdl.rpc.sending, "DEFER_DELAY", 5.0)
     with gated_workers(2) as started:
         yield started
 
@@ -41,20 +41,20 @@ def _busy(address: str) -> tuple[threading.Event, torch.futures.Future]:
     return gate, rpcdl.rpc_async(address, gated, (f"busy-{address}", 0))
 
 
-def _outbox(address: str):
-    return client.connection_to(address)._outbox
+def _outbox_state(address: str) -> OutboxState | None:
+    return client.connection_to(address).status().outbox
 
 
 def test_a_call_with_none_in_flight_goes_at_once_and_one_made_while_busy_waits_for_the_thread_to_wait(workers):
     address = workers[0].address
     rpcdl.ping(address)
     first = rpcdl.rpc_async(address, echo, (1,))
-    assert _outbox(address).state is OutboxState.IDLE  # none in flight: sent at once
+    assert _outbox_state(address) is OutboxState.IDLE  # none in flight: sent at once
     assert first.wait() == 1
     gate, busy = _busy(address)
-    assert _outbox(address).state is OutboxState.IDLE
+    assert _outbox_state(address) is OutboxState.IDLE
     later = rpcdl.rpc_async(address, echo, (2,))
-    assert _outbox(address).state is OutboxState.DEFERRED
+    assert _outbox_state(address) is OutboxState.DEFERRED
     started = time.monotonic()
     assert later.wait() == 2  # waiting flushes it (the delay is 5 s)
     assert time.monotonic() - started < 4
@@ -66,10 +66,10 @@ def test_a_call_with_tensors_is_never_deferred_and_takes_the_deferred_ones_with_
     address = workers[0].address
     gate, busy = _busy(address)
     deferred = rpcdl.rpc_async(address, echo, (1,))
-    assert _outbox(address).state is OutboxState.DEFERRED
+    assert _outbox_state(address) is OutboxState.DEFERRED
     tensor = torch.arange(4)
     with_tensor = rpcdl.rpc_async(address, echo, (tensor,))
-    assert _outbox(address).state is OutboxState.IDLE  # sent at once, after the deferred one
+    assert _outbox_state(address) is OutboxState.IDLE  # sent at once, after the deferred one
     tensor += 10  # the caller may change it now: what was sent is unchanged
     deadline = time.monotonic() + 5
     while not (deferred.done() and with_tensor.done()):  # no wait(): nothing else flushes
@@ -82,11 +82,11 @@ def test_a_call_with_tensors_is_never_deferred_and_takes_the_deferred_ones_with_
 
 
 def test_the_connections_thread_sends_deferred_calls_of_a_thread_that_goes_on_without_waiting(workers, monkeypatch):
-    monkeypatch.setattr(rpcdl.rpc.connection_thread, "_DEFER_DELAY", 0.2)
+    monkeypatch.setattr(rpcdl.rpc.sending, "DEFER_DELAY", 0.2)
     address = workers[0].address
     gate, busy = _busy(address)
     futures = [rpcdl.rpc_async(address, echo, (n,)) for n in range(5)]
-    assert _outbox(address).state is OutboxState.DEFERRED
+    assert _outbox_state(address) is OutboxState.DEFERRED
     deadline = time.monotonic() + 5
     while not all(future.done() for future in futures):  # this thread never waits: the connection's thread sends
         assert time.monotonic() < deadline, "the deferred calls never left"
@@ -100,9 +100,9 @@ def test_a_thread_waiting_on_another_worker_first_sends_what_it_deferred(workers
     first, second = (worker.address for worker in workers)
     gate, busy = _busy(first)
     deferred = rpcdl.rpc_async(first, echo, (1,))
-    assert _outbox(first).state is OutboxState.DEFERRED
+    assert _outbox_state(first) is OutboxState.DEFERRED
     assert rpcdl.rpc_sync(second, echo, (2,)) == 2  # this thread waits: its deferred call leaves first
-    assert _outbox(first).state is OutboxState.IDLE
+    assert _outbox_state(first) is OutboxState.IDLE
     gate.set()
     assert deferred.wait() == 1 and busy.wait() == 0
 
@@ -138,6 +138,6 @@ def test_a_call_creating_an_rref_is_never_deferred(workers):
     address = workers[0].address
     gate, busy = _busy(address)
     rref = rpcdl.remote(address, echo, (5,))
-    assert _outbox(address).state is OutboxState.IDLE  # another worker may name it at once
+    assert _outbox_state(address) is OutboxState.IDLE  # another worker may name it at once
     gate.set()
     assert rref.to_here() == 5 and busy.wait() == 0

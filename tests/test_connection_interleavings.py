@@ -21,13 +21,13 @@ from helpers import GATES, gated, gated_workers
 
 import rpcdl
 import rpcdl.rpc.connection
-import rpcdl.rpc.connection_thread
 from rpcdl.errors import ConnectionLost, WorkerTimeout
 from rpcdl.rpc import client, held
-from rpcdl.rpc.state import ConnectionState, Reader
+from rpcdl.rpc.connection_thread import thread_name
+from rpcdl.rpc.state import Reader
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import server_handshake
-from rpcdl.transport.wire import _HEADER, Frame, FrameReader, Kind, Limits, encode_frame
+from rpcdl.transport.handshake import server_negotiate
+from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -42,7 +42,7 @@ def seen(value: int) -> int:
 @pytest.fixture
 def worker(monkeypatch):
     """A worker in this process, two slots, and a fresh client connection whose idle reads last 5 s."""
-    monkeypatch.setattr(rpcdl.rpc.connection_thread, "IDLE_TICK", 5.0)
+    monkeypatch.setattr(rpcdl.rpc.connection, "IDLE_TICK", 5.0)
     _seen.clear()
     with gated_workers(1) as [started]:
         yield started
@@ -137,12 +137,12 @@ def test_the_background_reader_reads_the_answer_a_caller_waits_for(worker):
     connection = client.connection_to(address)
     gate = _gate("background")
     background = rpcdl.rpc_async(address, gated, ("background", 7))  # its answer is the connection thread's
-    _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+    _until(lambda: connection.status().reader is Reader.BACKGROUND, "the connection's thread reads")
     delivered_on, delivered = [], threading.Event()
     waited = rpcdl.rpc_async(address, abs, (-5,))
     waited.add_done_callback(lambda _: (delivered_on.append(threading.current_thread().name), delivered.set()))
     assert waited.wait() == 5  # this thread waits for the role; the reader holding it delivers the answer
-    assert delivered.wait(5) and delivered_on == [connection._thread.name]
+    assert delivered.wait(5) and delivered_on == [thread_name(address)]
     assert not background.done()
     gate.set()
     assert background.wait() == 7
@@ -153,7 +153,7 @@ def test_a_caller_holding_the_role_delivers_background_answers_then_its_own(work
     connection = _opened(address)
     gate = _gate("sync")
     caller, result = _rpc_sync_in_a_thread(address, "sync", 3)
-    _until(lambda: connection._role.holder is Reader.CALLER, "the caller reads")
+    _until(lambda: connection.status().reader is Reader.CALLER, "the caller reads")
     delivered_on = []
     answer = _gate("background")  # opened once the callback is on: it cannot run here, on an answer already in
     background = rpcdl.rpc_async(address, gated, ("background", 4))
@@ -168,7 +168,7 @@ def test_a_caller_holding_the_role_delivers_background_answers_then_its_own(work
 def test_a_thread_waiting_for_its_answers_reads_the_background_ones_and_the_connections_thread_stays_out(
     worker, monkeypatch
 ):
-    monkeypatch.setattr(rpcdl.rpc.connection, "_BACKGROUND_DELAY", 60.0)  # its turn never comes in this test
+    monkeypatch.setattr(rpcdl.rpc.connection, "BACKGROUND_DELAY", 60.0)  # its turn never comes in this test
     address = worker.address
     rpcdl.ping(address)  # a fresh connection; a caller was here just now
     connection = client.connection_to(address)
@@ -182,12 +182,11 @@ def test_a_thread_waiting_for_its_answers_reads_the_background_ones_and_the_conn
         in_flight.append(future)
     assert [future.wait() for future in in_flight] == list(range(184, 200))
     assert len(read_on) == 200 and set(read_on) == {"MainThread"}
-    assert connection._role.free and len(connection._calls) == 0
+    assert connection.status().reader is Reader.NOBODY and connection.status().pending == 0
 
 
 def test_background_answers_nobody_waits_for_are_read_by_the_connections_thread_soon_after_a_caller_left(worker):
     address = worker.address
-    connection = client.connection_to(address)
     assert rpcdl.rpc_sync(address, abs, (-1,)) == 1  # a caller read, and left
     done, read_on = threading.Event(), []
     answer = _gate("answer")  # opened once the callback is on: it cannot run here, on an answer already in
@@ -195,7 +194,7 @@ def test_background_answers_nobody_waits_for_are_read_by_the_connections_thread_
     future.add_done_callback(lambda _: (read_on.append(threading.current_thread().name), done.set()))
     answer.set()
     assert done.wait(5)  # without any wait() of this thread
-    assert read_on == [connection._thread.name] and future.value() == 2
+    assert read_on == [thread_name(address)] and future.value() == 2
 
 
 def test_answers_read_here_are_left_to_their_caller_while_the_background_reader_reads_others(worker):
@@ -203,16 +202,16 @@ def test_answers_read_here_are_left_to_their_caller_while_the_background_reader_
     connection = client.connection_to(address)
     other, mine_gate = _gate("other"), _gate("mine")
     background = rpcdl.rpc_async(address, gated, ("other", 1))
-    _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+    _until(lambda: connection.status().reader is Reader.BACKGROUND, "the connection's thread reads")
     with client.answers_read_here():
         mine = [rpcdl.rpc_async(address, gated, ("mine", n)) for n in range(4)]
-    assert connection._calls.left_to_callers == 4 and connection._calls.background == 1
+    assert (connection.status().left_to_callers, connection.status().read_in_background) == (4, 1)
     assert client.read_answers(mine, timeout=0.2) is None  # another thread reads: it delivers them
     mine_gate.set()
     assert [future.wait() for future in mine] == [0, 1, 2, 3]
     other.set()
     assert background.wait() == 1
-    assert connection._calls.left_to_callers == 0 and len(connection._calls) == 0
+    assert connection.status().pending == 0
 
 
 def test_many_threads_calling_at_once_get_their_own_answers(worker):
@@ -232,7 +231,7 @@ def test_many_threads_calling_at_once_get_their_own_answers(worker):
     for thread in threads:
         thread.join(15)
     assert results == {i: [i**k for k in range(20)] + [i**k for k in range(5)] for i in range(8)}
-    assert len(client.connection_to(address)._calls) == 0
+    assert client.connection_to(address).status().pending == 0
 
 
 def test_a_deadline_expires_while_another_thread_reads(worker):
@@ -240,12 +239,12 @@ def test_a_deadline_expires_while_another_thread_reads(worker):
     connection = client.connection_to(address)
     gate = _gate("slow")
     background = rpcdl.rpc_async(address, gated, ("slow", 1))
-    _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+    _until(lambda: connection.status().reader is Reader.BACKGROUND, "the connection's thread reads")
     started = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
         rpcdl.rpc_sync(address, gated, ("slow", 2), timeout=0.3)
     assert time.monotonic() - started < 2.0
-    assert connection._role.holder is Reader.BACKGROUND  # it read on, undisturbed
+    assert connection.status().reader is Reader.BACKGROUND  # it read on, undisturbed
     gate.set()
     assert background.wait() == 1  # the late answer of the expired call is dropped on the way
     assert rpcdl.rpc_sync(address, abs, (-2,)) == 2
@@ -260,12 +259,12 @@ def test_rpc_sync_on_an_idle_connection_reads_its_own_answer_without_joining_the
     gate = _gate("alone")
     caller, result = _rpc_sync_in_a_thread(address, "alone", 3)
     _until(lambda: worker.stats()["calls_in_flight"] == 1, "the worker runs the call")
-    assert connection._role.holder is Reader.CALLER  # taken before the call left
-    assert len(connection._calls) == 0  # no future, no entry: nobody else can read its answer
+    assert connection.status().reader is Reader.CALLER  # taken before the call left
+    assert connection.status().pending == 0  # no future, no entry: nobody else can read its answer
     gate.set()
     caller.join(5)
     assert result == [3]
-    assert connection._role.free and len(connection._calls) == 0
+    assert connection.status().reader is Reader.NOBODY and connection.status().pending == 0
 
 
 def test_rpc_sync_reading_alone_fails_at_its_deadline_though_reads_block_longer_and_drops_the_late_answer(worker):
@@ -276,10 +275,10 @@ def test_rpc_sync_reading_alone_fails_at_its_deadline_though_reads_block_longer_
     with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
         rpcdl.rpc_sync(address, gated, ("late", 1), timeout=0.3)
     assert 0.3 <= time.monotonic() - started < 2.0  # a read finding nothing blocks 5 s here
-    assert connection._role.free and len(connection._calls) == 0
+    assert connection.status().reader is Reader.NOBODY and connection.status().pending == 0
     gate.set()
     assert rpcdl.rpc_sync(address, abs, (-2,)) == 2  # reads the late answer first, and drops it
-    assert len(connection._calls) == 0
+    assert connection.status().pending == 0
 
 
 def test_rpc_sync_made_the_usual_way_fails_at_its_deadline_though_reads_block_longer(worker):
@@ -292,10 +291,10 @@ def test_rpc_sync_made_the_usual_way_fails_at_its_deadline_though_reads_block_lo
     with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
         rpcdl.rpc_sync(address, gated, ("late", b"x" * (128 << 10)), timeout=0.3)
     assert 0.3 <= time.monotonic() - started < 2.0  # a read finding nothing blocks 5 s here
-    assert connection._role.holder is not Reader.CALLER and len(connection._calls) == 0
+    assert connection.status().reader is not Reader.CALLER and connection.status().pending == 0
     gate.set()
     assert rpcdl.rpc_sync(address, abs, (-2,)) == 2  # the late answer is dropped on the way
-    assert len(connection._calls) == 0
+    assert connection.status().pending == 0
 
 
 class _Interrupted(Exception):
@@ -322,7 +321,7 @@ def test_an_exception_raised_in_a_thread_blocked_reading_frees_the_role_and_clos
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert connection._role.holder is not Reader.CALLER  # not held for ever by a thread that left
+    assert connection.status().reader is not Reader.CALLER  # not held for ever by a thread that left
     if alone:  # (a future's waiter may have been waiting for the role, not reading, when interrupted)
         assert connection.closed  # the stream may have stopped inside a frame: it is not read again
     gate.set()
@@ -343,7 +342,7 @@ def _scripted_peer(answer):
         sock, _ = listener.accept()
         with sock:
             sock.settimeout(10)
-            server_handshake(sock, None, "client")
+            server_negotiate(sock, None, "client")
             frame = FrameReader(sock, Limits(), stall_timeout=10).read_frame()
             answer(sock, frame.call_id)
             answered.set()
@@ -360,7 +359,8 @@ def _scripted_peer(answer):
 
 
 def _half_an_answer(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_HEADER.pack(Kind.RESULT, 0, 0, 0, call_id, 0, 1000) + b"x" * 10)
+    whole = b"".join(bytes(piece) for piece in encode_frame(Frame(Kind.RESULT, call_id, payload=b"x" * 1000)))
+    sock.sendall(whole[:-990])  # the header and 10 bytes of the payload
 
 
 def _peer_that_stops_mid_frame():
@@ -372,14 +372,14 @@ def test_a_peer_that_closes_in_the_middle_of_a_frame_fails_every_pending_call():
         first = rpcdl.rpc_async(address, abs, (-1,))
         assert half_sent.wait(5)
         connection = client.connection_to(address)
-        _until(lambda: connection._role.holder is Reader.BACKGROUND, "the connection's thread reads")
+        _until(lambda: connection.status().reader is Reader.BACKGROUND, "the connection's thread reads")
         more = [rpcdl.rpc_async(address, abs, (-k,)) for k in range(3)]
         outcome = []
         waiter = threading.Thread(
             target=lambda: outcome.append(_raised(lambda: rpcdl.rpc_sync(address, abs, (-9,)))), name="waiter"
         )
         waiter.start()
-        _until(lambda: connection._role.waiters == 1, "the waiter waits for the role")
+        _until(lambda: connection.status().readers_waiting == 1, "the waiter waits for the role")
         assert not first.done()  # half a frame: the reader waits for the rest
         started = time.monotonic()
         close.set()
@@ -389,8 +389,8 @@ def test_a_peer_that_closes_in_the_middle_of_a_frame_fails_every_pending_call():
                 future.wait()
         assert time.monotonic() - started < 2.0
         assert outcome == [ConnectionLost]
-        assert connection.closed and connection._state is ConnectionState.CLOSED
-        assert len(connection._calls) == 0
+        assert connection.closed and connection.status().state == "closed"
+        assert connection.status().pending == 0
 
 
 def test_closing_the_connection_while_a_caller_reads_fails_its_call_and_frees_the_reader(worker):
@@ -402,11 +402,11 @@ def test_closing_the_connection_while_a_caller_reads_fails_its_call_and_frees_th
         target=lambda: outcome.append(_raised(lambda: rpcdl.rpc_sync(address, gated, ("never", 0)))), name="caller"
     )
     caller.start()
-    _until(lambda: connection._role.holder is Reader.CALLER, "the caller reads")
+    _until(lambda: connection.status().reader is Reader.CALLER, "the caller reads")
     connection.close("closed by the test")
     caller.join(5)
     assert outcome == [ConnectionLost]
-    assert connection._role.free
+    assert connection.status().reader is Reader.NOBODY
     gate.set()
     assert rpcdl.rpc_sync(address, abs, (-3,)) == 3  # a new connection
 
@@ -434,7 +434,7 @@ def test_an_unexpected_frame_read_with_an_answer_delivers_the_answer_then_fails_
     ):
         first = rpcdl.rpc_async(address, abs, (-1,))
         connection = client.connection_to(address)
-        _until(lambda: connection._state is ConnectionState.OPEN, "the connection is open")
+        _until(lambda: connection.status().state == "open", "the connection is open")
         second = rpcdl.rpc_async(address, abs, (-2,))
         gate.set()
         assert answered.wait(5)

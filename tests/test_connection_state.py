@@ -1,17 +1,53 @@
-"""The state of a connection as pure transitions: the reading role and the table of pending calls (no sockets)."""
+"""The state of a connection as pure transitions (no sockets): its lifecycle, the reading role, the table of
+pending calls, and when its thread must be woken."""
 
 from __future__ import annotations
 
+import math
+
+from rpcdl.errors import ConnectionLost, WorkerUnavailable
 from rpcdl.rpc.calls import Call, ReadBy
 from rpcdl.rpc.held import answers_read_here
-from rpcdl.rpc.state import PendingCalls, Reader, ReadingRole
+from rpcdl.rpc.state import Alarm, Closed, Connecting, PendingCalls, Reader, ReadingRole
+from rpcdl.transport.wire import Frame, Kind
+
+
+class _NoConnection:
+    """What a call made in a pure test goes over: nothing reads for it."""
+
+    def wait(self, call: Call) -> None:
+        raise AssertionError("nothing waits in these tests")
+
+    def read_in_background(self, call: Call) -> None:
+        raise AssertionError("nothing reads in these tests")
 
 
 def _call(*, sync: bool = False, timeout: float = 10.0, read_here: bool = False) -> Call:
     if read_here:
         with answers_read_here():
-            return Call(timeout, "f()", sync=sync)
-    return Call(timeout, "f()", sync=sync)
+            return Call(_NoConnection(), timeout, "f()", sync=sync)
+    return Call(_NoConnection(), timeout, "f()", sync=sync)
+
+
+def test_a_connecting_connection_queues_frames_in_order_and_keeps_trying_while_calls_want_it():
+    connecting = Connecting(deadline=10.0)
+    assert connecting.name == "connecting" and connecting.queued == [] and connecting.last_error is None
+    first, second = Frame(Kind.CALL, 1), Frame(Kind.CALL, 2)
+    connecting.queued.append(first)
+    connecting.queued.append(second)
+    assert connecting.queued == [first, second]
+    refused = ConnectionRefusedError("refused")
+    connecting.attempt_failed(refused)
+    assert connecting.last_error is refused
+    assert connecting.wanted_until(latest_call_deadline=-math.inf) == 10.0  # no call pending: its own deadline
+    assert connecting.wanted_until(latest_call_deadline=25.0) == 25.0  # a call still wants it
+
+
+def test_a_closed_connection_fails_calls_with_its_reason_and_error_type():
+    closed = Closed("the connection was closed by rpcdl.shutdown()", ConnectionLost)
+    error = closed.error()
+    assert closed.name == "closed" and type(error) is ConnectionLost and str(error) == closed.reason
+    assert type(Closed("refused for 20s", WorkerUnavailable).error()) is WorkerUnavailable
 
 
 def test_the_reading_role_is_held_by_one_reader_at_a_time():
@@ -81,14 +117,14 @@ def test_overdue_calls_are_removed_once_and_the_next_check_moves_on():
 
 def test_the_connections_thread_reads_only_once_no_caller_has_been_here_for_the_delay():
     role = ReadingRole(background_delay=0.001)
-    assert not role.callers_present and role.background_turn() == float("-inf")  # no caller yet: at once
+    assert role.background_turn() == float("-inf")  # no caller yet: at once
     assert role.take(Reader.CALLER)
-    assert role.callers_present and role.background_turn() == float("inf")  # a caller reads: never
+    assert role.background_turn() == float("inf")  # a caller reads: never
     role.give_back(now=5.0)
-    assert not role.callers_present and role.background_turn() == 5.001  # it may come back: not before
+    assert role.background_turn() == 5.001  # it may come back: not before
     role.begin_waiting()
     role.begin_waiting()
-    assert role.waiters == 2 and role.callers_present and role.background_turn() == float("inf")
+    assert role.waiters == 2 and role.background_turn() == float("inf")
     role.end_waiting(now=6.0)
     assert role.waiters == 1 and role.background_turn() == float("inf")  # another still waits
     role.end_waiting(now=6.5)
@@ -100,6 +136,31 @@ def test_the_connections_own_reads_do_not_move_its_turn():
     role.take(Reader.CALLER)
     role.give_back(now=1.0)
     assert role.take(Reader.BACKGROUND)
-    assert not role.callers_present and not role.free
+    assert not role.free and role.background_turn() == 1.001  # its own reading is no caller's
     role.give_back(now=2.0)
     assert role.free and role.background_turn() == 1.001  # only callers leaving move it
+
+
+def test_the_connections_thread_is_woken_only_when_asleep_past_what_became_due():
+    alarm = Alarm()
+    assert not alarm.wake_by(0.0)  # awake: it looks at everything before it sleeps
+    alarm.sleep_until(10.0)
+    assert not alarm.wake_by(10.0) and not alarm.wake_by(12.0)  # it looks by then anyway
+    assert alarm.wake_by(3.0)  # due sooner: woken once
+    assert not alarm.wake_by(1.0)  # woken already: it counts as awake
+    alarm.woke()
+    alarm.sleep_until(5.0)
+    alarm.woke()
+    assert not alarm.wake_by(0.0)  # it woke by itself
+
+
+def test_a_caller_may_read_its_answers_only_while_they_are_left_to_it():
+    calls = PendingCalls(patience=0.1)
+    mine, background = _call(read_here=True), _call()
+    calls.add(mine, now=0.0)
+    calls.add(background, now=0.0)
+    assert calls.left_to_caller([mine, background]) and not calls.left_to_caller([background])
+    calls.adopt([mine])
+    assert not calls.left_to_caller([mine])
+    assert calls.get(mine.call_id) is mine and calls.pop(mine.call_id) is mine and calls.get(mine.call_id) is None
+    assert not calls.left_to_caller([mine])  # answered: nothing left to read

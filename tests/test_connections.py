@@ -246,8 +246,9 @@ def test_an_rpcdataloader_worker_is_named_within_seconds():
         port = probe.getsockname()[1]
     process = subprocess.Popen(
         [sys.executable, "-m", "rpcdataloader.launch", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while process.poll() is None and time.monotonic() < deadline:
@@ -280,10 +281,29 @@ def test_tls_on_one_side_only_is_named_at_once(embedded_worker, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is needed to make a test certificate")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "w.key", "-out", "w.pem",
-         "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        cwd=tmp_path, check=True, capture_output=True, timeout=50,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "w.key",
+            "-out",
+            "w.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=50,
+    )
     tls_worker = embedded_worker(ssl_context=server_tls_context(tmp_path / "w.pem", tmp_path / "w.key"))
     plain_worker = embedded_worker()
     trusted = client_tls_context(tmp_path / "w.pem")

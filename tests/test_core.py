@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import helpers
@@ -22,7 +23,7 @@ import rpcdl
 import rpcdl.rpc.client
 from rpcdl.errors import RemoteError
 from rpcdl.processes import stop_process
-from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate
 from rpcdl.transport.wire import Frame, FrameReader, Kind, send_frame
 
 TESTS = Path(__file__).resolve().parent
@@ -215,6 +216,59 @@ def test_remote_exception_keeps_type_traceback_and_worker(two_workers):
     assert "raise_value_error" in error.remote_traceback
     frames = [frame.name for frame in __import__("traceback").extract_tb(error.__traceback__)]
     assert "raise_value_error" in frames  # the remote frames are part of the traceback
+
+
+class _Marker:
+    pass
+
+
+def _wait_for_a_failed_call(address: str) -> tuple[weakref.ref, torch.futures.Future]:
+    """Wait, in a frame of its own holding a marker, for a call that fails (it outlives its timeout); return the
+    marker weakly, and the future."""
+    marker = _Marker()
+    future = rpcdl.rpc_async(address, time.sleep, (0.5,), timeout=0.05)
+    try:
+        future.wait()
+    except rpcdl.WorkerTimeout:
+        pass
+    return weakref.ref(marker), future
+
+
+def test_a_frame_that_waited_for_a_failed_call_is_freed_when_it_returns(two_workers):
+    """The future keeps its error where the cyclic collector cannot see it: raised itself, that error would
+    hold (through its traceback) every frame that waited for it, and all they hold, for ever."""
+    gc.disable()  # freed by reference counting alone: no reference cycle either
+    try:
+        marker, future = _wait_for_a_failed_call(two_workers[0])
+        assert marker() is None
+    finally:
+        gc.enable()
+    for _ in range(2):  # the error is raised again, whole, as often as asked
+        with pytest.raises(rpcdl.WorkerTimeout, match=r"did not answer sleep\(\) within 0.05s"):
+            future.wait()
+
+
+def _read_a_remote_error_here(address: str) -> tuple[weakref.ref, torch.futures.Future]:
+    """Read, in a frame of its own holding a marker, the answer of a call that raises on the worker."""
+    marker = _Marker()
+    with rpcdl.rpc.client.answers_read_here():
+        future = rpcdl.rpc_async(address, raise_value_error)
+    while not future.done():
+        rpcdl.rpc.client.read_answers([future], timeout=1.0)  # this thread reads the answer and completes it
+    return weakref.ref(marker), future
+
+
+def test_the_frames_that_read_a_remote_error_are_freed_with_its_future(two_workers):
+    """A remote error's traceback (rebuilt by tblib) holds the frames of the thread that read it, which hold
+    the future: the future's error must not hold them where the collector cannot see."""
+    marker, future = _read_a_remote_error_here(two_workers[0])
+    with pytest.raises(ValueError, match="bad value from the worker") as info:
+        future.wait()
+    frames = [frame.name for frame in __import__("traceback").extract_tb(info.value.__traceback__)]
+    assert "raise_value_error" in frames  # the remote frames are still there
+    del future, info
+    gc.collect()
+    assert marker() is None
 
 
 def test_exception_of_a_type_the_client_lacks_becomes_remote_error(two_workers, tmp_path):
@@ -438,8 +492,10 @@ def test_non_loopback_bind_without_token_is_refused():
         rpcdl.Worker("0.0.0.0", 0)
     result = subprocess.run(
         [sys.executable, "-m", "rpcdl", "worker", "--host", "0.0.0.0", "--port", "0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--insecure" in result.stderr
 
 
@@ -449,7 +505,7 @@ def test_non_loopback_bind_without_token_is_refused():
 def _raw_authenticated_socket(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     raw = socket.create_connection((host, int(port)), timeout=5)
-    client_handshake(raw, None, address)
+    client_negotiate(raw, None, address)
     return raw
 
 
@@ -487,8 +543,10 @@ def test_sigterm_lets_the_running_call_finish(tmp_path):
     except subprocess.TimeoutExpired:
         stacks = subprocess.run(
             [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(process.pid)],
-            capture_output=True, text=True, check=False,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
         process.kill()
         raise AssertionError(f"the worker did not exit:\n{stacks}\n{process.stderr.read()}") from None
     assert code == 0, process.stderr.read()

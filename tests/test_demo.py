@@ -22,8 +22,17 @@ def _keep_global_seed(monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")
 
 
-OPTIONS = ("--workers", "--local-workers", "--max-epochs", "--limit", "--batch-size", "--seed", "--config",
-           "--no-progress", "--summary-json")  # fmt: skip
+OPTIONS = (
+    "--workers",
+    "--local-workers",
+    "--max-epochs",
+    "--limit",
+    "--batch-size",
+    "--seed",
+    "--config",
+    "--no-progress",
+    "--summary-json",
+)
 
 
 def test_help_describes_every_option(capsys):
@@ -61,8 +70,22 @@ def test_short_demo_with_its_own_workers_learns(tmp_path, monkeypatch, capsys):
 
 def test_demo_uses_the_workers_it_is_given(two_workers, tmp_path, capsys):
     summary_file = tmp_path / "summary.json"
-    code = main(["demo", "--workers", *two_workers, "--max-epochs", "1", "--limit", "4", "--no-progress",
-                 "--seed", "5", "--summary-json", str(summary_file)])  # fmt: skip
+    code = main(
+        [
+            "demo",
+            "--workers",
+            *two_workers,
+            "--max-epochs",
+            "1",
+            "--limit",
+            "4",
+            "--no-progress",
+            "--seed",
+            "5",
+            "--summary-json",
+            str(summary_file),
+        ]
+    )
     assert code == 0
     summary = json.loads(summary_file.read_text())
     assert sorted(summary["workers"]) == sorted(two_workers)
@@ -93,8 +116,13 @@ def test_demo_shows_progress_before_its_slow_steps_and_no_third_party_tips(tmp_p
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run(
         [sys.executable, "-m", "rpcdl", "demo", "--max-epochs", "1", "--limit", "2", "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=140, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=140,
+        env=env,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     lines = result.stdout.splitlines()
     steps = [

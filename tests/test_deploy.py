@@ -94,9 +94,11 @@ def test_slurm_recipe_runs_without_srun(tmp_path, monkeypatch):
     workers_file.write_text("")  # the script's `: > "$WORKERS_FILE"`
     env = {k: v for k, v in os.environ.items() if not k.startswith("RPCDL_")}
     env.update(
-        RPCDL_TOKEN_FILE=str(token_file), WORKERS_FILE=str(workers_file), NUM_WORKERS=str(NUM_WORKERS),
+        RPCDL_TOKEN_FILE=str(token_file),
+        WORKERS_FILE=str(workers_file),
+        NUM_WORKERS=str(NUM_WORKERS),
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-    )  # fmt: skip
+    )
 
     # The worker step, as srun would run it on each of NUM_WORKERS tasks.
     workers = [
@@ -106,9 +108,11 @@ def test_slurm_recipe_runs_without_srun(tmp_path, monkeypatch):
     try:
         # The script's wait loop, with the first task standing for the worker step.
         subprocess.run(
-            ["bash", "-c", f"set -eu\n{_wait_loop(script)}"], env={**env, "WORKERS_STEP": str(workers[0].pid)},
-            check=True, timeout=60,
-        )  # fmt: skip
+            ["bash", "-c", f"set -eu\n{_wait_loop(script)}"],
+            env={**env, "WORKERS_STEP": str(workers[0].pid)},
+            check=True,
+            timeout=60,
+        )
         addresses = workers_file.read_text().split()
         assert len(addresses) == len(set(addresses)) == NUM_WORKERS, addresses
         printed = [process.stdout.readline().strip() for process in workers]

@@ -56,3 +56,57 @@ def test_exit_waits_for_a_connection_thread_still_completing_a_call():
     assert "failed as expected: WorkerUnavailable" in result.stdout
     # The interpreter did not finalize under the thread: it waited for the thread to finish its work.
     assert "callback finished" in result.stdout
+
+
+# A worker embedded and never stopped, its reference dropped and the garbage collected: it serves on
+# (its own threads hold it, no finalizer stops it), and at exit the exit hook stops it, a call in flight.
+WORKER_DROPPED_THEN_EXIT = """
+import gc, time
+import rpcdl
+
+address = rpcdl.Worker(parallel=2).start().address
+gc.collect()
+print("served:", rpcdl.rpc_sync(address, sum, ([1, 2, 3],), timeout=10), flush=True)
+pending = rpcdl.rpc_async(address, time.sleep, (0.5,))
+time.sleep(0.1)  # the call runs as the program ends
+"""
+
+
+def test_a_worker_never_stopped_serves_until_exit_and_exit_stops_it():
+    result = run_script(WORKER_DROPPED_THEN_EXIT)
+    assert "terminate called" not in result.stderr, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "served: 6" in result.stdout
+
+
+# A fork while another thread registers a hook: here that thread holds the registry's lock for
+# 0.3 s (a registration holds it a few bytecodes) while the main thread forks. The fork waits for
+# the lock, so the child starts with it free, may register hooks itself and ran the fork hooks.
+FORK_WHILE_REGISTERING = """
+import os, signal, threading, time
+from rpcdl import _lifecycle
+
+forked = []
+_lifecycle.in_forked_child(lambda: forked.append(True))
+holding = threading.Event()
+
+def register_slowly():
+    with _lifecycle._lock:
+        holding.set()
+        time.sleep(0.3)
+
+threading.Thread(target=register_slowly, name="test-registering").start()
+holding.wait(10)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(5)  # a child that found the lock held would wait forever: it dies of SIGALRM instead
+    _lifecycle.at_exit(_lifecycle.ExitPhase.FLUSH, lambda: None)
+    os._exit(0 if forked else 3)
+print("child:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+def test_a_child_forked_while_a_hook_is_registered_starts_with_the_registry_free():
+    result = run_script(FORK_WHILE_REGISTERING)
+    assert result.returncode == 0, result.stderr
+    assert "child: 0" in result.stdout, result.stdout + result.stderr

@@ -7,6 +7,7 @@ to its stall timeout, however the bytes are split.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -90,3 +91,59 @@ def test_frames_that_arrive_together_are_read_from_the_buffer(pair):
     reading.close()  # the second is read without touching the socket
     frame = reader.read_frame()
     assert (frame.call_id, frame.payload) == (2, b"second")
+
+
+# ---------------------------------------------------------------------------- large buffers
+
+
+def _buffer_frame(call_id: int, size: int) -> tuple[bytes, bytes]:
+    data = bytes(range(256)) * (size // 256)
+    return b"".join(bytes(piece) for piece in encode_frame(Frame(Kind.RESULT, call_id, 0, b"head", [data]))), data
+
+
+@pytest.fixture
+def tcp_pair():
+    listener = socket.create_server(("127.0.0.1", 0))
+    writing = socket.create_connection(listener.getsockname())
+    reading, _ = listener.accept()
+    listener.close()
+    yield io_stream(reading, receive=RECEIVE_TIMEOUT, send=5.0), writing
+    reading.close()
+    writing.close()
+
+
+@pytest.mark.parametrize("transport", ["pair", "tcp_pair"])
+def test_a_large_buffer_in_pieces_with_pauses_lands_whole_in_its_memory_and_the_next_frames_follow(request, transport):
+    reading, writing = request.getfixturevalue(transport)
+    reader = FrameReader(reading, Limits(), stall_timeout=5.0)
+    wire, data = _buffer_frame(3, 3 << 20)
+    wire += _frame_bytes(4, b"after") + _frame_bytes(5, b"and after")
+    cuts = [0, 100, 70_000, 1 << 20, (3 << 20) - 7, len(wire)]
+    pieces = [wire[start:end] for start, end in itertools.pairwise(cuts)]
+    sender = _send_later(writing, pieces, pause=RECEIVE_TIMEOUT * 2)  # each pause outlasts a receive
+    received: list[bytearray] = []
+
+    def allocate(call_id: int, size: int) -> bytearray:
+        received.append(bytearray(size))
+        return received[-1]
+
+    frames = []
+    while len(frames) < 3:
+        frame = reader.read_frame(allocate)
+        if frame is not None:
+            frames.append(frame)
+    sender.join()
+    assert [frame.call_id for frame in frames] == [3, 4, 5]
+    assert frames[0].payload == b"head" and frames[0].buffers[0] is received[0] and received[0] == data
+    assert (frames[1].payload, frames[2].payload) == (b"after", b"and after")
+
+
+def test_a_peer_that_stops_inside_a_large_buffer_stalls_the_reader(tcp_pair):
+    reading, writing = tcp_pair
+    reader = FrameReader(reading, Limits(), stall_timeout=0.3)
+    wire, _ = _buffer_frame(6, 2 << 20)
+    writing.sendall(wire[: 1 << 20])
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="in the middle of a message"):
+        reader.read_frame()
+    assert 0.3 <= time.monotonic() - started < 3.0

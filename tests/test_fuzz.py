@@ -40,7 +40,7 @@ import rpcdl
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
 from rpcdl.serialization.pickling import dumps, loads
 from rpcdl.transport.control import decode_stats, encode_release
-from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake, server_handshake
+from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate, server_negotiate
 from rpcdl.transport.security import Token
 from rpcdl.transport.wire import COMPRESSED, IN_SEGMENT, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
@@ -322,8 +322,19 @@ def _read_stream(data: bytes) -> tuple[list[Frame], BaseException | None, list[i
 
 
 @settings(fuzz_settings, max_examples=PARSER_EXAMPLES)
-@given(st.lists(st.tuples(st.sampled_from(list(Kind)), call_ids, call_ids, st.binary(max_size=3000),
-                          st.lists(st.binary(max_size=500), max_size=3)), min_size=1, max_size=5))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(list(Kind)),
+            call_ids,
+            call_ids,
+            st.binary(max_size=3000),
+            st.lists(st.binary(max_size=500), max_size=3),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
 def test_reader_reads_back_every_frame_written(frames):
     # flags without a meaning (bits 0 and 1, COMPRESSED and IN_SEGMENT, need a negotiation) come back as sent
     written = [Frame(kind, call_id, ref, payload, buffers, flags=12) for kind, call_id, ref, payload, buffers in frames]
@@ -382,7 +393,7 @@ def _handshake_against(data: bytes, handshake) -> BaseException | None:
 @settings(fuzz_settings, max_examples=PARSER_EXAMPLES)
 @given(hellos, proofs, st.binary(max_size=64))
 def test_server_handshake_never_admits_a_fuzzed_client(hello, proof, rest):
-    error = _handshake_against(hello + proof + rest, lambda sock: server_handshake(sock, Token(b"k"), "fuzz"))
+    error = _handshake_against(hello + proof + rest, lambda sock: server_negotiate(sock, Token(b"k"), "fuzz"))
     assert error is not None, "a client without the token passed the handshake"
 
 
@@ -411,7 +422,7 @@ verdicts = st.one_of(
 @given(welcomes, verdicts, st.booleans())
 def test_client_handshake_trusts_no_fuzzed_worker(welcome, verdict, with_token):
     token = Token(b"k") if with_token else None
-    error = _handshake_against(welcome + verdict, lambda sock: client_handshake(sock, token, "fuzz"))
+    error = _handshake_against(welcome + verdict, lambda sock: client_negotiate(sock, token, "fuzz"))
     if error is None:  # only a well-formed, tokenless, accepting worker gets through, and only without a token
         assert token is None
         assert welcome[:6] == MAGIC and struct.unpack("!H", welcome[6:8])[0] == VERSION
@@ -474,7 +485,7 @@ def test_worker_survives_fuzzed_frames(fuzz_worker, traced, thread_errors, strea
     event(f"stream: {outcome}")
     data = stream.data
     with _Allocations() as allocations, _connect(address) as sock:
-        client_handshake(sock, None, address)
+        client_negotiate(sock, None, address)
         _send_quietly(sock, data)
         if outcome != "closes":
             _shutdown_write(sock)
@@ -493,8 +504,9 @@ def marker(tmp_path_factory):
 
 @fuzz_settings
 @given(hello=hellos, proof=proofs, frames=st.lists(st.sampled_from(["call", "ping"]), max_size=2))
-def test_worker_refuses_fuzzed_handshakes_and_unpickles_nothing(token_worker, marker, thread_errors, hello, proof,
-                                                                frames):  # fmt: skip
+def test_worker_refuses_fuzzed_handshakes_and_unpickles_nothing(
+    token_worker, marker, thread_errors, hello, proof, frames
+):
     address = token_worker.address
     refused = rpcdl.stats(address, token=FUZZ_TOKEN)["connections_refused"]
     after = b""
@@ -532,7 +544,7 @@ def test_pickle_used_by_the_fuzzer_creates_its_file(token_worker, marker, tmp_pa
     """The control: past a real handshake, the same frame is unpickled and creates the file."""
     target = tmp_path / "created"
     with _connect(token_worker.address) as sock:
-        client_handshake(sock, Token(FUZZ_TOKEN.encode()), token_worker.address)
+        client_negotiate(sock, Token(FUZZ_TOKEN.encode()), token_worker.address)
         sock.sendall(_join(Frame(Kind.CALL, 1, payload=pickle.dumps(CreatesFile(str(target)), protocol=5))))
         sock = io_stream(sock, receive=ANSWER_TIMEOUT, send=ANSWER_TIMEOUT)
         answer = FrameReader(sock, Limits(), stall_timeout=ANSWER_TIMEOUT).read_frame()

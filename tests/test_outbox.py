@@ -27,9 +27,9 @@ def _receive_all(sock: socket.socket, size: int) -> bytes:
     return bytes(received)
 
 
-@pytest.mark.parametrize("rounds", [1, outbox_module._ROUNDS])
+@pytest.mark.parametrize("rounds", [1, outbox_module.ROUNDS])
 def test_threads_sending_at_once_each_keep_their_order_and_lose_nothing(rounds, monkeypatch):
-    monkeypatch.setattr(outbox_module, "_ROUNDS", rounds)  # 1: the sender hands the role on after every write
+    monkeypatch.setattr(outbox_module, "ROUNDS", rounds)  # 1: the sender hands the role on after every write
     ours, theirs = socket.socketpair()
     with ours, theirs:
         outbox = Outbox(ours, [b"first"])
@@ -135,16 +135,16 @@ def test_the_max_deferred_frame_sends_them_all_at_once():
         assert outbox.state is OutboxState.DEFERRED
 
 
-def test_flush_writes_what_is_deferred_and_does_nothing_when_idle():
+def test_an_empty_send_writes_what_is_deferred_and_does_nothing_when_idle():
     ours, theirs = socket.socketpair()
     with ours, theirs:
         outbox = Outbox(ours, [b"queued-while-connecting"], delay=5.0)
-        assert outbox.state is OutboxState.DEFERRED  # the first pieces wait for the first send or flush
-        outbox.flush()
+        assert outbox.state is OutboxState.DEFERRED  # the first pieces wait for the first send
+        outbox.send(())
         assert outbox.state is OutboxState.IDLE
-        outbox.flush()
+        outbox.send(())
         outbox.defer([b"later"])
-        outbox.flush()
+        outbox.send(())
         assert outbox.state is OutboxState.IDLE
         assert _receive_all(theirs, 28) == b"queued-while-connectinglater"
 
@@ -165,7 +165,7 @@ class _DeferringWhileWriting:
 
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_frames_deferred_while_a_thread_writes_go_with_it_or_are_left_due_with_the_owner_told(rounds, monkeypatch):
-    monkeypatch.setattr(outbox_module, "_ROUNDS", rounds)
+    monkeypatch.setattr(outbox_module, "ROUNDS", rounds)
     ours, theirs = socket.socketpair()
     with ours, theirs:
         armed = []
@@ -175,7 +175,7 @@ def test_frames_deferred_while_a_thread_writes_go_with_it_or_are_left_due_with_t
         outbox.send([b"first", b"!"])
         if rounds == 1:  # the sender's rounds are spent and nobody waits: left deferred, the owner told
             assert outbox.state is OutboxState.DEFERRED and armed == [outbox.deferred_until]
-            outbox.flush()
+            outbox.send(())
         else:
             assert outbox.state is OutboxState.IDLE and armed == []
         assert _receive_all(theirs, 15) == b"first!meanwhile"
@@ -188,7 +188,7 @@ def test_deferring_after_the_socket_failed_raises():
         outbox = Outbox(ours, delay=5.0)
         outbox.defer([b"x" * 1024])
         with pytest.raises(OSError):
-            outbox.flush()
+            outbox.send(())
         with pytest.raises(OSError):
             outbox.defer([b"y"])
 
@@ -212,7 +212,7 @@ def test_threads_deferring_sending_and_flushing_at_once_keep_each_ones_order_and
                 due.wait(0.01)
                 due.clear()
                 if outbox.deferred_until <= time.monotonic() + 0.001:
-                    outbox.flush()
+                    outbox.send(())
 
         flusher = threading.Thread(target=owner, name="test-owner")
         flusher.start()
@@ -227,7 +227,7 @@ def test_threads_deferring_sending_and_flushing_at_once_keep_each_ones_order_and
                 else:
                     outbox.defer(record)
                     if number % 50 == 49 and index % 3 == 1:
-                        outbox.flush()
+                        outbox.send(())
 
         workers = [threading.Thread(target=work, args=(i,), name=f"test-worker-{i}") for i in range(threads)]
         for thread in workers:

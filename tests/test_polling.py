@@ -1,12 +1,16 @@
-"""Polling for bytes microseconds away: the window's setting, the poller's rule, and rpc_sync's awaited calls.
+"""Polling for bytes microseconds away: the window's setting, the rule that decides it, the poller, and
+rpc_sync's awaited calls.
 
-The poller runs over a real socket pair; the client's calls go to a peer that
-runs the worker's real handshake and records the flags of the frames it reads.
+The rule is pure and tested alone; the poller runs over a real socket pair (with a
+thread holding the GIL for the contention it must notice); the client's calls go
+to a peer that runs the worker's real handshake and records the flags of the
+frames it reads. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import socket
 import threading
 import time
@@ -15,8 +19,17 @@ import pytest
 
 import rpcdl
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import server_handshake
-from rpcdl.transport.polling import POLL_ENV, Poller, window_from_environment
+from rpcdl.transport.handshake import server_negotiate
+from rpcdl.transport.polling import (
+    OFF_CORE_SECONDS,
+    POLL_ENV,
+    QUIET_SECONDS,
+    Poller,
+    PollRule,
+    running_threads,
+    window_from_environment,
+    window_is_explicit,
+)
 from rpcdl.transport.wire import AWAITED, COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame
 
 pytestmark = pytest.mark.timeout(30)
@@ -47,9 +60,58 @@ def test_a_bad_window_fails_at_once_naming_the_variable_for_workers_and_callers(
         rpcdl.rpc_sync("127.0.0.1:9", abs, (-1,), timeout=1)  # before any connection is tried
 
 
+@pytest.mark.parametrize(("text", "explicit"), [(None, False), ("", False), (" ", False), ("0", True), ("200", True)])
+def test_only_a_window_set_in_the_environment_overrides_the_machine_s_say(monkeypatch, text, explicit):
+    if text is None:
+        monkeypatch.delenv(POLL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(POLL_ENV, text)
+    assert window_is_explicit() is explicit
+
+
+# ---------------------------------------------------------------------------- the rule, pure
+
+
+def test_the_rule_polls_while_bytes_come_within_the_window_and_never_with_a_window_of_zero():
+    rule = PollRule(0.0002, adaptive=True)
+    assert rule.may_poll(now=0.0)
+    rule.arrived(waited=0.001)  # late: the next wait sleeps at once
+    assert not rule.may_poll(now=1.0)
+    rule.arrived(waited=0.00005)
+    assert rule.may_poll(now=2.0)
+    never = PollRule(0.0, adaptive=True)
+    never.arrived(waited=0.0)
+    assert not never.may_poll(now=0.0)
+
+
+@pytest.mark.parametrize(("running", "cores", "allowed"), [(1, 1, True), (2, 2, True), (3, 2, False), (40, 32, False)])
+def test_an_adaptive_rule_polls_only_while_no_runnable_thread_waits_for_a_core(running, cores, allowed):
+    assert PollRule(0.0002, adaptive=True).machine_allows(running, cores) is allowed
+    assert PollRule(0.0002, adaptive=False).machine_allows(running, cores)  # an explicit window: polls anyway
+
+
+def test_a_poll_that_lost_its_core_stops_polling_for_a_while_then_one_window_tells_again():
+    rule = PollRule(0.0002, adaptive=True)
+    rule.polled(now=5.0, longest_gap=OFF_CORE_SECONDS / 2)  # a short gap: an interrupt, say
+    assert rule.may_poll(now=5.0)
+    rule.polled(now=5.0, longest_gap=0.003)  # another thread ran on its core for 3 ms
+    assert not rule.may_poll(now=5.0 + QUIET_SECONDS / 2)
+    assert rule.may_poll(now=5.0 + QUIET_SECONDS)
+    explicit = PollRule(0.0002, adaptive=False)
+    explicit.polled(now=5.0, longest_gap=0.003)
+    assert explicit.may_poll(now=5.0)
+
+
+def test_the_machine_s_runnable_threads_count_the_caller():
+    assert running_threads() >= 1
+
+
+# ---------------------------------------------------------------------------- the poller over a socket pair
+
+
 def test_a_poller_returns_as_bytes_land_within_its_window(pair):
     left, right = pair
-    poller = Poller(left, 0.1)
+    poller = Poller(left, 0.1, adaptive=False)
     sender = threading.Timer(0.005, right.send, (b"x",))
     sender.start()
     assert poller.wait()  # the bytes came 5 ms into a 100 ms window
@@ -61,7 +123,7 @@ def test_a_poller_returns_as_bytes_land_within_its_window(pair):
 
 def test_a_poller_stops_polling_once_bytes_came_late_and_starts_again_once_they_come_quickly(pair):
     left, right = pair
-    poller = Poller(left, 0.001)
+    poller = Poller(left, 0.001, adaptive=False)
     assert not poller.wait()  # nothing within 1 ms
     time.sleep(0.05)
     right.send(b"late")
@@ -101,9 +163,47 @@ def test_a_window_of_zero_never_polls(pair):
 
 def test_a_poller_returns_when_its_socket_is_closed_under_it(pair):
     left, right = pair
-    poller = Poller(left, 0.1)
+    poller = Poller(left, 0.1, adaptive=False)
     right.close()
     assert poller.wait()  # the end of the stream is there to read
+
+
+def _hold_the_gil_until(stop: threading.Event) -> None:
+    # libc's usleep called with the GIL held (a PyDLL keeps it): the poller waits for the GIL for 2 ms at a time,
+    # whatever the switch interval, while this thread sleeps and adds nothing to the machine's runnable threads
+    usleep = ctypes.PyDLL(None).usleep
+    while not stop.is_set():
+        usleep(2000)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_poller_that_loses_its_core_to_another_thread_stops_polling_unless_its_window_was_set(pair, adaptive):
+    left, right = pair
+    window = 0.03
+    stop = threading.Event()
+    hog = threading.Thread(target=_hold_the_gil_until, args=(stop,), name="gil-hog", daemon=True)
+    hog.start()
+    try:
+        started = time.perf_counter()
+        while True:
+            poller = Poller(left, window, adaptive=adaptive)
+            began = time.perf_counter()
+            assert not poller.wait()  # nothing comes
+            if not adaptive:
+                assert time.perf_counter() - began >= window  # an explicit window always polls, all of it
+                break
+            if poller.rule.quiet_until > 0:
+                break  # it polled, saw the other thread take the GIL between two looks, and keeps quiet now
+            # the busy machine had it refuse at once (or the other thread never ran meanwhile): try again
+            if time.perf_counter() - started > 15:
+                pytest.skip("in 15 s the machine never let a poll run beside the other thread")
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        hog.join()
+    assert poller.rule.quiet_until == 0 or adaptive
+    right.send(b"x")
+    assert poller.wait() is not adaptive  # an adaptive poller keeps quiet for a while; an explicit window polls
 
 
 def test_the_awaited_flag_crosses_the_wire_on_a_small_frame_and_layout_flags_keep_their_checks(pair):
@@ -125,7 +225,7 @@ def test_rpc_sync_marks_its_call_awaited_on_either_path_and_rpc_async_does_not()
         sock, _ = listener.accept()
         with sock:
             sock.settimeout(10)
-            server_handshake(sock, None, "client")
+            server_negotiate(sock, None, "client")
             reader = FrameReader(sock, Limits(), stall_timeout=10)
             with contextlib.suppress(rpcdl.ConnectionLost):  # the client's shutdown ends it
                 answer_until_closed(sock, reader)

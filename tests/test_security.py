@@ -28,7 +28,7 @@ from test_faults import TcpProxy
 import rpcdl
 from rpcdl.cli import main as rpcdl_main
 from rpcdl.cli.bench.pki import make_ca, make_certificate
-from rpcdl.transport.handshake import MAGIC, VERSION, client_handshake
+from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate
 from rpcdl.transport.security import Token, client_tls_context, server_tls_context
 from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
@@ -98,7 +98,7 @@ def test_token_mismatch_is_refused_before_anything_is_unpickled(embedded_worker,
     # A client with a real proof made from another token: the worker's check, not the format, refuses it.
     with _connect(worker.address) as sock:
         with pytest.raises(rpcdl.AuthenticationError, match="token mismatch"):
-            client_handshake(sock, Token(b"another-token"), worker.address)
+            client_negotiate(sock, Token(b"another-token"), worker.address)
         try:
             sock.sendall(_call_frame(marker))
         except OSError:
@@ -116,7 +116,7 @@ def test_token_mismatch_is_refused_before_anything_is_unpickled(embedded_worker,
 
     # The control: with the token, the very same frame is unpickled (so the refusals above mean something).
     with _connect(worker.address) as sock:
-        client_handshake(sock, Token(token.encode()), worker.address)
+        client_negotiate(sock, Token(token.encode()), worker.address)
         sock.sendall(_call_frame(marker))
         assert sock.recv(1)  # its answer (an error: a file object is no call)
     assert marker.exists()
@@ -247,10 +247,27 @@ def test_token_never_appears_in_logs_errors_or_status(pki, tmp_path, caplog, cap
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "rpcdl", "worker", "--port", "0", "--token-file", str(token_file),
-             "--tls-cert", str(pki / "worker.pem"), "--tls-key", str(pki / "worker.key"), "--log-level", "DEBUG"],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "rpcdl",
+                "worker",
+                "--port",
+                "0",
+                "--token-file",
+                str(token_file),
+                "--tls-cert",
+                str(pki / "worker.pem"),
+                "--tls-key",
+                str(pki / "worker.key"),
+                "--log-level",
+                "DEBUG",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
     try:
         address = process.stdout.readline().strip()
         assert address, stderr_path.read_text()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 import pickle
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 
 import rpcdl
 from rpcdl.errors import ConnectionLost
+from rpcdl.server.worker import Phase
 from rpcdl.transport.control import encode_release
 from rpcdl.transport.wire import _HEADER, AWAITED, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
@@ -89,6 +91,29 @@ def start_worker() -> Iterator:
         client.close()
     for worker in workers:
         worker.stop(grace=1)
+
+
+@pytest.fixture
+def switching_often():
+    """Threads switch every microsecond: the interleavings of many cores, on two."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+@pytest.fixture
+def thread_errors(monkeypatch) -> list[str]:
+    """Exceptions that escaped any thread during the test (a crashed service thread shows here)."""
+    errors: list[str] = []
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        errors.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
+        previous(args)
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    return errors
 
 
 _barrier: threading.Barrier | None = None
@@ -235,3 +260,74 @@ def test_after_answering_an_awaited_call_the_worker_polls_while_its_caller_comes
     round_trip(10, flags=0)
     round_trip(11, gap=0.5, flags=0)  # the answer of a call nobody awaits is not followed by polling
     assert poller.pays
+
+
+def _quick_or_slow(value: int) -> int:
+    """Most calls return at once; one in eight runs long enough to be promoted (its turn offered)."""
+    if value % 8 == 0:
+        time.sleep(0.03)
+    return value
+
+
+def test_clients_pipelining_quick_and_slow_calls_and_pings_get_each_answer_once(
+    start_worker, switching_often, thread_errors
+):
+    worker, connect = start_worker(parallel=2)
+    clients, calls, answers = [connect(f"client-{k}") for k in range(4)], 64, {}
+
+    def drive(k: int, client: Client) -> None:
+        frames = []
+        for value in range(1, calls + 1):
+            frames.append(_call(value, _quick_or_slow, value))
+            if value % 5 == 0:
+                frames.append(_control(Kind.PING, 1000 + value))
+        client.send(*frames)
+        received = []
+        for _ in range(len(frames)):
+            received.append(client.answer())
+        answers[k] = received
+
+    threads = [threading.Thread(target=drive, args=item, name=f"test-client-{item[0]}") for item in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not thread_errors
+    assert sorted(answers) == [0, 1, 2, 3], "a client did not get all its answers"
+    for received in answers.values():
+        results = {frame.call_id: _value(frame) for frame in received if frame.kind == Kind.RESULT}
+        pongs = sorted(frame.call_id for frame in received if frame.kind == Kind.PONG)
+        assert results == {value: value for value in range(1, calls + 1)}  # each call once, none lost
+        assert pongs == [1000 + value for value in range(5, calls + 1, 5)]
+    _eventually(lambda: worker.stats()["calls_in_flight"] == 0, "every call counted as answered")
+    assert worker.stats()["calls_served"] == 4 * calls
+
+
+_released = threading.Event()
+
+
+def _until_released() -> str:
+    """A call that runs until the test releases it (at most the answer wait)."""
+    assert _released.wait(_ANSWER_WAIT)
+    return "released"
+
+
+def test_calls_arriving_while_the_worker_drains_are_rejected_and_the_running_call_finishes(start_worker):
+    _released.clear()
+    worker, connect = start_worker(parallel=1)
+    client = connect()
+    client.send(_call(1, _until_released))
+    _eventually(lambda: worker.stats()["calls_in_flight"] == 1, "the long call running")
+    stopping = threading.Thread(target=worker.stop, args=(10.0,), name="test-stopping")
+    stopping.start()
+    _eventually(lambda: worker.phase is Phase.DRAINING, "the worker draining")
+    client.send(_call(2, operator.add, 1, 1))
+    first = client.answer()
+    _released.set()
+    second = client.answer()
+    assert (first.kind, first.call_id) == (Kind.REJECTED, 2)
+    assert (second.kind, second.call_id, _value(second)) == (Kind.RESULT, 1, "released")
+    stopping.join(timeout=20)
+    assert worker.wait(0) and worker.phase is Phase.STOPPED
+    assert worker.stats()["calls_rejected"] == 1
+    assert client.session.closed

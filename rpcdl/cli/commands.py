@@ -39,59 +39,77 @@ _CHILD_EXIT_MARGIN = 10.0  # seconds a worker process of --procs gets past its -
 def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool = False) -> None:
     """Add the options of ``rpcdl worker`` (shared with ``python -m rpcdl.launch``)."""
     parser.add_argument(
-        "--host", default="127.0.0.1",
+        "--host",
+        default="127.0.0.1",
         help="interface to listen on (default: 127.0.0.1; 0.0.0.0 for all, which requires a token or --insecure)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--port", type=port, default=6543 if seed_defaults else 0,
+        "--port",
+        type=port,
+        default=6543 if seed_defaults else 0,
         help="port to listen on; 0 picks a free port (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--timeout", type=positive_float, default=120.0,
+        "--timeout",
+        type=positive_float,
+        default=120.0,
         help="seconds a client may stall in the middle of a transfer (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--parallel", type=positive_int, default=1, help="calls run at once in each process (default: %(default)s)"
     )
     parser.add_argument(
-        "--procs", type=positive_int, default=1,
+        "--procs",
+        type=positive_int,
+        default=1,
         help="worker processes to start, each on its own port (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--address-file", metavar="FILE", type=new_file,
+        "--address-file",
+        metavar="FILE",
+        type=new_file,
         help="append each worker's HOST:PORT to FILE under a file lock once it is ready",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--token-file", metavar="FILE",
+        "--token-file",
+        metavar="FILE",
         help=f"file holding the shared token (default: ${TOKEN_ENV} or ${TOKEN_FILE_ENV})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--insecure", action="store_true",
+        "--insecure",
+        action="store_true",
         help="allow listening on a non-loopback interface without a token (trusted networks only)",
-    )  # fmt: skip
+    )
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (if not inside it)")
     parser.add_argument(
-        "--advertise", metavar="HOST",
+        "--advertise",
+        metavar="HOST",
         help="host name to report in the ready line and address file (default: this machine's name "
         "when listening on a wildcard address, else --host)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--compression", choices=MODES, type=str.lower,
+        "--compression",
+        choices=MODES,
+        type=str.lower,
         help=f"lz4 compression of large answers, negotiated with each client; 'auto' turns it on where it pays "
         f"and never on loopback (default: ${COMPRESSION_ENV}, else auto; needs pip install 'rpcdl[compression]')",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--threads", type=positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
     )
     parser.add_argument(
-        "--grace", type=positive_float, default=30.0,
+        "--grace",
+        type=positive_float,
+        default=30.0,
         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--log-level", type=log_level, default="INFO",
+        "--log-level",
+        type=log_level,
+        default="INFO",
         help="logging level on standard error: DEBUG, INFO, WARNING, ERROR or CRITICAL (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument("--watch-pid", type=positive_int, help=argparse.SUPPRESS)
 
 
@@ -173,10 +191,20 @@ def run_worker_command(
 
     try:
         run_worker(
-            args.host, args.port, args.timeout, args.parallel, token=token, insecure=args.insecure,
-            ssl_context=ssl_context, num_threads=args.threads, address_file=args.address_file,
-            grace=args.grace, advertise=args.advertise, watch_pid=args.watch_pid, compression=args.compression,
-        )  # fmt: skip
+            args.host,
+            args.port,
+            args.timeout,
+            args.parallel,
+            token=token,
+            insecure=args.insecure,
+            ssl_context=ssl_context,
+            num_threads=args.threads,
+            address_file=args.address_file,
+            grace=args.grace,
+            advertise=args.advertise,
+            watch_pid=args.watch_pid,
+            compression=args.compression,
+        )
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
             fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
@@ -220,11 +248,19 @@ def _status(args: argparse.Namespace) -> int:
     from ..rpc.client import stats
 
     columns = [
-        ("worker", "address"), ("pid", "pid"), ("up s", "uptime_s"), ("clients", "clients"),
-        ("served", "calls_served"), ("failed", "calls_failed"), ("in flight", "calls_in_flight"),
-        ("busy s", "busy_s"), ("MB in", "bytes_in"), ("MB out", "bytes_out"), ("rrefs", "rrefs"),
+        ("worker", "address"),
+        ("pid", "pid"),
+        ("up s", "uptime_s"),
+        ("clients", "clients"),
+        ("served", "calls_served"),
+        ("failed", "calls_failed"),
+        ("in flight", "calls_in_flight"),
+        ("busy s", "busy_s"),
+        ("MB in", "bytes_in"),
+        ("MB out", "bytes_out"),
+        ("rrefs", "rrefs"),
         ("transport", "transport"),
-    ]  # fmt: skip
+    ]
     rows, failures = [], 0
     for address in args.workers:
         try:

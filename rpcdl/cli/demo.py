@@ -41,26 +41,36 @@ def _limit(text: str) -> int | float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl demo``."""
     parser.add_argument(
-        "--workers", nargs="+", type=worker_address, metavar="HOST:PORT",
+        "--workers",
+        nargs="+",
+        type=worker_address,
+        metavar="HOST:PORT",
         help="use these running workers (rpcdl worker) instead of starting local ones",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--local-workers", type=positive_int, default=2, metavar="N",
+        "--local-workers",
+        type=positive_int,
+        default=2,
+        metavar="N",
         help="worker processes to start on loopback when --workers is not given (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--max-epochs", type=positive_int, metavar="N", help="training epochs (default: the config's, 8)"
     )
     parser.add_argument(
-        "--limit", type=_limit, metavar="N|F",
+        "--limit",
+        type=_limit,
+        metavar="N|F",
         help="train on only N batches (or a fraction F) of each epoch, for a quick run",
-    )  # fmt: skip
+    )
     parser.add_argument("--batch-size", type=positive_int, metavar="N", help="training batch size (default: 32)")
     parser.add_argument("--seed", type=int, help="seed of the model, the shuffle and the augmentation (default: 0)")
     parser.add_argument(
-        "--config", metavar="YAML", type=existing_file,
+        "--config",
+        metavar="YAML",
+        type=existing_file,
         help="LightningCLI config to train (default: the packaged configs/digits.yaml)",
-    )  # fmt: skip
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
     parser.add_argument("--summary-json", metavar="FILE", type=new_file, help="also write the summary to FILE as JSON")
 
@@ -116,9 +126,9 @@ def _batch_length(batch: Any) -> int:
 
 def _warm_up() -> None:
     """Runs on each worker while the trainer starts: import scikit-learn and read the digits once."""
-    from ..examples.digits import _load_digits
+    from ..examples.digits import load_digits
 
-    _load_digits()
+    load_digits()
 
 
 def _worker_counters(workers: list[str]) -> dict[str, dict[str, Any]]:

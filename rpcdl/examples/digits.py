@@ -19,14 +19,25 @@ from ..checks import check_int, check_number
 _SPLITS = ("train", "val", "all")
 
 
-def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1797 digits as float32 images scaled to [0, 1] and int64 labels (scikit-learn's copy, on disk).
+
+    Raises:
+        ImportError: scikit-learn is not installed (the message says how to install it).
+
+    Example::
+
+        >>> images, labels = load_digits()  # doctest: +SKIP
+        >>> images.shape, labels.shape  # doctest: +SKIP
+        ((1797, 8, 8), (1797,))
+    """
     try:
-        from sklearn.datasets import load_digits
+        from sklearn import datasets
     except ImportError:
         raise ImportError(
             "the digits example needs scikit-learn: pip install 'rpcdl[demo]' (or pip install scikit-learn)"
         ) from None
-    bunch = load_digits()
+    bunch = datasets.load_digits()
     return bunch.images.astype(np.float32) / 16.0, bunch.target.astype(np.int64)
 
 
@@ -71,7 +82,7 @@ class DigitsDataset(Dataset):
             raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction!r}")
         check_int(max_shift, "max_shift", minimum=0, maximum=3, meaning="pixels")
         check_number(noise_std, "noise_std", minimum=0)
-        images, labels = _load_digits()
+        images, labels = load_digits()
         order = np.random.default_rng(split_seed).permutation(len(labels))
         n_val = round(len(labels) * val_fraction)
         keep = {"train": order[n_val:], "val": order[:n_val], "all": order}[split]

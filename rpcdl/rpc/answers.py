@@ -15,7 +15,7 @@ from ..errors import WorkerTimeout, WorkerUnavailable
 from ..serialization.pickling import load_exception, loads_from
 from ..transport.control import decode_rejected, decode_stats
 from ..transport.wire import Frame, Kind
-from .calls import Call, describe_call, set_future_result
+from .calls import Call, describe_call
 
 ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STATS_REPLY))  #: frame kinds that answer
 
@@ -23,7 +23,7 @@ ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STA
 def deliver(address: str, connection: Any, frame: Frame, call: Call) -> None:
     """Complete ``call``'s future with the answer ``frame`` of worker ``address`` (read on ``connection``)."""
     if frame.kind is Kind.PONG:
-        set_future_result(call.future, time.monotonic() - call.started)
+        call.future.complete(time.monotonic() - call.started)
         return
     result, error = outcome(address, connection, frame, call.subject)
     if error is None and call.transform is not None:
@@ -31,11 +31,11 @@ def deliver(address: str, connection: Any, frame: Frame, call: Call) -> None:
             result = call.transform(result)
         except Exception as exc:
             exc.add_note(f"while unpickling the answer of worker {address} to {call.what}")
-            error = exc
+            error = exc.with_traceback(exc.__traceback__.tb_next)  # not this frame: it holds the future
     if error is not None:
-        call.future.set_exception(error)
+        call.future.fail(error)
     else:
-        set_future_result(call.future, result)
+        call.future.complete(result)
 
 
 def outcome(address: str, connection: Any, frame: Frame, subject: str | Callable) -> tuple[Any, Exception | None]:

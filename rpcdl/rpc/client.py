@@ -1,18 +1,17 @@
-"""The client side: this process's connections to workers and the calls made over them.
+"""The client side: calls to workers, their answers, and remote references (the module API).
 
 Each process keeps one connection per worker (and per credentials), shared by
 all its threads, with many calls in flight, each answered by id in any order
-(see :mod:`rpcdl.rpc.connection` for its threads). A connection is opened in the
-background by its first call: a worker that refuses connections is retried
-for ``RPCDL_CONNECT_GRACE`` seconds (20 by default), so trainers may start a
-little before their workers; a peer that is not an rpcdl worker is named at
-once (see :mod:`rpcdl.rpc.dial`). A process forked from a client never reuses its
-parent's connections.
+(:mod:`rpcdl.rpc.pool`; :mod:`rpcdl.rpc.connection` states the threads of a
+connection and what each owns). A connection is opened in the background by
+its first call (see :mod:`rpcdl.rpc.dial` for how long a worker not yet there
+is awaited). A process forked from a client never reuses its parent's connections.
 
-Threading model: any thread may call; the pool of connections is shared,
-changed under ``_pool_lock`` (and read without it); each connection has its own thread
-(``rpcdl-connection-HOST:PORT``, see :mod:`rpcdl.rpc.connection`); what a thread
-holds back is its own (:mod:`rpcdl.rpc.held`).
+Threading model: any thread may call any function here; the module keeps no
+state of its own. The pool of connections and the caches of checked calls
+say at their top how they are shared (:mod:`rpcdl.rpc.pool`,
+:mod:`rpcdl.rpc.invoke`); what a thread holds back is its own
+(:mod:`rpcdl.rpc.held`).
 
 Calls may be held back and sent together, and their answers read by the
 thread that made them (:func:`sent_together`, :func:`answers_read_here`):
@@ -21,52 +20,60 @@ thread that made them (:func:`sent_together`, :func:`answers_read_here`):
 
 from __future__ import annotations
 
-import logging
-import os
 import select
 import ssl
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from .._lifecycle import ExitPhase, at_exit, in_forked_child
-from ..address import format_address, parse_address
 from ..checks import check_timeout
-from ..errors import WorkerUnavailable
-from ..serialization.pickling import dumps_for
-from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
-from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
-from .calls import Call, CallFuture, ReadBy, describe
-from .connection import Connection, _Closed
-from .connection_thread import IDLE_TICK
-from .dial import connect_grace
-from .environment import Variables
+from ..transport.wire import Kind
+from .calls import Call, pending_call
+from .connection import IDLE_TICK, Connection
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
-from .live_threads import join_connection_threads
-from .rref import RRef, holding_handle, install_rpc_sync, new_uid
+from .invoke import call_and_wait, check_address, prepare, submit
+from .pool import connection_to, shutdown
+from .rref import RRef, held_rref, new_uid
 
 __all__ = [
-    "Connection", "answers_read_here", "connection_to", "outside_held_blocks", "ping", "ping_async",
-    "read_answers", "read_in_background", "remote", "rpc_async", "rpc_sync", "sent_together", "shutdown", "stats",
-]  # fmt: skip
+    "Connection",
+    "answers_read_here",
+    "connection_to",
+    "outside_held_blocks",
+    "ping",
+    "ping_async",
+    "read_answers",
+    "read_in_background",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "sent_together",
+    "shutdown",
+    "stats",
+]
 
 _T = TypeVar("_T")
-log = logging.getLogger("rpcdl.client")
-_EXIT_GRACE = 10.0  # seconds exit waits for connection threads still completing calls
+_CREDENTIAL_OPTIONS = frozenset(("token", "ssl_context"))
+_SYNC_OPTIONS = _CREDENTIAL_OPTIONS | {"pin_memory", "rref"}
 
 
 def read_in_background(futures: Iterable[torch.futures.Future]) -> None:
     """Give the answers of ``futures`` made under :func:`answers_read_here` back to their connections' threads.
 
     For a thread that stops reading before they are all answered.
+
+    Example::
+
+        >>> with rpcdl.rpc.client.answers_read_here():  # doctest: +SKIP
+        ...     futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
+        >>> rpcdl.rpc.client.read_in_background(futures)  # doctest: +SKIP
     """
     for future in futures:
-        call = future._call() if isinstance(future, CallFuture) else None
-        if call is not None and future._connection is not None:
-            future._connection.read_in_background(call)
+        call = pending_call(future)
+        if call is not None:
+            call.connection.read_in_background(call)
 
 
 def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> bool | None:
@@ -78,25 +85,33 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
     Returns:
         ``True`` if answers were read; ``False`` if none came within
         ``timeout``; ``None`` if they cannot be read here (another thread is
-        reading one of the connections, and completes the futures it reads).
+        reading one of the connections, and completes the futures it reads),
+        or none is left to this thread (their connections' threads read them).
+
+    Example::
+
+        >>> with rpcdl.rpc.client.answers_read_here():  # doctest: +SKIP
+        ...     futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
+        >>> while not all(future.done() for future in futures):  # doctest: +SKIP
+        ...     rpcdl.rpc.client.read_answers(futures, timeout=1.0)
     """
     send_held()  # this thread waits now: what it holds must not wait with it
-    calls = [future._call() for future in futures if isinstance(future, CallFuture)]
-    connections = {
-        call.future._connection for call in calls if call is not None and call.read_by is not ReadBy.BACKGROUND
-    }
+    by_connection: dict[Any, list[Call]] = {}
+    for future in futures:
+        call = pending_call(future)
+        if call is not None:
+            by_connection.setdefault(call.connection, []).append(call)
+    connections = [connection for connection, calls in by_connection.items() if connection.leaves_to_caller(calls)]
     if not connections:
         return None  # no answer for this thread to read: their connections' threads read them
     deadline = time.monotonic() + timeout
     while True:
         read_any = False
-        waiting = []
         for connection in connections:
             state = connection.read_if_ready()
             if state is None:
                 return None
             read_any |= state
-            waiting.append(connection)
         if read_any:
             return True
         remaining = deadline - time.monotonic()
@@ -104,7 +119,7 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
             return False
         poller = select.poll()
         try:
-            for connection in waiting:
+            for connection in connections:
                 sock = connection.readable_socket()
                 if sock is not None:
                     poller.register(sock, select.POLLIN)
@@ -113,172 +128,17 @@ def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> boo
         poller.poll(min(remaining, IDLE_TICK) * 1000)
 
 
-# ---------------------------------------------------------------------------- pool
+def _rref_for(address: str, uid: int) -> Callable[[Connection], Callable[[Any], RRef]]:
+    """What turns the answer of a call that keeps its result under ``uid`` into an RRef, given its connection.
 
-_pool: dict[tuple, Connection] = {}
-_pool_lock = threading.Lock()
+    The reference is held from the moment the call goes over a connection, by what the call keeps: so the
+    object is not freed before the answer comes, even if nobody held the RRef meanwhile."""
 
+    def for_connection(connection: Connection) -> Callable[[Any], RRef]:
+        rref = held_rref(address, uid, connection)
+        return lambda _: rref
 
-def _key(address: str, token: Token | None, ssl_context: ssl.SSLContext | None) -> tuple:
-    return (address, token.secret if token is not None else None, ssl_context)
-
-
-def connection_to(
-    address: str,
-    timeout: float = 120.0,
-    token: str | bytes | Token | None = None,
-    ssl_context: ssl.SSLContext | None = None,
-) -> Connection:
-    """Return this process's connection to ``address``, opening one if needed."""
-    if token is None and ssl_context is None and _CREDENTIALS.unset():
-        key = (address, None, None)  # what resolve_token and default_client_tls return then
-    else:
-        token = resolve_token(token)
-        if ssl_context is None:
-            ssl_context = default_client_tls()
-        key = _key(address, token, ssl_context)
-    connection = _pool.get(key)  # a read: the lock is for opening one
-    if connection is not None and not connection.closed:
-        return connection
-    with _pool_lock:
-        connection = _pool.get(key)
-        if connection is None or connection.closed:
-            connection = Connection(address, token, ssl_context, timeout, grace=connect_grace(), on_close=_forget)
-            _pool[key] = connection
-    return connection
-
-
-def _forget(connection: Connection) -> None:
-    with _pool_lock:
-        for key, value in list(_pool.items()):
-            if value is connection:
-                del _pool[key]
-
-
-def _after_fork_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = {}, threading.Lock()
-
-
-in_forked_child(_after_fork_in_child)
-
-
-def shutdown() -> None:
-    """Close every connection of this process; calls in flight fail with ConnectionLost.
-
-    Later calls open new connections, so this is safe to call at any time.
-    """
-    with _pool_lock:
-        connections = list(_pool.values())
-        _pool.clear()
-    for connection in connections:
-        connection.close()
-    join_connection_threads(timeout=1.0)
-
-
-def _shutdown_at_exit() -> None:
-    """Close the connections and wait for their threads, closed ones included: one may be completing a
-    call, and a thread still inside torch's C++ futures when the interpreter finalizes aborts the process
-    ("terminate called without an active exception")."""
-    shutdown()
-    still_running = join_connection_threads(timeout=_EXIT_GRACE)
-    if still_running:
-        log.warning(
-            "rpcdl: %d connection thread(s) still running %gs after exit began (a callback of a call that "
-            "does not return?): %s; the process may abort",
-            len(still_running),
-            _EXIT_GRACE,
-            ", ".join(still_running),
-        )
-
-
-at_exit(ExitPhase.CONNECTIONS, _shutdown_at_exit)
-
-
-# ---------------------------------------------------------------------------- calls
-
-
-_CREDENTIALS = Variables(TOKEN_ENV, TOKEN_FILE_ENV, TLS_CA_ENV)
-_LIMITS = Variables(MAX_MESSAGE_BYTES_ENV, MAX_BUFFERS_ENV)
-_addresses: dict[str, str] = {}  # each address as given -> as checked (a few per process)
-_limits: dict[tuple[str | None, str | None], Limits] = {}  # by the environment variables they come from
-
-
-def _check_address(host: Any) -> str:
-    address = _addresses.get(host) if isinstance(host, str) else None
-    if address is None:
-        address = format_address(*parse_address(host))
-        if len(_addresses) < 4096:
-            _addresses[host] = address
-    return address
-
-
-def _outgoing_limits() -> Limits:
-    """The limits of the environment, built again only when ``RPCDL_MAX_*`` change."""
-    key = (None, None) if _LIMITS.unset() else (os.environ.get(MAX_MESSAGE_BYTES_ENV), os.environ.get(MAX_BUFFERS_ENV))
-    limits = _limits.get(key)
-    if limits is None:
-        limits = _limits[key] = Limits()
-    return limits
-
-
-def _submit(
-    kind: Kind,
-    host: str,
-    timeout: float,
-    what: str | Callable,
-    payload: bytes = b"",
-    buffers: Sequence = (),
-    *,
-    sync: bool = False,
-    ref: int = 0,
-    pin_memory: bool = False,
-    transform: Callable | None = None,
-    token: Any = None,
-    ssl_context: ssl.SSLContext | None = None,
-    on_connection: Callable[[Connection], Any] | None = None,
-) -> Call:
-    call = Call(timeout, what, sync=sync, pin_memory=pin_memory, transform=transform)
-    for _ in range(3):
-        connection = connection_to(host, timeout, token, ssl_context)
-        if on_connection is not None:
-            on_connection(connection)
-        try:
-            connection.submit(kind, call, payload, buffers, ref)
-            return call
-        except _Closed:
-            continue
-    raise WorkerUnavailable(f"could not keep a connection to worker {host} open")
-
-
-def _serialize_call(host: str, func: Callable, args: Any, kwargs: Any) -> tuple[bytes, list]:
-    if not callable(func):
-        raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
-    if args is None:
-        args = ()
-    elif not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__}")
-    if kwargs is None:
-        kwargs = {}
-    elif type(kwargs) is not dict and not isinstance(kwargs, Mapping):
-        raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    try:
-        payload, buffers = dumps_for(host, (func, tuple(args), dict(kwargs)))
-    except Exception as exc:
-        raise TypeError(f"cannot send {describe(func)} and its arguments to worker {host}: {exc}") from exc
-    if buffers or len(payload) > SMALLEST_MESSAGE_LIMIT:
-        sizes = [b.nbytes for b in buffers]
-        _outgoing_limits().check_outgoing(len(payload), sizes, lambda: f"the call of {describe(func)}")
-    return payload, buffers
-
-
-def _prepared_call(host: str, func: Callable, args: Any, kwargs: Any, timeout: Any) -> tuple[str, float, bytes, list]:
-    """A call's arguments checked and pickled: ``(address, timeout, payload, buffers)``."""
-    address = _check_address(host)
-    if type(timeout) is not float or not timeout > 0.0:
-        timeout = check_timeout(timeout)
-    payload, buffers = _serialize_call(address, func, args, kwargs)
-    return address, timeout, payload, buffers
+    return for_connection
 
 
 def _call(
@@ -294,22 +154,22 @@ def _call(
     token: str | bytes | None = None,
     ssl_context: ssl.SSLContext | None = None,
 ) -> Call:
-    address, timeout, payload, buffers = _prepared_call(host, func, args, kwargs, timeout)
-    uid, transform, on_connection = 0, None, None
-    if rref:
-        uid = new_uid()
-        handles: list = []
-
-        def transform(_: Any) -> RRef:
-            return RRef._from_handle(handles[-1])
-
-        def on_connection(connection: Connection) -> None:
-            handles.append(holding_handle(address, uid, connection))
-
-    return _submit(
-        Kind.CALL, address, timeout, func, payload, buffers, sync=sync, pin_memory=pin_memory, token=token,
-        ssl_context=ssl_context, ref=uid, transform=transform, on_connection=on_connection,
-    )  # fmt: skip
+    address, timeout, payload, buffers = prepare(host, func, args, kwargs, timeout)
+    uid = new_uid() if rref else 0
+    return submit(
+        Kind.CALL,
+        address,
+        timeout,
+        func,
+        payload,
+        buffers,
+        sync=sync,
+        pin_memory=pin_memory,
+        ref=uid,
+        transform_for=_rref_for(address, uid) if rref else None,
+        token=token,
+        ssl_context=ssl_context,
+    )
 
 
 def rpc_async(
@@ -364,9 +224,17 @@ def rpc_async(
         tensor([2., 2.])
     """
     return _call(
-        host, func, args, kwargs, sync=False, pin_memory=pin_memory, rref=rref, timeout=timeout,
-        token=token, ssl_context=ssl_context,
-    ).future  # fmt: skip
+        host,
+        func,
+        args,
+        kwargs,
+        sync=False,
+        pin_memory=pin_memory,
+        rref=rref,
+        timeout=timeout,
+        token=token,
+        ssl_context=ssl_context,
+    ).future
 
 
 def rpc_sync(
@@ -397,23 +265,7 @@ def rpc_sync(
                 f"it takes {', '.join(sorted(_SYNC_OPTIONS))} besides host, func, args, kwargs and timeout"
             )
         return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
-    address, timeout, payload, buffers = _prepared_call(host, func, args, kwargs, timeout)
-    if not buffers and len(payload) <= _READ_ALONE_BYTES:
-        connection = connection_to(address, timeout, options.get("token"), options.get("ssl_context"))
-        try:
-            answered, result = connection.call_sync(payload, func, timeout)
-        except _Closed:  # _submit makes the call on a new connection
-            answered, result = False, None
-        if answered:
-            return result
-    return _submit(Kind.CALL, address, timeout, func, payload, buffers, sync=True, **options).future.wait()
-
-
-_CREDENTIAL_OPTIONS = frozenset(("token", "ssl_context"))
-_SYNC_OPTIONS = _CREDENTIAL_OPTIONS | {"pin_memory", "rref"}
-_READ_ALONE_BYTES = 1 << 16  # rpc_sync's calls up to this size leave with the caller already reading (call_sync)
-
-install_rpc_sync(rpc_sync)
+    return call_and_wait(host, func, args, kwargs, timeout, **options)
 
 
 def remote(
@@ -441,7 +293,7 @@ def remote(
 
 def ping_async(host: str, timeout: float = 10.0, **options: Any) -> torch.futures.Future[float]:
     """:func:`ping` without waiting: a future of the round-trip time."""
-    return _submit(Kind.PING, _check_address(host), check_timeout(timeout), "a ping", **options).future
+    return submit(Kind.PING, check_address(host), check_timeout(timeout), "a ping", **options).future
 
 
 def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
@@ -453,9 +305,7 @@ def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
         WorkerUnavailable: the worker cannot be reached within ``timeout``.
         WorkerTimeout: it was reached but did not answer within ``timeout``.
     """
-    return _submit(
-        Kind.PING, _check_address(host), check_timeout(timeout), "a ping", sync=True, **options
-    ).future.wait()
+    return submit(Kind.PING, check_address(host), check_timeout(timeout), "a ping", sync=True, **options).future.wait()
 
 
 def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
@@ -466,5 +316,5 @@ def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
         >>> rpcdl.stats("127.0.0.1:6543")["calls_served"]  # doctest: +SKIP
         42
     """
-    call = _submit(Kind.STATS, _check_address(host), check_timeout(timeout), "a stats request", sync=True, **options)
+    call = submit(Kind.STATS, check_address(host), check_timeout(timeout), "a stats request", sync=True, **options)
     return call.future.wait()

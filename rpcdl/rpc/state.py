@@ -1,25 +1,119 @@
 """The state of one connection to a worker, as objects whose methods are its transitions.
 
-Threading model: nothing here locks. Every method is called by a
-:class:`~rpcdl.rpc.connection.Connection` under its lock, so each object
-changes from one consistent state to the next; there is no I/O here, which
-keeps these transitions testable without sockets.
+Threading model: nothing here locks, and nothing here does I/O. Every object
+is a field of one :class:`~rpcdl.rpc.connection.Connection`, and the
+connection's lock guards every access to it (the connection calls these
+methods only while holding it), so each object moves from one consistent
+state to the next and is testable without sockets.
+
+* The lifecycle: a connection holds exactly one of :class:`Connecting`,
+  :class:`Open` and :class:`Closed`, and only ever moves forward
+  (CONNECTING -> OPEN -> CLOSED, or straight to CLOSED). A field that only one
+  state has lives only in that state's object.
+* :class:`ReadingRole`: who reads the socket now (one thread at a time).
+* :class:`PendingCalls`: the calls waiting for an answer, and who reads each.
+* :class:`Alarm`: when the connection's own thread, asleep, looks again.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import socket
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+from ..transport.wire import Frame
 from .calls import Call, ReadBy
 
+if TYPE_CHECKING:
+    from ..transport.shm import ClientSegment
+    from .reading import Receiver
+    from .sending import Sending
 
-class ConnectionState(enum.Enum):
-    """Where a connection is in its life: only ever forward, CONNECTING -> OPEN -> CLOSED (or straight to CLOSED)."""
 
-    CONNECTING = "connecting"  #: its thread dials the worker; calls made meanwhile queue their frames
-    OPEN = "open"  #: frames go to the socket; answers are read
-    CLOSED = "closed"  #: for good; every call pending then failed
+# ---------------------------------------------------------------------------- the lifecycle
+
+
+class Connecting:
+    """Its thread dials the worker; the frames of calls made meanwhile wait here.
+
+    Args:
+        deadline: until when (``time.monotonic()``) the connection tries to open
+            for its own sake; calls still pending keep it trying until their deadlines.
+    """
+
+    name = "connecting"
+
+    __slots__ = ("deadline", "last_error", "queued")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.queued: list[Frame] = []  #: the frames of calls made while connecting, in order
+        self.last_error: BaseException | None = None  #: why the last attempt to connect failed
+
+    def attempt_failed(self, error: BaseException) -> None:
+        """Note that an attempt to connect failed with ``error``."""
+        self.last_error = error
+
+    def wanted_until(self, latest_call_deadline: float) -> float:
+        """Until when connecting is still wanted: its own deadline, or a pending call's."""
+        return max(self.deadline, latest_call_deadline)
+
+
+class Open:
+    """Frames go to the socket and answers are read from it.
+
+    Args:
+        sock: the connected socket (or TLS stream): the holder of the reading
+            role reads it, any thread writes it through ``sending``.
+        receiver: what reads frames, for the holder of the reading role.
+        sending: what sends frames, for any thread.
+        segment: the worker's shared segment this process maps, or ``None``.
+        compression: the compression mode the worker chose.
+    """
+
+    name = "open"
+
+    __slots__ = ("compression", "receiver", "segment", "sending", "sock")
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        receiver: Receiver,
+        sending: Sending,
+        segment: ClientSegment | None,
+        compression: str,
+    ) -> None:
+        self.sock = sock
+        self.receiver = receiver
+        self.sending = sending
+        self.segment = segment
+        self.compression = compression
+
+
+class Closed:
+    """For good: every call pending then failed with ``error_type(reason)``, and so does every call made later.
+
+    Args:
+        reason: why it closed (the message of the calls' errors).
+        error_type: the type of those errors.
+    """
+
+    name = "closed"
+
+    __slots__ = ("error_type", "reason")
+
+    def __init__(self, reason: str, error_type: type[Exception]) -> None:
+        self.reason = reason
+        self.error_type = error_type
+
+    def error(self) -> Exception:
+        """The error of a call that this closed connection fails."""
+        return self.error_type(self.reason)
+
+
+# ---------------------------------------------------------------------------- reading
 
 
 class Reader(enum.Enum):
@@ -30,61 +124,61 @@ class Reader(enum.Enum):
     BACKGROUND = "background"  #: the connection's own thread
 
 
-# read on every call: an enum member's lookup through its class costs ~0.05 us (3.11)
-_NOBODY, _CALLER = Reader.NOBODY, Reader.CALLER
-
-
 class ReadingRole:
     """Who reads the socket now, how many callers wait to, and when the connection's thread may read.
 
     Callers come first: a thread waiting for an answer reads every frame that
-    arrives, background answers included, so while one reads or waits
-    (:attr:`callers_present`), the connection's thread does not compete with it
-    for the role (nor for the GIL). It takes the role only once no caller has
-    been here for ``background_delay`` seconds (:meth:`background_turn`): a
-    caller that reads answer after answer gives the role back between two, and
-    comes back within microseconds.
+    arrives, background answers included, so while one reads or waits, the
+    connection's thread does not compete with it for the role (nor for the
+    GIL). It takes the role only once no caller has been here for
+    ``background_delay`` seconds (:meth:`background_turn`): a caller that reads
+    answer after answer gives the role back between two, and comes back within
+    microseconds.
 
     Args:
         background_delay: seconds after the last caller left before the
             connection's thread may read.
+
+    Example::
+
+        >>> role = ReadingRole(background_delay=0.001)
+        >>> role.take(Reader.CALLER), role.take(Reader.BACKGROUND)
+        (True, False)
+        >>> role.give_back(now=5.0)
+        >>> role.background_turn()
+        5.001
     """
 
     __slots__ = ("_caller_left_at", "_delay", "_waiters", "holder")
 
     def __init__(self, background_delay: float = 0.001) -> None:
-        self.holder = _NOBODY  #: who reads now
+        self.holder = Reader.NOBODY  #: who reads now
         self._waiters = 0
-        self._caller_left_at = float("-inf")
+        self._caller_left_at = -math.inf
         self._delay = background_delay
 
     @property
     def free(self) -> bool:
         """Whether nobody reads."""
-        return self.holder is _NOBODY
+        return self.holder is Reader.NOBODY
 
     @property
     def waiters(self) -> int:
         """Callers blocked until the role is free or their call is answered (woken when it is given back)."""
         return self._waiters
 
-    @property
-    def callers_present(self) -> bool:
-        """Whether a caller reads or waits to."""
-        return self.holder is _CALLER or self._waiters > 0
-
     def take(self, reader: Reader) -> bool:
         """Take the role for ``reader`` if nobody holds it; return whether it did."""
-        if self.holder is not _NOBODY:
+        if self.holder is not Reader.NOBODY:
             return False
         self.holder = reader
         return True
 
     def give_back(self, now: float) -> None:
         """Free the role at ``now`` (its holder read what it came for)."""
-        if self.holder is _CALLER:
+        if self.holder is Reader.CALLER:
             self._caller_left_at = now
-        self.holder = _NOBODY
+        self.holder = Reader.NOBODY
 
     def begin_waiting(self) -> None:
         """A caller blocks until the role is free or its call is answered."""
@@ -96,9 +190,9 @@ class ReadingRole:
         self._caller_left_at = now
 
     def background_turn(self) -> float:
-        """From when the connection's thread may take the role: ``inf`` while a caller is present."""
-        if self.holder is _CALLER or self._waiters > 0:
-            return float("inf")
+        """From when the connection's thread may take the role: ``inf`` while a caller reads or waits to."""
+        if self.holder is Reader.CALLER or self._waiters > 0:
+            return math.inf
         return self._caller_left_at + self._delay
 
 
@@ -122,7 +216,7 @@ class PendingCalls:
         self._background = 0
         self._callers = 0
         self._caller_came_at = 0.0
-        self._check_at = float("inf")  # no call is overdue before then
+        self._check_at = math.inf  # no call is overdue before then
         self.answers_are_large = False  #: whether the last answer was large: new calls go to the background
 
     def __len__(self) -> int:
@@ -152,7 +246,7 @@ class PendingCalls:
 
     def latest_deadline(self) -> float:
         """The latest deadline of a pending call (``-inf`` with none pending)."""
-        return max((call.deadline for call in self._calls.values()), default=float("-inf"))
+        return max((call.deadline for call in self._calls.values()), default=-math.inf)
 
     def add(self, call: Call, now: float) -> None:
         """Add ``call``; the answers of a connection whose last answer was large go to its thread."""
@@ -170,16 +264,16 @@ class PendingCalls:
         """Remove and return the call of that id (answered), or ``None`` if it is not pending."""
         call = self._calls.pop(call_id, None)
         if call is not None:
-            read_by = call.read_by
-            if read_by is ReadBy.BACKGROUND:
-                self._background -= 1
-            elif read_by is ReadBy.CALLER:
-                self._callers -= 1
+            self._count(call, -1)
         return call
 
     def caller_came(self, now: float) -> None:
         """A caller came to read the answers left to it."""
         self._caller_came_at = now
+
+    def left_to_caller(self, calls: Iterable[Call]) -> bool:
+        """Whether any of ``calls`` is pending with its answer left to its caller."""
+        return any(call.read_by is ReadBy.CALLER and call.call_id in self._calls for call in calls)
 
     def adopt(self, calls: Iterable[Call]) -> int:
         """Give the answers of ``calls`` left to their caller to the connection's thread; return how many."""
@@ -205,7 +299,7 @@ class PendingCalls:
         overdue = [call for call in self._calls.values() if call.deadline <= now]
         for call in overdue:
             self.pop(call.call_id)
-        self._check_at = min((call.deadline for call in self._calls.values()), default=float("inf"))
+        self._check_at = min((call.deadline for call in self._calls.values()), default=math.inf)
         return overdue
 
     def clear(self) -> list[Call]:
@@ -213,7 +307,7 @@ class PendingCalls:
         calls = list(self._calls.values())
         self._calls.clear()
         self._background = self._callers = 0
-        self._check_at = float("inf")
+        self._check_at = math.inf
         return calls
 
     def _count(self, call: Call, delta: int) -> None:
@@ -221,3 +315,49 @@ class PendingCalls:
             self._background += delta
         elif call.read_by is ReadBy.CALLER:
             self._callers += delta
+
+
+# ---------------------------------------------------------------------------- the connection's thread
+
+
+class Alarm:
+    """When the connection's own thread, asleep, looks again; whether another thread must wake it sooner.
+
+    The thread looks at everything due before it sleeps again, so a thread
+    that makes something due while it is awake need not wake it.
+
+    Example::
+
+        >>> alarm = Alarm()
+        >>> alarm.wake_by(1.0)  # awake: it will see
+        False
+        >>> alarm.sleep_until(10.0)
+        >>> alarm.wake_by(20.0), alarm.wake_by(5.0), alarm.wake_by(4.0)
+        (False, True, False)
+    """
+
+    __slots__ = ("_asleep", "_until")
+
+    def __init__(self) -> None:
+        self._asleep = False
+        self._until = math.inf
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the thread sleeps (it may have to be woken)."""
+        return self._asleep
+
+    def sleep_until(self, until: float) -> None:
+        """The thread goes to sleep until ``until`` (or until woken)."""
+        self._asleep, self._until = True, until
+
+    def woke(self) -> None:
+        """The thread is awake again."""
+        self._asleep = False
+
+    def wake_by(self, when: float) -> bool:
+        """Whether the thread must be woken now to look again by ``when``; it counts as awake from then on."""
+        if self._asleep and self._until > when:
+            self._asleep = False
+            return True
+        return False

@@ -1,29 +1,45 @@
 """The worker's side of one client connection: a session, its read turn and its answers.
 
 Threading: a session has two service threads (``rpcdl-service-PEER``) and one
-read turn (:class:`Turn`). The thread holding the turn reads frames and hands
-each to the worker (:meth:`rpcdl.server.worker.Worker.dispatch`). When the
-worker gives it a slot for a call, it *lends* the turn and runs the call
-itself, so a call costs no thread switch. Nobody reads while the turn is lent;
-it is *offered* to the other thread, the standby, at once when the worker has
-slots left for more calls, else by the worker's promoter once the call has run
-for a while (:data:`PROMOTE_AFTER`), so that pings, releases and calls for the
-queue are read during long calls. The lender takes the turn back if nobody took
-it, else becomes the standby. The reader runs a call inline only while the
-standby waits, so one thread can always take the turn.
+read turn (:class:`Turn`). The thread holding the turn reads frames; a call it
+may run at once (a slot free, the other thread standing by) it runs itself,
+*lending* the turn, so a call costs no thread switch; other calls it queues in
+the worker's slots (:mod:`rpcdl.server.slots`), control frames it hands to the
+worker (:meth:`rpcdl.server.worker.Worker.handle_control`). Nobody reads while
+the turn is lent; it is *offered* to the other thread, the standby, at once
+when the worker has slots left for more calls, else by the worker's promoter
+(``rpcdl-promoter-ADDRESS``) once the call has run for a while
+(:data:`PROMOTE_AFTER`), so that pings, releases and calls for the queue are
+read during long calls. The lender takes the turn back if nobody took it, else
+becomes the standby. The reader runs a call itself only while the standby
+waits, so one thread can always take the turn.
 
-Answers are sent under the send lock by the thread that ran the call; it
-compresses its answer's large buffers first, outside the lock, when the
-connection's :class:`~rpcdl.transport.compression.Compressor` says so, or
-places them in the connection's shared segment (:mod:`rpcdl.transport.shm`)
-when it has one, so that only their offsets cross the socket. The
-reader running a quick call inline while the next call already waits in its
-receive buffer holds the (small) answer back in the session's outbox, and
-sends the outbox in one go once nothing more waits, after a slower call or
-after :data:`_OUTBOX_ANSWERS` answers: one system call for a burst of answers.
-Once it has answered a call marked awaited (an ``rpc_sync``), the reader
-polls for that caller's next call before it blocks, while the worker runs
-nothing else (:mod:`rpcdl.transport.polling`).
+Who owns what:
+
+* the turn, the session's :class:`SessionState`, when the turn was lent and
+  whether a standby waits: the session's lock (``_lock``), for every read and
+  write; the standby waits on ``_turn_offered``, a condition of that lock. The
+  worker's stop drains the session (:meth:`ClientConnection.drain`), the
+  promoter offers the turn (:meth:`ClientConnection.offer_if_lent_before`),
+  and any thread may close it (:meth:`ClientConnection.close`).
+* the frame reader, the poller and the count of bytes read: the thread holding
+  the turn (the lock hands them from one thread to the other).
+* the answers held back: each service thread its own (:class:`_HeldAnswers`).
+  The reader running a quick call itself while the next call already waits in
+  its receive buffer holds the (small) answer back, and sends what it holds in
+  one go once nothing more waits, after a slower call or after
+  :data:`_OUTBOX_ANSWERS` answers: one system call for a burst.
+* the socket's sending side: the send lock, taken by whichever thread answers
+  (the one that ran the call). It compresses its answer's large buffers first,
+  outside the lock, when the connection's
+  :class:`~rpcdl.transport.compression.Compressor` says so (that compressor
+  has its own lock), or places them in the connection's shared segment
+  (:mod:`rpcdl.transport.shm`, its own lock) when it has one, so that only
+  their offsets cross the socket.
+
+Once it has answered a call marked awaited (an ``rpc_sync``), the reader polls
+for that caller's next call before it blocks, while the worker runs nothing
+else (:mod:`rpcdl.transport.polling`).
 """
 
 from __future__ import annotations
@@ -33,17 +49,19 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import ConnectionLost, ProtocolError
-from ..rpc.rref import StoreView
+from ..rpc.rref import RRefStore, StoreView
 from ..transport.compression import Compressor
-from ..transport.control import decode_span_release
+from ..transport.control import decode_span_release, encode_rejected
 from ..transport.polling import Poller
 from ..transport.shm import WorkerSegment
-from ..transport.wire import AWAITED, COMPRESSED, Frame, FrameReader, Kind, encode_frame, send_pieces
+from ..transport.wire import AWAITED, COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
+from .counters import Counters
+from .slots import Slots
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -52,27 +70,65 @@ _OUTBOX_ANSWERS = 32  # answers held back at most
 _QUICK_CALL = 0.0005  # seconds: the answer of a call that ran longer is not held back
 
 
+class SessionState(enum.Enum):
+    """Where a session is in its life."""
+
+    SERVING = "serving"  #: calls are run
+    DRAINING = "draining"  #: the worker stops: calls arriving are rejected, calls running finish
+    CLOSED = "closed"  #: the connection is closed: no one reads again
+
+
 class Turn(enum.Enum):
-    """Who reads the connection."""
+    """Who reads the connection (while it is not closed)."""
 
     OFFERED = "offered"  #: free: the standby takes it
     READING = "reading"  #: a service thread holds it and reads
     LENT = "lent"  #: its holder runs a call; nobody reads until it is offered or taken back
-    CLOSED = "closed"  #: the connection is closed: no one reads again
 
 
-# The turns as module constants: the hot path reads them on every call, and an enum member's
-# lookup through its class costs ~0.1 us in Python 3.11.
-_OFFERED, _READING, _LENT, _CLOSED = Turn.OFFERED, Turn.READING, Turn.LENT, Turn.CLOSED
-_RESULT = Kind.RESULT
+class Server(Protocol):
+    """What a session needs of the worker serving it (:class:`rpcdl.server.worker.Worker`)."""
+
+    store: RRefStore
+    counters: Counters
+    slots: Slots
+    limits: Limits
+    timeout: float  #: seconds a client may stall mid-message; a call may wait for its RRef
+    poll_window: float  #: seconds to poll for an awaited caller's next call
+
+    def handle_control(self, connection: ClientConnection, frame: Frame) -> None:
+        """Handle a frame that is not a call."""
+        ...
+
+    def forget(self, connection: ClientConnection) -> None:
+        """Drop a closed session, and the RRefs it held."""
+        ...
+
+
+# Members read on every call, as module constants: Python 3.11's EnumType has a __getattr__, which takes
+# every ``Turn.LENT`` off the interpreter's attribute cache (~110 ns each here). Spelled out, the dozen
+# lookups of a call cost 1.5 us of the 8 us the worker spends on a pipelined call (benchmarks/worker_cost.py).
+_SERVING, _CLOSED = SessionState.SERVING, SessionState.CLOSED
+_OFFERED, _READING, _LENT = Turn.OFFERED, Turn.READING, Turn.LENT
+_CALL, _RESULT = Kind.CALL, Kind.RESULT
+
+
+class _HeldAnswers:
+    """The answers one service thread holds back, encoded: made, changed and sent by that thread only."""
+
+    __slots__ = ("answers", "holding", "pieces")
+
+    def __init__(self) -> None:
+        self.holding = False  # while this thread runs a call whose answer it holds back
+        self.pieces: list[bytes | memoryview] = []
+        self.answers = 0
 
 
 class ClientConnection:
     """The worker's side of one client connection (see the module for its threads).
 
     Args:
-        worker: the worker serving it (its ``dispatch``, ``slots``, ``forget``,
-            ``counters``, ``store``, ``limits``, ``timeout`` and ``poll_window``).
+        worker: the worker serving it.
         sock: the connection, handshake done, set up by :func:`~rpcdl.transport.wire.io_stream`.
         peer: the client's address, for messages.
         compressor: what compresses answers on this connection (default: none).
@@ -81,7 +137,7 @@ class ClientConnection:
 
     def __init__(
         self,
-        worker: Any,
+        worker: Server,
         sock: socket.socket,
         peer: str,
         compressor: Compressor | None = None,
@@ -92,21 +148,20 @@ class ClientConnection:
         self.sock = sock
         self.peer = peer
         self.compressor = compressor or Compressor("off")
-        self.store_view = StoreView(worker.store, self, worker.timeout)
         #: the context its calls run in (see rpcdl.transport.context): (un)pickled for the peer, answers in the segment
-        self.call_context = (peer, self.store_view, None, segment)
+        self.call_context = (peer, StoreView(worker.store, self, worker.timeout), None, segment)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
         self.poller = Poller(sock, worker.poll_window)  # for the next call of a caller that awaits each answer
-        self._turn = _OFFERED
+        # the lock alone where nobody waits: a Condition's ``with`` is a Python call more each time,
+        # 1 us of the 8 a pipelined call costs (benchmarks/worker_cost.py)
+        self._lock = threading.Lock()
+        self._turn_offered = threading.Condition(self._lock)  # or the session closed
+        self._state = SessionState.SERVING
+        self._turn = Turn.OFFERED
         self._lent_at = 0.0
-        #: whether a service thread waits for the turn (read by the thread holding it, when no other can change it)
-        self.has_standby = False
-        self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
-        self._condition = threading.Condition(self._lock)
+        self._standby_waits = False
+        self._own = threading.local()  # .held: the _HeldAnswers of the service thread that reads it
         self._send_lock = threading.Lock()
-        self._outbox: list[bytes | memoryview] = []  # answers held back, encoded; under the lock
-        self._outbox_answers = 0
-        self._holding_back = 0  # the thread id of the reader while it holds answers back, else 0
         self._counted = 0
         self._threads = [
             threading.Thread(target=self._serve, name=f"rpcdl-service-{peer}", daemon=True) for _ in range(2)
@@ -115,30 +170,35 @@ class ClientConnection:
     @property
     def closed(self) -> bool:
         """Whether the connection is closed."""
-        return self._turn is _CLOSED
+        with self._lock:
+            return self._state is _CLOSED
 
     def start(self) -> None:
         """Start the service threads."""
         for thread in self._threads:
             thread.start()
 
+    def drain(self) -> None:
+        """Reject the calls that arrive from now on (the worker stops); calls running finish."""
+        with self._lock:
+            if self._state is SessionState.SERVING:
+                self._state = SessionState.DRAINING
+
     def send(self, frame: Frame, answers_call: bool = False) -> None:
         """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
         that cannot take it is closed."""
-        if self._turn is _CLOSED:
-            self.worker.counters.sent(0, int(answers_call))
-            return
+        is_result = frame.kind is _RESULT
         if frame.buffers:
-            in_segment = self.segment is not None and frame.kind is _RESULT and self.segment.place(frame)
-            if frame.kind is _RESULT and not in_segment:
+            in_segment = is_result and self.segment is not None and self.segment.place(frame)
+            if is_result and not in_segment:
                 frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
                 frame.flags |= COMPRESSED if frame.decoded_sizes else 0
-        elif self._holding_back and self._holding_back == threading.get_ident():  # nobody holding back: no id to ask
-            pieces = encode_frame(frame)
-            with self._lock:
-                self._outbox += pieces
-                self._outbox_answers += answers_call
-            return
+        else:
+            held = getattr(self._own, "held", None)  # None: not a service thread of this session
+            if held is not None and held.holding:  # the reader runs quick calls itself: it sends them later
+                held.pieces += encode_frame(frame)
+                held.answers += answers_call
+                return
         self._send_pieces(encode_frame(frame), int(answers_call))  # an answer's buffers go out here
 
     def _send_pieces(self, pieces: list[bytes | memoryview], answers: int) -> None:
@@ -152,31 +212,29 @@ class ClientConnection:
                     sent = send_pieces(self.sock, pieces)
                     self.compressor.sent(sent, time.perf_counter() - started)
         except OSError as exc:
-            log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
-            self.close()
+            if not self.closed:
+                log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
+                self.close()
         finally:
             self.worker.counters.sent(sent, answers)
 
-    def _flush(self) -> None:
-        """Send the answers held back, in one go."""
-        with self._lock:
-            pieces, answers = self._outbox, self._outbox_answers
-            self._outbox, self._outbox_answers = [], 0
-        if pieces:
-            if len(pieces) > 1 and all(type(piece) is bytes for piece in pieces):
-                pieces = [b"".join(pieces)]
-            if self.closed:
-                self.worker.counters.sent(0, answers)
-            else:
-                self._send_pieces(pieces, answers)
+    def _flush(self, held: _HeldAnswers) -> None:
+        """Send the answers this thread held back, in one go."""
+        pieces, answers = held.pieces, held.answers
+        if not pieces:
+            return
+        held.pieces, held.answers = [], 0
+        if len(pieces) > 1 and all(type(piece) is bytes for piece in pieces):
+            pieces = [b"".join(pieces)]
+        self._send_pieces(pieces, answers)
 
     def close(self) -> None:
         """Close the connection (once) and have the worker forget it and the RRefs it held."""
-        with self._condition:  # never held during a send, which may block for the whole timeout
-            if self._turn is _CLOSED:
+        with self._lock:  # never held during a send, which may block for the whole timeout
+            if self._state is _CLOSED:
                 return
-            self._turn = _CLOSED
-            self._condition.notify_all()
+            self._state = _CLOSED
+            self._turn_offered.notify_all()
         shutdown_socket(self.sock)
         if self.segment is not None:
             self.segment.close()
@@ -200,43 +258,39 @@ class ClientConnection:
 
     def offer_if_lent_before(self, moment: float) -> None:
         """Offer the turn to the standby if it was lent before ``moment`` (``time.monotonic()``)."""
-        if self._turn is not _LENT or self._lent_at > moment:  # the usual case, decided without the lock
-            return
-        with self._condition:
-            if self._turn is _LENT and self._lent_at <= moment:
+        with self._lock:
+            if self._turn is _LENT and self._lent_at <= moment and self._state is not _CLOSED:
                 self._turn = _OFFERED
-                self._condition.notify()
+                self._turn_offered.notify()
 
     # ------------------------------------------------------------------ the read turn
 
     def _serve(self) -> None:
-        try:
-            while self._wait_for_turn():
-                self._read_while_holding()
-                self._flush()  # answers held back go out, or are counted if the connection closed
-        finally:
-            self.worker.counters.retire()
+        held = self._own.held = _HeldAnswers()
+        while self._wait_for_turn():
+            self._read_while_holding(held)
+            self._flush(held)  # the answers this thread held back go out (or fail, if the connection closed)
 
     def _wait_for_turn(self) -> bool:
         """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
-        with self._condition:
-            self.has_standby = True
-            while self._turn is not _OFFERED and self._turn is not _CLOSED:
-                self._condition.wait()
-            self.has_standby = False
-            if self._turn is _CLOSED:
+        with self._lock:
+            self._standby_waits = True
+            while self._turn is not _OFFERED and self._state is not _CLOSED:
+                self._turn_offered.wait()
+            self._standby_waits = False
+            if self._state is _CLOSED:
                 return False
             self._turn = _READING
             return True
 
-    def _read_while_holding(self) -> None:
-        """Read and dispatch frames until the turn goes to the other thread or the connection closes."""
+    def _read_while_holding(self, held: _HeldAnswers) -> None:
+        """Read and handle frames until the turn goes to the other thread or the connection closes."""
         worker, reader, slots, poller = self.worker, self.reader, self.worker.slots, self.poller
         waiting = reader.holds_frame  # a frame waits in the receive buffer: the next read does not wait
         awaited = False  # the call run last was awaited by its caller, and answered
         while True:
-            if self._outbox and not waiting:  # the read may wait: no answer waits with it
-                self._flush()
+            if held.pieces and not waiting:  # the read may wait: no answer waits with it
+                self._flush(held)
             polled = awaited and not waiting and slots.idle  # its caller's next call is microseconds away
             if polled:
                 poller.wait()
@@ -250,8 +304,14 @@ class ClientConnection:
                 waiting = reader.holds_frame
                 continue
             bytes_in, self._counted = reader.bytes_read - self._counted, reader.bytes_read
+            is_call = frame.kind is _CALL
+            worker.counters.received(bytes_in, is_call)
             try:
-                run_here = worker.dispatch(self, frame, bytes_in)
+                if is_call:
+                    run_here = self._admit(frame)
+                else:
+                    worker.handle_control(self, frame)
+                    run_here = False
             except ProtocolError as exc:
                 log.warning("closed connection from %s: %s", self.peer, exc)
                 self.close()
@@ -259,26 +319,53 @@ class ClientConnection:
             waiting = reader.holds_frame
             if not run_here:
                 continue
-            self._lend(offer=slots.has_free)
-            if waiting and self._outbox_answers < _OUTBOX_ANSWERS:
-                self._run_holding_back(frame)
+            if waiting and held.answers < _OUTBOX_ANSWERS:
+                self._run_holding_back(held, frame)
             else:
                 slots.run(self, frame)
             if not self._take_back():
-                self._flush()
                 return
             awaited = frame.flags & AWAITED
 
-    def _run_holding_back(self, frame: Frame) -> None:
-        """Run a call inline, its answer held back in the outbox; send the outbox after a slow call or when full."""
+    def _admit(self, frame: Frame) -> bool:
+        """Decide the fate of a call just read; return whether this thread runs it now.
+
+        Draining: it is rejected. A slot free and the standby waiting: it runs
+        here, in a slot taken for it, and the turn is lent (offered at once if
+        slots are left for more calls). Else it waits in the slots' queue.
+        """
+        worker = self.worker
+        with self._lock:
+            serving = self._state is _SERVING
+            if serving:
+                if frame.ref:  # before the turn is lent: a call using the RRef, read next, waits for this one
+                    worker.store.expect(frame.ref, self)
+                free_after = worker.slots.take() if self._standby_waits else None
+                if free_after is not None:
+                    if free_after:
+                        self._turn = _OFFERED
+                        self._turn_offered.notify()
+                    else:
+                        self._turn, self._lent_at = _LENT, time.monotonic()
+        if not serving:
+            worker.counters.add(calls_rejected=1)
+            self.send(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()), answers_call=True)
+            return False
+        if free_after is None:
+            worker.slots.enqueue(self, frame)
+            return False
+        return True
+
+    def _run_holding_back(self, held: _HeldAnswers, frame: Frame) -> None:
+        """Run a call inline, its answer held back; send what is held after a slow call or when full."""
         started = time.perf_counter()
-        self._holding_back = threading.get_ident()
+        held.holding = True
         try:
             self.worker.slots.run(self, frame)
         finally:
-            self._holding_back = 0
-        if time.perf_counter() - started > _QUICK_CALL or self._outbox_answers >= _OUTBOX_ANSWERS:
-            self._flush()
+            held.holding = False
+        if time.perf_counter() - started > _QUICK_CALL or held.answers >= _OUTBOX_ANSWERS:
+            self._flush(held)
 
     def _read_frame(self) -> Frame | None:
         """The next frame, or ``None`` if none came within the idle tick or the connection closed."""
@@ -292,24 +379,13 @@ class ClientConnection:
         self.close()
         return None
 
-    def _lend(self, offer: bool) -> None:
-        with self._lock:
-            if self._turn is not _READING:
-                return
-            if offer:
-                self._turn = _OFFERED
-                self._condition.notify()
-            else:
-                self._turn = _LENT
-                self._lent_at = time.monotonic()
-
     def _take_back(self) -> bool:
         """Take the turn back after a call if nobody took it; ``False``: the other thread reads (or closed)."""
         with self._lock:
-            if self._turn is _LENT or self._turn is _OFFERED:
-                self._turn = _READING
-                return True
-            return False
+            if self._state is _CLOSED or self._turn is _READING:
+                return False
+            self._turn = _READING
+            return True
 
 
 def shutdown_socket(sock: socket.socket) -> None:

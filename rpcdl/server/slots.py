@@ -1,13 +1,16 @@
 """A worker's slots: ``parallel`` places where calls run, and the queue of calls waiting for one.
 
-Threading: one condition guards the count of slots taken and the queue. A call
-runs in the thread that got its slot: a session's service thread, inline, when
-a slot was free and nothing queued (see :mod:`rpcdl.server.session`), else one
-of ``parallel`` executor threads (``rpcdl-executor-N``) that wait for queued
-calls. A thread whose call is done runs the next queued call in the same slot
-if there is one (no thread switch per call), else frees the slot; it frees the
-slot before sending a large answer, so the next call runs meanwhile. The queue is
-one FIFO for all clients: calls start in the order they arrived, whoever sent them.
+Threading: the slots' lock guards every access to the count of slots taken,
+the queue and the :class:`SlotsState`; executors wait on a condition of that
+lock for a queued call they may run. A call runs in the thread that got
+its slot: a session's service thread, inline, when a slot was free and nothing
+queued (:meth:`Slots.take`, see :mod:`rpcdl.server.session`), else one of
+``parallel`` executor threads (``rpcdl-executor-N``) that wait for queued calls.
+A thread whose call is done runs the next queued call in the same slot if
+there is one (no thread switch per call), else frees the slot; it frees the
+slot before sending a large answer, so the next call runs meanwhile. The
+queue is one FIFO for all clients: calls start in the order they arrived,
+whoever sent them. Nothing else is called under the lock.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ import collections
 import enum
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from ..errors import ConnectionLost
 from ..rpc.rref import RRefStore
 from ..transport.control import encode_rejected
 from ..transport.wire import Frame, Kind
+from .calls import Session
 
 LARGE_ANSWER = 1 << 20  #: bytes of buffers from which an answer is sent after its slot is freed
 
@@ -34,7 +37,7 @@ class SlotsState(enum.Enum):
     STOPPED = "stopped"  #: executors gone; queued calls stay unanswered (their connections are closed)
 
 
-_OPEN = SlotsState.OPEN  # read on every call: an enum member's lookup through its class costs ~0.1 us (3.11)
+_OPEN = SlotsState.OPEN  # read on every call: see rpcdl.server.session for what the class lookup costs
 
 
 class Slots:
@@ -46,64 +49,65 @@ class Slots:
         store: the worker's RRef store (a call not run fails the RRef it was to fill).
     """
 
-    def __init__(self, parallel: int, execute: Callable[[Any, Frame], Frame], store: RRefStore):
+    def __init__(self, parallel: int, execute: Callable[[Session, Frame], Frame], store: RRefStore) -> None:
         self.parallel = parallel
         self._execute = execute
         self._store = store
-        self._lock = threading.Lock()  # alone where nobody waits: cheaper than the condition's with
-        self._condition = threading.Condition(self._lock)
-        self._queue: collections.deque[tuple[Any, Frame]] = collections.deque()
+        self._lock = threading.Lock()  # alone where nobody waits: see ClientConnection's
+        self._runnable = threading.Condition(self._lock)  # a queued call may run (or the slots stopped)
+        self._queue: collections.deque[tuple[Session, Frame]] = collections.deque()
         self._running = 0
         self._state = SlotsState.NEW
-        self._threads: list[threading.Thread] = []
-
-    @property
-    def has_free(self) -> bool:
-        """Whether a slot is free now (a hint: another thread may take it first)."""
-        return self._running < self.parallel
+        self._threads = [
+            threading.Thread(target=self._executor, name=f"rpcdl-executor-{i}", daemon=True) for i in range(parallel)
+        ]
 
     @property
     def idle(self) -> bool:
-        """Whether no call runs or waits (a hint, as :attr:`has_free`)."""
-        return not self._running and not self._queue
+        """Whether no call runs or waits (a hint: it may change as soon as it is read)."""
+        with self._lock:
+            return not self._running and not self._queue
 
     def start(self) -> None:
         """Start the executor threads."""
-        with self._condition:
+        with self._lock:
             if self._state is not SlotsState.NEW:
                 return
             self._state = SlotsState.OPEN
-        self._threads = [
-            threading.Thread(target=self._executor, name=f"rpcdl-executor-{i}", daemon=True)
-            for i in range(self.parallel)
-        ]
         for thread in self._threads:
             thread.start()
 
     def stop(self, timeout: float) -> None:
         """Have the executors exit (after their current call), waiting up to ``timeout`` seconds for each."""
-        with self._condition:
+        with self._lock:
+            started = self._state is not SlotsState.NEW
             self._state = SlotsState.STOPPED
-            self._condition.notify_all()
-        for thread in self._threads:
-            thread.join(timeout=timeout)
+            self._runnable.notify_all()
+        if started:
+            for thread in self._threads:
+                thread.join(timeout=timeout)
 
-    def take(self) -> bool:
-        """Take a slot for a call to run in this thread; ``False`` if none is free or calls are queued."""
+    def take(self) -> int | None:
+        """Take a slot for a call to run in this thread.
+
+        Returns:
+            how many slots are still free after this one, or ``None``: none was
+            taken (none free, calls queued, or the slots not open).
+        """
         with self._lock:
             if self._running < self.parallel and not self._queue and self._state is _OPEN:
                 self._running += 1
-                return True
-            return False
+                return self.parallel - self._running
+            return None
 
-    def enqueue(self, session: Any, frame: Frame) -> None:
+    def enqueue(self, session: Session, frame: Frame) -> None:
         """Queue a call for the next free slot."""
-        with self._condition:
+        with self._lock:
             self._queue.append((session, frame))
             if self._running < self.parallel:  # else whoever frees a slot takes it
-                self._condition.notify()
+                self._runnable.notify()
 
-    def run(self, session: Any, frame: Frame) -> None:
+    def run(self, session: Session, frame: Frame) -> None:
         """Run a call in a slot already taken, then the queued calls while there are any; answer each.
 
         A large answer takes a while to send: its slot goes to the next queued
@@ -122,7 +126,7 @@ class Slots:
                     else:
                         self._running -= 1
                         if large and self._queue:
-                            self._condition.notify()
+                            self._runnable.notify()
             session.send(answer, answers_call=True)
             if queued is None:
                 return
@@ -135,9 +139,9 @@ class Slots:
 
     def _executor(self) -> None:
         while True:
-            with self._condition:
-                while self._state is SlotsState.OPEN and not (self._queue and self._running < self.parallel):
-                    self._condition.wait()
+            with self._lock:
+                while self._state is _OPEN and not (self._queue and self._running < self.parallel):
+                    self._runnable.wait()
                 if self._state is not SlotsState.OPEN:
                     return
                 session, frame = self._queue.popleft()

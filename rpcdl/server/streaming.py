@@ -7,18 +7,19 @@ divides rpcdl's own rates by it. The bytes are drawn once per size and reused.
 Threading: runs in the service thread that read the request, which holds the
 connection's read turn until the last frame is sent (the connection's other
 frames wait meanwhile); frames go out under the connection's send lock. The
-cache of drawn bytes is guarded by a lock.
+cache of drawn bytes (``_drawn``) is shared by every session: ``_drawn_lock``
+guards every access to it, and the arrays it hands out are never written again.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import numpy as np
 
 from ..transport.control import decode_stream, encode_rejected, stream_problem
 from ..transport.wire import Frame, Kind, Limits
+from .session import ClientConnection
 
 _KEPT_SIZES = 2
 _drawn: dict[int, np.ndarray] = {}
@@ -35,8 +36,8 @@ def _random_bytes(size: int) -> np.ndarray:
         return data
 
 
-def stream(connection: Any, frame: Frame, limits: Limits) -> None:
-    """Answer the ``STREAM`` request ``frame`` on ``connection`` (a session's ``ClientConnection``).
+def stream(connection: ClientConnection, frame: Frame, limits: Limits) -> None:
+    """Answer the ``STREAM`` request ``frame`` on ``connection``.
 
     A request out of bounds is answered ``REJECTED`` with the reason.
 

@@ -1,14 +1,35 @@
 """The worker: a server that runs the functions clients send it; its lifecycle.
 
-Threading: an accept thread (``rpcdl-accept-ADDRESS``) takes connections and
-starts a handshake thread (``rpcdl-peer-PEER``) for each; a connection that
-passes becomes a session (:mod:`rpcdl.server.session`: one per client, two
-service threads that read it and run its calls inline), and calls that find no
-free slot wait for one in the slots (:mod:`rpcdl.server.slots`: ``parallel``
-executor threads). The promoter thread (``rpcdl-promoter-ADDRESS``) hands a
-session's reading to its standby thread when a call has run inline for a
-while. No client can stop the worker: a connection that misbehaves is logged in
-one line and closed.
+Threads of a worker:
+
+* the accept thread (``rpcdl-accept-ADDRESS``) takes connections and starts a
+  handshake thread (``rpcdl-peer-PEER``) for each, at most ``_MAX_HANDSHAKES``
+  at once (a semaphore); a connection that passes becomes a session;
+* two service threads per session (``rpcdl-service-PEER``,
+  :mod:`rpcdl.server.session`) read its frames and run its calls inline;
+* ``parallel`` executor threads (``rpcdl-executor-N``, :mod:`rpcdl.server.slots`)
+  run the calls that found no free slot at once;
+* the promoter thread (``rpcdl-promoter-ADDRESS``) hands a session's reading to
+  its standby thread when a call has run inline for a while;
+* the thread that calls :meth:`Worker.start` and :meth:`Worker.stop` (and the
+  exit hook, which stops the workers still running).
+
+Who owns what: the worker's lock (``_lock``) guards its :class:`Phase` and its
+set of sessions, for every read and write, so that a session is admitted only
+while the worker serves and a stop sees every session admitted. A session owns
+its own state (its module says how); the worker reaches it through its public
+methods: :meth:`~rpcdl.server.session.ClientConnection.drain` when it stops,
+:meth:`~rpcdl.server.session.ClientConnection.offer_if_lent_before` from the
+promoter, ``close`` at the end. The slots, the counters and the RRef store
+(:class:`rpcdl.rpc.rref.RRefStore`) each guard their state with their own
+lock; the fields set in the constructor do not change. Locks nest in one order
+only, and no deeper: the slots' and the exit hook's registry inside the
+worker's (:meth:`Worker.start`), each session's inside the worker's (its drain,
+as the worker starts draining), the store's and the slots' inside a session's (a call admitted), the compressor's
+inside a session's send lock (timing a send). No lock is held while a call runs.
+
+No client can stop the worker: a connection that misbehaves is logged in one
+line and closed.
 """
 
 from __future__ import annotations
@@ -20,7 +41,6 @@ import socket
 import ssl
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +53,7 @@ from ..errors import ProtocolError
 from ..rpc import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
-from ..transport.control import decode_release, encode_rejected, encode_stats
+from ..transport.control import decode_release, encode_stats
 from ..transport.handshake import server_negotiate
 from ..transport.polling import window_from_environment
 from ..transport.security import Token, default_server_tls, resolve_token
@@ -60,10 +80,6 @@ class Phase(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"  #: not accepting; calls arriving are rejected, calls in flight finish
     STOPPED = "stopped"
-
-
-# Read on every call: an enum member's lookup through its class costs ~0.1 us in Python 3.11.
-_CALL, _SERVING = Kind.CALL, Phase.SERVING
 
 
 class Worker:
@@ -153,48 +169,77 @@ class Worker:
         self.counters = Counters()
         self.calls = CallRunner(self.store, self.limits, self.counters)
         self.slots = Slots(self.parallel, self.calls.run, self.store)
+        self._lock = threading.Lock()
         self._phase = Phase.NEW
-        self._phase_lock = threading.Lock()
         self._connections: set[ClientConnection] = set()
-        self._connections_lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
-        self._threads: list[threading.Thread] = []
+        self._threads = (
+            threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True),
+            threading.Thread(target=self._promote, name=f"rpcdl-promoter-{self.address}", daemon=True),
+        )
         self._stopped = threading.Event()
         self._started_at = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def phase(self) -> Phase:
+        """Where the worker is in its life (it may change as soon as it is read)."""
+        with self._lock:
+            return self._phase
+
     def start(self) -> Worker:
-        """Start serving from background threads; return ``self``."""
-        with self._phase_lock:
+        """Start serving from background threads; return ``self``.
+
+        Example::
+
+            >>> worker = rpcdl.Worker().start()  # doctest: +SKIP
+            >>> worker.phase  # doctest: +SKIP
+            <Phase.SERVING: 'serving'>
+        """
+        with self._lock:  # started under the lock: a stop() from another thread finds them all started
             if self._phase is not Phase.NEW:
                 return self
             self._phase = Phase.SERVING
-        _running_workers.add(self)
-        self.slots.start()
-        self._threads = [
-            threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True),
-            threading.Thread(target=self._promote, name=f"rpcdl-promoter-{self.address}", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+            self.slots.start()
+            for thread in self._threads:
+                thread.start()
+            _running.add(self)  # before any stop() can discard it
         return self
 
     def stop(self, grace: float = 30.0) -> bool:
         """Stop accepting, let calls in flight finish for up to ``grace`` seconds, close.
 
         Calls arriving meanwhile are rejected, so clients retry them elsewhere.
+        A second call (from another thread, say) waits for the first to finish.
+
+        Args:
+            grace: seconds the calls in flight get to finish.
 
         Returns:
             whether every call in flight finished within ``grace``.
+
+        Example::
+
+            >>> worker = rpcdl.Worker().start()  # doctest: +SKIP
+            >>> worker.stop(grace=5.0)  # doctest: +SKIP
+            True
         """
-        with self._phase_lock:
-            if self._phase is Phase.STOPPED or self._phase is Phase.DRAINING:
-                already = True
-            else:
-                already = False
+        with self._lock:
+            previous = self._phase
+            if previous is Phase.SERVING:
                 self._phase = Phase.DRAINING
-        if already:
+                connections = list(self._connections)
+                for connection in connections:  # with the phase: no call is admitted once it drains
+                    connection.drain()
+            elif previous is Phase.NEW:
+                self._phase = Phase.STOPPED
+        if previous is Phase.NEW:  # never started: no thread, no session
+            self._listener.close()
+            self.slots.stop(timeout=0.0)
+            self._stopped.set()
+            return True
+        if previous is not Phase.SERVING:
             self._stopped.wait(grace + 2.0)
             return True
         shutdown_socket(self._listener)
@@ -202,21 +247,23 @@ class Worker:
         while self.counters.outstanding > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         finished = self.counters.outstanding <= 0
-        with self._connections_lock:
-            connections = list(self._connections)
         for connection in connections:
             connection.close()
-        with self._phase_lock:
+        with self._lock:
             self._phase = Phase.STOPPED
         self.slots.stop(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self._stopped.set()
-        _running_workers.discard(self)
+        _running.discard(self)
         return finished
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the worker has stopped; return whether it has."""
+        """Block until the worker has stopped (:meth:`stop`, from another thread); return whether it has.
+
+        Args:
+            timeout: seconds to wait at most; ``None``: until it stops.
+        """
         return self._stopped.wait(timeout)
 
     def __enter__(self) -> Worker:
@@ -226,9 +273,23 @@ class Worker:
         self.stop()
 
     def stats(self) -> dict[str, Any]:
-        """The worker's counters, as :func:`rpcdl.stats` returns them."""
-        with self._connections_lock:  # not under the counters' lock: forget() takes this one first
-            compressing = sum(connection.compressor.active for connection in self._connections)
+        """The worker's counters, as :func:`rpcdl.stats` returns them.
+
+        Returns:
+            calls served, failed, rejected and in flight, bytes in and out, busy
+            seconds, clients, connections, RRefs held, whether it drains, and
+            how it serves (TLS, token, compression).
+
+        Example::
+
+            >>> with rpcdl.Worker() as worker:  # doctest: +SKIP
+            ...     worker.stats()["calls_served"]
+            0
+        """
+        with self._lock:
+            connections = list(self._connections)
+            draining = self._phase is not Phase.SERVING
+        compressing = sum(connection.compressor.active for connection in connections)
         c = self.counters.totals()
         return {
             "address": self.address,
@@ -242,11 +303,11 @@ class Worker:
             "busy_s": round(c["busy_seconds"], 6),
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
-            "clients": c["clients"],
+            "clients": len(connections),
             "connections_total": c["connections_total"],
             "connections_refused": c["connections_refused"],
             "rrefs": len(self.store),
-            "draining": self._phase is not Phase.SERVING,
+            "draining": draining,
             "tls": self._ssl is not None,
             "authenticated": self._token is not None,
             "compression_mode": self.compression,
@@ -256,11 +317,11 @@ class Worker:
     # ------------------------------------------------------------------ threads
 
     def _accept(self) -> None:
-        while self._phase is Phase.SERVING:
+        while self.phase is Phase.SERVING:
             try:
                 sock, address = self._listener.accept()
             except OSError:
-                if self._phase is not Phase.SERVING:
+                if self.phase is not Phase.SERVING:
                     return
                 time.sleep(0.05)  # out of descriptors, say: try again shortly
                 continue
@@ -312,40 +373,32 @@ class Worker:
             segment: the shared segment agreed with a client on this host (default: answers on the socket).
         """
         connection = ClientConnection(self, sock, peer, compressor, segment)
-        with self._connections_lock:
-            if self._phase is not Phase.SERVING:
-                shutdown_socket(sock)
-                return connection
-            self._connections.add(connection)
-        self.counters.add(clients=1, connections_total=1)
+        with self._lock:
+            admitted = self._phase is Phase.SERVING
+            if admitted:
+                self._connections.add(connection)
+        if not admitted:  # the worker stops: closed at once, its socket and segment with it
+            connection.close()
+            return connection
+        self.counters.add(connections_total=1)
         connection.start()
         return connection
 
     def forget(self, connection: ClientConnection) -> None:
         """Drop a closed session, and the RRefs it held."""
-        with self._connections_lock:
+        with self._lock:
             if connection not in self._connections:
                 return
             self._connections.discard(connection)
         self.store.release_holder(connection)
-        self.counters.add(clients=-1)
 
-    def dispatch(self, connection: ClientConnection, frame: Frame, bytes_in: int) -> bool:
-        """Handle a frame just read (``bytes_in`` long); return whether the reading thread should run it now
-        (in a slot taken for it: see :meth:`Slots.run <rpcdl.server.slots.Slots.run>`)."""
+    def handle_control(self, connection: ClientConnection, frame: Frame) -> None:
+        """Handle a frame other than a call, just read from ``connection`` (its calls go to the slots).
+
+        Raises:
+            ProtocolError: a frame a client may not send, or a malformed one.
+        """
         kind = frame.kind
-        self.counters.received(bytes_in, kind is _CALL)
-        if kind is _CALL:
-            if self._phase is not _SERVING:
-                self.counters.add(calls_rejected=1)
-                connection.send(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()), answers_call=True)
-                return False
-            if frame.ref:
-                self.store.expect(frame.ref, connection)
-            if connection.has_standby and self.slots.take():
-                return True
-            self.slots.enqueue(connection, frame)
-            return False
         if kind is Kind.RELEASE:
             for uid in decode_release(frame.payload):
                 self.store.release(uid)
@@ -360,29 +413,49 @@ class Worker:
             stream(connection, frame, self.limits)
         else:
             raise ProtocolError(f"a client may not send {kind.name} frames")
-        return False
 
     def _promote(self) -> None:
         """Every tick, have sessions whose call has run inline for ``PROMOTE_AFTER`` read again."""
-        while self._phase is not Phase.STOPPED:
+        while True:
             time.sleep(PROMOTE_AFTER / 2)
-            with self._connections_lock:
+            with self._lock:
+                if self._phase is Phase.STOPPED:
+                    return
                 connections = list(self._connections)
             moment = time.monotonic() - PROMOTE_AFTER
             for connection in connections:
                 connection.offer_if_lent_before(moment)
 
 
-_running_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+class _RunningWorkers:
+    """The workers started and not stopped in this process, for the exit hook; one lock guards the set.
+
+    Plain references: a running worker's own threads keep it alive anyway, and a
+    weak set would change under a garbage collection, on any thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._workers: set[Worker] = set()
+
+    def add(self, worker: Worker) -> None:
+        with self._lock:
+            self._workers.add(worker)
+
+    def discard(self, worker: Worker) -> None:
+        with self._lock:
+            self._workers.discard(worker)
+
+    def stop_all(self) -> None:
+        """Stop every worker still running (at exit, before the interpreter finalizes under their threads)."""
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.stop(grace=1.0)
 
 
-def _stop_running_workers() -> None:
-    """Embedded workers stop before the interpreter finalizes under their threads."""
-    for worker in list(_running_workers):
-        worker.stop(grace=1.0)
-
-
-at_exit(ExitPhase.WORKERS, _stop_running_workers)
+_running = _RunningWorkers()
+at_exit(ExitPhase.WORKERS, _running.stop_all)
 
 
 def run_worker(
@@ -431,9 +504,16 @@ def run_worker(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     worker = Worker(
-        host, port, timeout=timeout, parallel=parallel, token=token, insecure=insecure,
-        ssl_context=ssl_context, advertise=advertise, compression=compression,
-    ).start()  # fmt: skip
+        host,
+        port,
+        timeout=timeout,
+        parallel=parallel,
+        token=token,
+        insecure=insecure,
+        ssl_context=ssl_context,
+        advertise=advertise,
+        compression=compression,
+    ).start()
     stop = StopSignals().install()
     try:
         if address_file is not None:

@@ -17,10 +17,18 @@ use at once: a loader's prefetch window and the batches its caller holds. The
 free list is long enough to carry a window across an epoch's end, when the
 last batches are dropped before the next epoch's arrive (with two free
 buffers, one batch in five of a 24-batch epoch was received into fresh pages).
+
+Threading: any thread takes buffers; the free lists are guarded by the pool's
+lock. A buffer comes back from the finalizer of its array, which runs on
+whatever thread drops the last reference, at any allocation, possibly inside
+:meth:`BufferPool.take` holding that lock: so the finalizer only appends the
+mapping to a deque (an atomic append, no lock), and the next :meth:`~BufferPool.take`
+moves what is there to the free lists under the lock.
 """
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 import weakref
@@ -42,34 +50,39 @@ class BufferPool:
 
     def __init__(self, free_per_size: int = FREE_PER_SIZE):
         self.free_per_size = free_per_size
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free: dict[int, list[mmap.mmap]] = {}  # under _lock; the last one given back is taken first
         self._lock = threading.Lock()
+        self._returned: collections.deque[mmap.mmap] = collections.deque()  # appended by finalizers, no lock
 
     def take(self, size: int) -> np.ndarray:
         """A writable ``uint8`` array of ``size`` bytes."""
         with self._lock:
+            self._collect_returned()
             free = self._free.get(size)
             memory = free.pop() if free else None
         if memory is None:
             memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             _ask_for_huge_pages(memory)
         array = np.frombuffer(memory, dtype=np.uint8)
-        weakref.finalize(array, self._give_back, memory)
+        weakref.finalize(array, self._returned.append, memory)
         return array
 
     def free_buffers(self, size: int | None = None) -> int:
         """How many unused buffers the pool keeps (of ``size`` bytes, or in all)."""
         with self._lock:
+            self._collect_returned()
             if size is not None:
                 return len(self._free.get(size, ()))
             return sum(len(free) for free in self._free.values())
 
-    def _give_back(self, memory: mmap.mmap) -> None:
-        with self._lock:
+    def _collect_returned(self) -> None:
+        """Move the buffers whose arrays are gone to the free lists (the caller holds the lock)."""
+        while self._returned:
+            memory = self._returned.popleft()
             free = self._free.setdefault(len(memory), [])
             if len(free) < self.free_per_size:
                 free.append(memory)
-        # otherwise dropped: unmapped once the dying array lets go of it
+            # otherwise dropped here: unmapped, nothing uses it any more
 
 
 def _ask_for_huge_pages(memory: mmap.mmap) -> None:

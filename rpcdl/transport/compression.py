@@ -35,8 +35,10 @@ compressed; it compresses when the latter is below 0.8 (``WORTH``) times the
 former. On a loopback connection ``"auto"`` stays off: there is no link to save.
 
 Threading: one :class:`Compressor` per worker connection; any thread sending an
-answer calls :meth:`Compressor.prepare` (compression runs outside any lock) and
-:meth:`Compressor.sent`; the measurements are kept under the compressor's lock.
+answer calls :meth:`Compressor.prepare` and :meth:`Compressor.sent`, and the
+worker's stats read :meth:`Compressor.state`. The compressor's lock guards every
+access to what changes (whether it compresses, why, the measurements and the
+totals); lz4 runs outside it. Its mode and negotiated mode do not change.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def _native_decompressor() -> Callable[..., int] | None:
     if _lz4 is None:
         return None
     try:
-        function = ctypes.CDLL(_lz4._block.__file__).LZ4_decompress_safe
+        function = ctypes.CDLL(_lz4._block.__file__).LZ4_decompress_safe  # private-ok: lz4's C extension module
     except (AttributeError, OSError):
         return None
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -183,21 +185,28 @@ class Compressor:
         self._clock = clock
         self.negotiated = mode
         self.mode = mode
-        self.active = mode == "on"
-        self.reason = {"on": "asked for", "off": "off"}.get(mode, "measuring")
+        reason = {"on": "asked for", "off": "off"}.get(mode, "measuring")
         if mode == "auto" and loopback:
-            self.mode, self.reason = "off", "auto: loopback connection"
+            self.mode, reason = "off", "auto: loopback connection"
         self._lock = threading.Lock()
-        self.bytes_before = 0  # buffers compressed: their size, and the size sent
-        self.bytes_after = 0
-        self.buffers_compressed = 0
-        self.link_rate: float | None = None  # bytes/s, when sending was the bottleneck
+        self._active = mode == "on"
+        self._reason = reason
+        self._bytes_before = 0  # buffers compressed: their size, and the size sent
+        self._bytes_after = 0
+        self._buffers_compressed = 0
+        self._link_rate: float | None = None  # bytes/s, when sending was the bottleneck
         self._period_start = clock()
         self._sent_bytes = 0
         self._send_seconds = 0.0
         self._sample_in = self._sample_out = 0
         self._sample_seconds = 0.0
         self._sampled_at = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether answers are compressed now."""
+        with self._lock:
+            return self._active
 
     def prepare(self, buffers: list[Any]) -> tuple[list[Any], list[int] | None]:
         """Compress what pays among ``buffers``.
@@ -212,7 +221,9 @@ class Compressor:
         large = [i for i, size in enumerate(sizes) if MIN_BYTES <= size <= MAX_BYTES]
         if not large:
             return buffers, None
-        if not self.active:
+        with self._lock:
+            active = self._active
+        if not active:
             first = buffers[large[0]]
             self._sample(first.pieces[0] if type(first) is Gathered else memoryview(first).cast("B"))
             return buffers, None
@@ -232,9 +243,9 @@ class Compressor:
             self._sample_in += total_in
             self._sample_out += total_out
             self._sample_seconds += elapsed
-            self.bytes_before += total_in
-            self.bytes_after += total_out
-            self.buffers_compressed += sum(1 for s in sizes if s)
+            self._bytes_before += total_in
+            self._bytes_after += total_out
+            self._buffers_compressed += sum(1 for s in sizes if s)
         return (out, sizes) if any(sizes) else (buffers, None)
 
     def sent(self, wire_bytes: int, seconds: float) -> None:
@@ -253,10 +264,13 @@ class Compressor:
                 self._send_seconds = 0.0
 
     def _sample(self, view: Any) -> None:
-        now = self._clock()
-        if self.mode != "auto" or now - self._sampled_at < SAMPLE_EVERY:
+        if self.mode != "auto":
             return
-        self._sampled_at = now
+        now = self._clock()
+        with self._lock:
+            if now - self._sampled_at < SAMPLE_EVERY:
+                return
+            self._sampled_at = now
         piece = view[:_SAMPLE_BYTES]
         started = time.perf_counter()
         packed = _lz4.compress(piece, mode="fast", acceleration=ACCELERATION, store_size=False)
@@ -269,17 +283,17 @@ class Compressor:
     def _evaluate(self, period: float) -> None:
         """Decide (under the lock) from the measurements of the period just ended."""
         if self._send_seconds >= _BLOCKED * period and self._send_seconds > 0:
-            self.link_rate = self._sent_bytes / self._send_seconds
-        if self.link_rate is None or not self._sample_in or self._sample_seconds <= 0:
-            self.reason = "auto: off, the link is not the bottleneck" if self._sample_in else self.reason
+            self._link_rate = self._sent_bytes / self._send_seconds
+        if self._link_rate is None or not self._sample_in or self._sample_seconds <= 0:
+            self._reason = "auto: off, the link is not the bottleneck" if self._sample_in else self._reason
             return
         ratio = self._sample_out / self._sample_in
         speed = self._sample_in / self._sample_seconds
-        raw_cost = 1.0 / self.link_rate
-        compressed_cost = 1.0 / speed + ratio / self.link_rate
-        self.active = compressed_cost < WORTH * raw_cost
-        self.reason = (
-            f"auto: {'on' if self.active else 'off'}, link {self.link_rate * 8 / 1e6:.0f} Mbit/s, "
+        raw_cost = 1.0 / self._link_rate
+        compressed_cost = 1.0 / speed + ratio / self._link_rate
+        self._active = compressed_cost < WORTH * raw_cost
+        self._reason = (
+            f"auto: {'on' if self._active else 'off'}, link {self._link_rate * 8 / 1e6:.0f} Mbit/s, "
             f"lz4 ratio {ratio:.2f} at {speed / 1e6:.0f} MB/s"
         )
         self._sample_in = self._sample_out = 0
@@ -291,11 +305,11 @@ class Compressor:
             return {
                 "negotiated": self.negotiated,
                 "mode": self.mode,
-                "active": self.active,
-                "reason": self.reason,
-                "buffers_compressed": self.buffers_compressed,
-                "bytes_before": self.bytes_before,
-                "bytes_after": self.bytes_after,
-                "ratio": round(self.bytes_after / self.bytes_before, 4) if self.bytes_before else None,
-                "link_mbit_s": round(self.link_rate * 8 / 1e6, 1) if self.link_rate else None,
+                "active": self._active,
+                "reason": self._reason,
+                "buffers_compressed": self._buffers_compressed,
+                "bytes_before": self._bytes_before,
+                "bytes_after": self._bytes_after,
+                "ratio": round(self._bytes_after / self._bytes_before, 4) if self._bytes_before else None,
+                "link_mbit_s": round(self._link_rate * 8 / 1e6, 1) if self._link_rate else None,
             }

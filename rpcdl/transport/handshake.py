@@ -130,20 +130,6 @@ def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) 
     return first
 
 
-def client_handshake(
-    sock: socket.socket,
-    token: Token | None,
-    peer: str,
-    answer_timeout: float | None = None,
-    compression: str | None = None,
-) -> str:
-    """Run the client side of the handshake, without shared memory; return the compression mode.
-
-    As :func:`client_negotiate` with ``shared_memory=False``.
-    """
-    return client_negotiate(sock, token, peer, answer_timeout, compression).compression
-
-
 def client_negotiate(
     sock: socket.socket,
     token: Token | None,
@@ -217,14 +203,6 @@ def client_negotiate(
     if size:
         sock.sendall(b"\x01" if segment is not None else b"\x00")
     return Agreement(mode, segment)
-
-
-def server_handshake(sock: socket.socket, token: Token | None, peer: str, compression: str = "off") -> str:
-    """Run the worker side of the handshake, without shared memory; return the compression mode.
-
-    As :func:`server_negotiate` with ``shared_memory=0``.
-    """
-    return server_negotiate(sock, token, peer, compression).compression
 
 
 def server_negotiate(
@@ -313,6 +291,3 @@ def _offer_segment(sock: socket.socket, peer: str, size: int) -> WorkerSegment |
 def _send_verdict(sock: socket.socket, reason: str) -> None:
     message = reason.encode()[:_MAX_VERDICT_MESSAGE]
     sock.sendall(_VERDICT.pack(1 if reason else 0, len(message)) + message)
-
-
-# ---------------------------------------------------------------------------- frames

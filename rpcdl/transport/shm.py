@@ -53,7 +53,11 @@ connection's calls (collating into it, placing answers) and its reader
 outside it. Finalizers of the worker's tensors in it only append to a deque,
 drained under the lock (a garbage collection may run them while the lock is held). A :class:`ClientSegment`
 hands out views on the thread reading its connection; finalizers of views may
-run on any thread and only append to a deque.
+run on any thread: they take no lock and change nothing another thread owns,
+only drop the span's pages from this process's own mapping (``madvise``, at
+once, so a trainer's memory does not grow with the batches it dropped) and
+append the span to a deque, which whichever thread sends next drains
+(:meth:`ClientSegment.release_frames`) to tell the worker.
 """
 
 from __future__ import annotations
@@ -352,7 +356,7 @@ class ClientSegment:
     def __init__(self, memory: mmap.mmap):
         self.size = len(memory)
         self._map = memory
-        self._released: collections.deque[int] = collections.deque()
+        self._released: collections.deque[int] = collections.deque()  # span offsets, appended by finalizers
         self.base_address = np.frombuffer(memory, np.uint8, 1).ctypes.data
 
     @classmethod
@@ -396,8 +400,8 @@ class ClientSegment:
         return array
 
     def _let_go(self, offset: int, size: int) -> None:
-        # Our pages of the span leave this process's RSS now (the data stays in the segment, the
-        # worker's); the span itself goes back with the next frame sent.
+        # A finalizer (see the module): our pages of the span leave this process's RSS now (the data stays in
+        # the segment, the worker's); the span itself goes back with the next frame sent.
         self._map.madvise(mmap.MADV_DONTNEED, offset, size)
         self._released.append(offset)
 
@@ -414,22 +418,6 @@ class ClientSegment:
     @property
     def releases_waiting(self) -> bool:
         return bool(self._released)
-
-
-class answering_into:  # a class: cheaper per call than a generator-based context manager
-    """Within this block, :func:`empty` in this thread allocates in ``segment`` (``None``: nowhere)."""
-
-    __slots__ = ("_previous", "_segment")
-
-    def __init__(self, segment: WorkerSegment | None):
-        self._segment = segment
-
-    def __enter__(self) -> None:
-        self._previous = previous = thread_context.value
-        thread_context.value = (*previous[:SEGMENT], self._segment)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        thread_context.value = self._previous
 
 
 def empty(shape: tuple[int, ...], dtype: Any) -> Any:

@@ -39,6 +39,7 @@ from .tls_stream import TLSStream
 _HEADER = struct.Struct("!BBHIQQQ")
 _U64 = struct.Struct("!Q")
 _INLINE_PAYLOAD = 64 * 1024
+FIRST_READ_BYTES = 64 * 1024  #: the most a frame's first receive takes (see FrameReader)
 SMALLEST_MESSAGE_LIMIT = 1024  #: the lowest max_message_bytes: a payload this small, without buffers, fits any limits
 _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
@@ -298,6 +299,7 @@ class FrameReader:
         segment: Callable[[int, int, int], Any] | None = None,
     ):
         self._sock = sock
+        self._plain = type(sock) is socket.socket  # takes recv flags (a TLS stream does not)
         self._segment = segment
         self._decompress = decompress
         self._compressed = bytearray()
@@ -305,6 +307,9 @@ class FrameReader:
         self._stall_timeout = stall_timeout
         self._buffer = bytearray(chunk_size)
         self._view = memoryview(self._buffer)
+        # What a frame's first receive may take: many small frames at once, yet little of a large buffer
+        # that follows its header (those bytes are copied once more, out of this buffer).
+        self._first_read = self._view[: min(chunk_size, FIRST_READ_BYTES)]
         self._start = 0
         self._end = 0
         self._progress = 0.0
@@ -341,7 +346,7 @@ class FrameReader:
             try:
                 if self._start == self._end:  # the usual case: nothing buffered, and one receive fills from the start
                     self._start = self._end = 0
-                    self._end = self._recv_into(self._view, idle=True)
+                    self._end = self._recv_into(self._first_read, idle=True)
                 if self._end - self._start < _HEADER.size:  # a frame has begun: the rest may not be idle
                     self._fill(_HEADER.size)
             except _Idle:
@@ -449,7 +454,7 @@ class FrameReader:
                 target[position:] = self._view[self._start : self._start + remaining]
                 self._start += remaining
                 return
-            position += self._recv_into(target[position:], idle=False)
+            position += self._recv_into(target[position:], idle=False, whole=self._plain)
 
     def _fill(self, size: int, idle: bool = False) -> None:
         """Make ``size`` bytes available in the receive buffer."""
@@ -462,12 +467,17 @@ class FrameReader:
         while self._end - self._start < size:
             self._end += self._recv_into(self._view[self._end :], idle=idle and self._end == self._start)
 
-    def _recv_into(self, target: memoryview, idle: bool) -> int:
+    def _recv_into(self, target: memoryview, idle: bool, whole: bool = False) -> int:
+        """Receive into ``target``: what has arrived, or with ``whole`` (a plain socket) all of it, unless the
+        receive timeout passes first; the kernel then copies the bytes as they land, without a return to
+        Python and a system call for each piece (a 9.6 MB buffer arrives in 40 to 60 pieces on loopback)."""
         if not idle:
             self._progress = time.monotonic()
         while True:
             try:
-                received = self._sock.recv_into(target)
+                received = (
+                    self._sock.recv_into(target, 0, socket.MSG_WAITALL) if whole else self._sock.recv_into(target)
+                )
             except _TIMED_OUT:
                 if idle:
                     raise _Idle from None

@@ -7,7 +7,7 @@ Two targets, chosen with ``--target``:
   them or raise :class:`~rpcdl.errors.ProtocolError` /
   :class:`~rpcdl.errors.ConnectionLost`, and never allocate a buffer past them.
 * ``handshake``: the bytes are everything a client sends to a worker holding a
-  token; :func:`rpcdl.transport.handshake.server_handshake` must refuse it with one of rpcdl's
+  token; :func:`rpcdl.transport.handshake.server_negotiate` must refuse it with one of rpcdl's
   errors.
 
 Any other exception, a hang or a crash is a finding. Usage (see README.md)::
@@ -26,7 +26,7 @@ import sys
 
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import MAGIC, VERSION, server_handshake
+from rpcdl.transport.handshake import MAGIC, VERSION, server_negotiate
 from rpcdl.transport.security import Token
 from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
 
@@ -74,7 +74,7 @@ def fuzz_handshake(data: bytes) -> None:
     ours, peer = _socket_pair_with(data)
     with ours, peer:
         try:
-            server_handshake(ours, TOKEN, "fuzz")
+            server_negotiate(ours, TOKEN, "fuzz")
         except (ProtocolError, AuthenticationError, ConnectionLost):
             return
     raise Finding("a client that does not hold the token passed the handshake")
@@ -118,9 +118,14 @@ def main(argv: list[str]) -> None:
     from rpcdl.transport import handshake, wire
 
     for function in (
-        wire.FrameReader.read_frame, wire.FrameReader._read_payload, wire.FrameReader._read_into,
-        wire.FrameReader._fill, wire.FrameReader._recv_into, handshake.server_handshake, handshake._recv_exact,
-    ):  # fmt: skip
+        wire.FrameReader.read_frame,
+        wire.FrameReader._read_payload,
+        wire.FrameReader._read_into,
+        wire.FrameReader._fill,
+        wire.FrameReader._recv_into,
+        handshake.server_negotiate,
+        handshake._recv_exact,
+    ):
         atheris.instrument_func(function)
     atheris.Setup([argv[0], *libfuzzer_args], TARGETS[options.target])
     atheris.Fuzz()

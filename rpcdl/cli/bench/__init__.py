@@ -59,29 +59,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl bench``."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
-        "--workers", nargs="+", type=worker_addresses, metavar="HOST:PORT[,HOST:PORT...]",
+        "--workers",
+        nargs="+",
+        type=worker_addresses,
+        metavar="HOST:PORT[,HOST:PORT...]",
         help="benchmark these running workers (rpcdl worker); the local baselines use as many processes",
-    )  # fmt: skip
+    )
     where.add_argument(
-        "--local", type=positive_int, metavar="N",
+        "--local",
+        type=positive_int,
+        metavar="N",
         help="start N local worker processes (default: 2; the io scenario starts up to 8)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--scenario", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), metavar="NAME",
+        "--scenario",
+        nargs="+",
+        choices=SCENARIOS,
+        default=list(SCENARIOS),
+        metavar="NAME",
         help=f"scenarios to run, in order (default: all): {', '.join(SCENARIOS)}",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--rounds", type=positive_int, metavar="R",
+        "--rounds",
+        type=positive_int,
+        metavar="R",
         help="interleaved rounds per scenario; figures are medians over them (default: 5, 1 with --quick)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--io-workers", type=positive_int, nargs="+", metavar="K",
+        "--io-workers",
+        type=positive_int,
+        nargs="+",
+        metavar="K",
         help="worker counts of the io scenario (default: 1 2 4 8; 1 2 with --quick)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="tiny sizes: checks that everything runs, in seconds (no target judged, no memory ratio shown)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--json", metavar="FILE", type=new_file, help="write the figures, the machine and the targets to FILE"
     )
@@ -91,10 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     link = parser.add_argument_group("the link to your own workers (--link)")
     link.add_argument(
-        "--link", action="store_true",
+        "--link",
+        action="store_true",
         help="measure the link to the --workers instead of the scenarios: ping p50/p99, the raw rate the workers "
         "stream at, rpcdl image batches and compressible batches (compression off/on/auto) as ratios of it",
-    )  # fmt: skip
+    )
     link.add_argument("--token-file", type=existing_file, help="file holding the workers' token (else RPCDL_TOKEN)")
     link.add_argument("--tls-ca", type=existing_file, help="CA file to verify TLS workers with (else RPCDL_TLS_CA)")
     link.add_argument(
@@ -127,9 +143,13 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
         print(f"rpcdl bench: {problem}", file=sys.stderr)
         return 2
     systems: list[System] = [
-        RpcdlSystem(), TorchLoaderSystem(), SocketSystem(), FramedPickleSystem(), ParallelMapperSystem(),
+        RpcdlSystem(),
+        TorchLoaderSystem(),
+        SocketSystem(),
+        FramedPickleSystem(),
+        ParallelMapperSystem(),
         *extra_systems,
-    ]  # fmt: skip
+    ]
     names = [system.name for system in systems]
     machine = machine_info()
     bench = Bench(systems, workers=args.workers, local=local, sizes=sizes, progress=not args.no_progress)

@@ -165,9 +165,13 @@ class Cluster:
     def _make_host(self, index: int) -> Host:
         namespace = f"{_NAME_PREFIX}-{self.tag}-{index}"  # rpcdl-<pid><letter>-<index>
         host = Host(
-            index=index, namespace=namespace, near_link=f"rd{self.tag}h{index}", far_link=f"rd{self.tag}w{index}",
-            address=f"{self.subnet}.{index}.2", gateway=f"{self.subnet}.{index}.1",
-        )  # fmt: skip
+            index=index,
+            namespace=namespace,
+            near_link=f"rd{self.tag}h{index}",
+            far_link=f"rd{self.tag}w{index}",
+            address=f"{self.subnet}.{index}.2",
+            gateway=f"{self.subnet}.{index}.1",
+        )
         _ip("netns", "add", namespace)
         _ip("link", "add", host.near_link, "type", "veth", "peer", "name", host.far_link, "netns", namespace)
         _ip("addr", "add", f"{host.gateway}/24", "dev", host.near_link)
@@ -189,9 +193,18 @@ class Cluster:
         """
         host = self.hosts[index]
         command = [
-            sys.executable, "-m", "rpcdl", "worker", "--host", host.address, "--port", "0",
-            "--watch-pid", str(os.getpid()), *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "rpcdl",
+            "worker",
+            "--host",
+            host.address,
+            "--port",
+            "0",
+            "--watch-pid",
+            str(os.getpid()),
+            *args,
+        ]
         process = host.popen(command, stdout=subprocess.PIPE, text=True, env=child_environment(env))
         try:
             return read_ready_line(process, startup_timeout)

@@ -4,7 +4,7 @@
   Python. Each call is a frame (a u64 length and a pickle of ``(call id,
   function, args)``); a server with one thread reads a frame, runs the
   function and writes the answer frame; on the client, the caller writes its
-  frame and one reader thread (``framed-pickle-reader``) reads the answers
+  frame and one reader thread (``rpcdl-bench-floor-reader``) reads the answers
   and completes the callers' waits. rpcdl's latency and pipelined figures are
   judged against it.
 - :class:`ParallelMapperSystem`: ``torchdata.nodes.ParallelMapper(method="process",
@@ -74,7 +74,7 @@ class FramedPickleSystem(System):
 
     def start(self, bench: Bench) -> None:
         self.process, self.sock = start_peer("rpcdl.cli.bench.floors", "framed_pickle_server")
-        self._reader = threading.Thread(target=self._read_answers, name="framed-pickle-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read_answers, name="rpcdl-bench-floor-reader", daemon=True)
         self._reader.start()
 
     def stop(self) -> None:

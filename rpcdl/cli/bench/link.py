@@ -97,10 +97,14 @@ class LinkReport:
         medians = {name: vars(self.median(name)) for name in self.rates}
         ratios = {name: round(self.ratio(name), 3) for name in self.rates if name != "raw"}
         return {
-            "workers": self.workers, "latency_ms": self.latency_ms, "median": medians, "ratio_to_raw": ratios,
-            "samples": {n: [vars(r) for r in s] for n, s in self.rates.items()}, "chosen": self.chosen,
+            "workers": self.workers,
+            "latency_ms": self.latency_ms,
+            "median": medians,
+            "ratio_to_raw": ratios,
+            "samples": {n: [vars(r) for r in s] for n, s in self.rates.items()},
+            "chosen": self.chosen,
             "verdicts": self.verdicts,
-        }  # fmt: skip
+        }
 
 
 def _timed(run: Callable[[], int]) -> Rate:
@@ -134,9 +138,16 @@ class RawStream:
         self.ssl_context = default_client_tls()
         deadline = time.monotonic() + 10.0
         sock, _ = dial(
-            address, host, port, resolve_token(), self.ssl_context, handshake_timeout=10.0, grace=5.0,
-            failed=lambda error: deadline, compression="off",
-        )  # fmt: skip
+            address,
+            host,
+            port,
+            resolve_token(),
+            self.ssl_context,
+            handshake_timeout=10.0,
+            grace=5.0,
+            failed=lambda error: deadline,
+            compression="off",
+        )
         self.tls = {"version": sock.version(), "cipher": sock.cipher()[0]} if self.ssl_context else None
         self._sock = io_stream(sock, receive=_TIMEOUT, send=_TIMEOUT)
         self._reader = FrameReader(self._sock, Limits(), stall_timeout=_TIMEOUT)

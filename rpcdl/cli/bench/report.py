@@ -244,8 +244,13 @@ def plot(figures: Sequence[Figure], systems: Sequence[str], path: str) -> None:
         medians = [figure.median(name) for name in names]
         low = [m - min(figure.samples[n]) for m, n in zip(medians, names, strict=True)]
         high = [max(figure.samples[n]) - m for m, n in zip(medians, names, strict=True)]
-        axis.bar(range(len(names)), medians, yerr=[low, high], capsize=3,
-                 color=[colors[systems.index(n) % len(colors)] for n in names])  # fmt: skip
+        axis.bar(
+            range(len(names)),
+            medians,
+            yerr=[low, high],
+            capsize=3,
+            color=[colors[systems.index(n) % len(colors)] for n in names],
+        )
         axis.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
         axis.set_title(f"{figure.scenario}: {figure.metric}", fontsize=9)
         axis.set_ylabel(f"{figure.unit} ({figure.better} is better)", fontsize=7)

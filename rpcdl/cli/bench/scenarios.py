@@ -98,10 +98,18 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(
-            rounds=1, latency_calls=20, pipelined_calls=40, small_batches=6, image_batches=2,
-            straggler_batches=4, io_batches_per_worker=2, memory_batches=2, io_workers=(1, 2),
-            mapper_items=200, small_round_seconds=0.0,
-        )  # fmt: skip
+            rounds=1,
+            latency_calls=20,
+            pipelined_calls=40,
+            small_batches=6,
+            image_batches=2,
+            straggler_batches=4,
+            io_batches_per_worker=2,
+            memory_batches=2,
+            io_workers=(1, 2),
+            mapper_items=200,
+            small_round_seconds=0.0,
+        )
 
 
 class Bench:

@@ -181,24 +181,31 @@ class TorchLoaderSystem(System):
         # more worker processes than CPUs is the point of the io scenario: no warning about it
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         return DataLoader(
-            spec.dataset(*spec.args), batch_size=spec.batch_size, num_workers=spec.workers,
-            persistent_workers=True, prefetch_factor=PREFETCH,
+            spec.dataset(*spec.args),
+            batch_size=spec.batch_size,
+            num_workers=spec.workers,
+            persistent_workers=True,
+            prefetch_factor=PREFETCH,
             worker_init_fn=functools.partial(slow_torch_worker, spec.slow_worker),
-        )  # fmt: skip
+        )
 
     def release_loader(self, loader: Any) -> None:
-        iterator = getattr(loader, "_iterator", None)
+        # torch has no public way to stop a DataLoader's persistent workers now rather than when
+        # its iterator is collected: ask that iterator as its own finalizer does
+        iterator = getattr(loader, "_iterator", None)  # private-ok: torch's iterator of persistent workers
         if iterator is not None:
-            iterator._shutdown_workers()
-            loader._iterator = None
+            iterator._shutdown_workers()  # private-ok: what torch's iterator runs when collected
+            loader._iterator = None  # private-ok: the next iter() starts workers again
 
 
 def start_peer(module: str, server: str) -> tuple[subprocess.Popen, socket.socket]:
     """Start ``module.server()`` in a process of its own on loopback (it prints its port) and connect to it."""
     process = subprocess.Popen(
         [sys.executable, "-c", f"from {module} import {server}; {server}()"],
-        stdout=subprocess.PIPE, text=True, env=child_environment(),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_environment(),
+    )
     port = int(process.stdout.readline())
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,140 @@
+"""This process's connections to workers: one per worker and credentials, shared by all its threads.
+
+A connection is opened in the background by its first call: a worker that
+refuses connections is retried for ``RPCDL_CONNECT_GRACE`` seconds (20 by
+default), so trainers may start a little before their workers; a peer that is
+not an rpcdl worker is named at once (see :mod:`rpcdl.rpc.dial`). A process
+forked from a client never reuses its parent's connections.
+
+Threading model: any thread may ask for a connection or shut them all down.
+The pool is a dictionary that is never changed once published: a thread that
+adds or removes a connection does it under ``_pool_lock``, on a copy, which it
+then publishes by rebinding ``_pool`` (one atomic store). So a thread looking a
+connection up reads ``_pool`` without the lock and sees a whole pool, a moment
+old at most. A closing connection leaves the pool before it is closed, so a
+call that finds it closed (:meth:`~rpcdl.rpc.connection.Connection.submit`
+refuses it) finds another, new one when it asks again.
+Each connection has its own thread (see :mod:`rpcdl.rpc.connection`); a forked
+child starts with an empty pool and a new lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+from collections.abc import Mapping
+
+from .._lifecycle import ExitPhase, at_exit, in_forked_child
+from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
+from .connection import Connection
+from .connection_thread import start_connection
+from .dial import connect_grace
+from .environment import Variables
+from .live_threads import join_connection_threads
+
+log = logging.getLogger("rpcdl.client")
+_EXIT_GRACE = 10.0  # seconds exit waits for connection threads still completing calls
+_CREDENTIALS = Variables(TOKEN_ENV, TOKEN_FILE_ENV, TLS_CA_ENV)
+
+_pool: Mapping[tuple, Connection] = {}  # never changed in place: replaced whole under _pool_lock
+_pool_lock = threading.Lock()
+
+
+def connection_to(
+    address: str,
+    timeout: float = 120.0,
+    token: str | bytes | Token | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Connection:
+    """Return this process's connection to ``address`` with these credentials, opening one if needed.
+
+    Args:
+        address: the worker, ``"host:port"`` (as checked by the caller).
+        timeout: seconds a new connection tries to open.
+        token: the shared secret; defaults to ``RPCDL_TOKEN`` / ``RPCDL_TOKEN_FILE``.
+        ssl_context: TLS context; defaults to one from ``RPCDL_TLS_CA`` when set.
+
+    Returns:
+        The connection, open or opening (or closing since: it then refuses calls, and the next one asked
+        for is new).
+
+    Example::
+
+        >>> connection_to("127.0.0.1:6543").address  # doctest: +SKIP
+        '127.0.0.1:6543'
+    """
+    if token is None and ssl_context is None and _CREDENTIALS.unset():
+        key: tuple = (address, None, None)  # what resolve_token and default_client_tls return then
+    else:
+        token = resolve_token(token)
+        if ssl_context is None:
+            ssl_context = default_client_tls()
+        key = (address, token.secret if token is not None else None, ssl_context)
+    connection = _pool.get(key)  # a published pool: never changed in place
+    if connection is not None:
+        return connection
+    return _open(key, address, timeout, token, ssl_context)
+
+
+def _open(key: tuple, address: str, timeout: float, token: Token | None, ssl_context: ssl.SSLContext | None):
+    global _pool
+    with _pool_lock:
+        connection = _pool.get(key)
+        if connection is None:
+            connection = start_connection(address, token, ssl_context, timeout, grace=connect_grace(), on_close=_forget)
+            _pool = {**_pool, key: connection}
+    return connection
+
+
+def _forget(connection: Connection) -> None:
+    """A connection closes: later calls open a new one."""
+    global _pool
+    with _pool_lock:
+        if connection in _pool.values():
+            _pool = {key: value for key, value in _pool.items() if value is not connection}
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = {}, threading.Lock()
+
+
+in_forked_child(_after_fork_in_child)
+
+
+def shutdown() -> None:
+    """Close every connection of this process; calls in flight fail with ConnectionLost.
+
+    Later calls open new connections, so this is safe to call at any time, from any thread.
+
+    Example::
+
+        >>> rpcdl.shutdown()  # doctest: +SKIP
+    """
+    global _pool
+    with _pool_lock:
+        connections = list(_pool.values())
+        _pool = {}
+    for connection in connections:
+        connection.close()
+    join_connection_threads(timeout=1.0)
+
+
+def _shutdown_at_exit() -> None:
+    """Close the connections and wait for their threads, closed ones included: one may be completing a
+    call, and a thread still inside torch's C++ futures when the interpreter finalizes aborts the process
+    ("terminate called without an active exception")."""
+    shutdown()
+    still_running = join_connection_threads(timeout=_EXIT_GRACE)
+    if still_running:
+        log.warning(
+            "rpcdl: %d connection thread(s) still running %gs after exit began (a callback of a call that "
+            "does not return?): %s; the process may abort",
+            len(still_running),
+            _EXIT_GRACE,
+            ", ".join(still_running),
+        )
+
+
+at_exit(ExitPhase.CONNECTIONS, _shutdown_at_exit)

@@ -1,0 +1,50 @@
+"""benchmarks/gpu_node.py keeps working: its quick mode on a CPU, a round of a few systems (never speed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_node.py"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark needs a core for the trainer and one more")
+def test_the_gpu_node_benchmark_runs_in_its_quick_mode_and_reports_every_system(tmp_path):
+    report = tmp_path / "gpu_node.json"
+    systems = ["gpu", "rpcdl-tcp", "rpcdl-shm", "torch-own"]
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--quick",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--systems",
+            *systems,
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(report.read_text())
+    assert figures["device"] == "cpu" and figures["batch_size"] == 8
+    assert set(figures["medians"]) == set(systems) and all(value > 0 for value in figures["medians"].values())
+    assert set(figures["ratios"]["rpcdl-shm"]) == {"gpu"}  # no torch DataLoader on the worker cores in this run
+    assert set(figures["trainer_cores"]).isdisjoint(figures["worker_cores"])
+    for system in systems:
+        assert f"round 1 {system}:" in result.stdout

@@ -1,0 +1,194 @@
+"""A worker's lifecycle against real clients: stops that race connections and calls, threads it leaves, names.
+
+Each test starts a real :class:`rpcdl.Worker` in this process and reaches it
+over loopback sockets: raw clients that run the real handshake
+(:func:`rpcdl.transport.handshake.client_negotiate`) and speak frames, or
+rpcdl's own client. Concurrency tests switch threads every microsecond.
+"""
+
+from __future__ import annotations
+
+import operator
+import pickle
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+import rpcdl
+from rpcdl.errors import ConnectionLost
+from rpcdl.server.worker import Phase
+from rpcdl.transport.handshake import client_negotiate
+from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+
+_WAIT = 10.0
+
+
+@pytest.fixture
+def switching_often():
+    """Threads switch every microsecond: the interleavings of many cores, on two."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+@pytest.fixture
+def thread_errors(monkeypatch) -> list[str]:
+    """Exceptions that escaped any thread during the test."""
+    errors: list[str] = []
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        errors.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
+        previous(args)
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    return errors
+
+
+def _call_bytes(call_id: int, function, *args) -> bytes:
+    payload = pickle.dumps((function, args, {}), protocol=5)
+    return b"".join(bytes(piece) for piece in encode_frame(Frame(Kind.CALL, call_id, 0, payload)))
+
+
+def _raw_round_trip(address: str, call_id: int) -> Kind | None:
+    """Connect, run the handshake, send one call, read its answer, hang up: the answer's kind
+    (``None``: the worker closed or refused the connection, as a stopping worker does)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=_WAIT) as sock:
+            client_negotiate(sock, None, address, compression="off")
+            stream = io_stream(sock, receive=_WAIT, send=_WAIT)
+            stream.sendall(_call_bytes(call_id, operator.add, call_id, 1))
+            frame = FrameReader(stream, Limits(), stall_timeout=_WAIT).read_frame()
+    except (OSError, ConnectionLost, rpcdl.ProtocolError):
+        return None
+    assert frame is not None
+    if frame.kind == Kind.RESULT:
+        assert pickle.loads(frame.payload) == call_id + 1
+    return frame.kind
+
+
+def _threads_of(before: set[threading.Thread]) -> list[str]:
+    """The names of the threads alive now that started since ``before`` and belong to a worker."""
+    prefixes = ("rpcdl-accept-", "rpcdl-promoter-", "rpcdl-peer-", "rpcdl-service-", "rpcdl-executor-")
+    return sorted(t.name for t in set(threading.enumerate()) - before if t.name.startswith(prefixes))
+
+
+def test_a_stop_racing_clients_that_connect_and_call_leaves_no_thread_and_no_session(switching_often, thread_errors):
+    before = set(threading.enumerate())
+    worker = rpcdl.Worker(timeout=_WAIT, parallel=2).start()
+    outcomes: list[Kind | None] = []
+    stop_clients = threading.Event()
+
+    def client(k: int) -> None:
+        call_id = 1
+        while not stop_clients.is_set():
+            outcomes.append(_raw_round_trip(worker.address, call_id))
+            call_id += 1
+
+    clients = [threading.Thread(target=client, args=(k,), name=f"test-client-{k}") for k in range(4)]
+    for thread in clients:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while outcomes.count(Kind.RESULT) < 20 and time.monotonic() < deadline:  # sessions come and go
+            time.sleep(0.01)
+        assert worker.stop(grace=5.0)  # while clients keep connecting and calling
+    finally:
+        stop_clients.set()
+        for thread in clients:
+            thread.join(timeout=30)
+    assert outcomes.count(Kind.RESULT) >= 20
+    assert set(outcomes) <= {Kind.RESULT, Kind.REJECTED, None}
+    assert not thread_errors
+    stats = worker.stats()
+    assert (stats["clients"], stats["calls_in_flight"], stats["draining"]) == (0, 0, True)
+    deadline = time.monotonic() + _WAIT  # a handshake thread may still be refusing its last connection
+    while _threads_of(before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads_of(before) == []
+
+
+def test_a_worker_never_started_stops_at_once_and_a_second_stop_waits_for_the_first(embedded_worker):
+    idle = rpcdl.Worker(timeout=_WAIT)
+    assert idle.phase is Phase.NEW
+    assert idle.stop(grace=1.0) and idle.wait(0) and idle.phase is Phase.STOPPED
+    assert idle.start().phase is Phase.STOPPED  # a stopped worker does not start again
+
+    worker = embedded_worker()
+    rpcdl.rpc_async(worker.address, time.sleep, (0.5,))  # a call in flight: the first stop drains it
+    deadline = time.monotonic() + _WAIT
+    while worker.stats()["calls_in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    first = threading.Thread(target=worker.stop, args=(5.0,), name="test-first-stop")
+    first.start()
+    while worker.phase is Phase.SERVING:
+        time.sleep(0.001)
+    assert worker.stop(grace=5.0)  # returns once the first stop has finished
+    assert worker.phase is Phase.STOPPED and worker.wait(0)
+    first.join(timeout=_WAIT)
+
+
+def test_wait_returns_when_another_thread_stops_the_worker(embedded_worker):
+    worker = embedded_worker()
+    assert not worker.wait(0.05)
+    stopping = threading.Timer(0.1, worker.stop, kwargs={"grace": 1.0})
+    stopping.name = "test-stopping"
+    stopping.start()
+    assert worker.wait(_WAIT)
+    stopping.join(timeout=_WAIT)
+
+
+def test_every_thread_a_worker_starts_is_named_and_ends_with_it():
+    before = set(threading.enumerate())
+
+    def started() -> list[str]:
+        names = (t.name for t in set(threading.enumerate()) - before)
+        return sorted(name for name in names if not name.startswith("rpcdl-connection-"))  # the client's own
+
+    with rpcdl.Worker(timeout=_WAIT, parallel=3) as worker:
+        assert _raw_round_trip(worker.address, 1) == Kind.RESULT
+        assert rpcdl.rpc_sync(worker.address, operator.mul, (6, 7)) == 42
+        deadline = time.monotonic() + _WAIT  # the session's second service thread starts after the first
+        while sum(name.startswith("rpcdl-service-") for name in started()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        names = started()
+        assert all(name.startswith("rpcdl-") for name in names), names
+        assert {"rpcdl-executor-0", "rpcdl-executor-1", "rpcdl-executor-2"} <= set(names)
+        assert f"rpcdl-accept-{worker.address}" in names and f"rpcdl-promoter-{worker.address}" in names
+        assert sum(name.startswith("rpcdl-service-") for name in names) >= 2, names  # two per session
+    rpcdl.shutdown()
+    deadline = time.monotonic() + _WAIT
+    while _threads_of(before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads_of(before) == []
+
+
+def test_stats_read_while_sessions_come_and_go(embedded_worker, switching_often, thread_errors):
+    worker = embedded_worker(parallel=2)
+    done = threading.Event()
+    readings: list[dict] = []
+
+    def read_stats() -> None:
+        while not done.is_set():
+            readings.append(worker.stats())
+
+    reader = threading.Thread(target=read_stats, name="test-stats-reader")
+    reader.start()
+    try:
+        for call_id in range(1, 21):
+            assert _raw_round_trip(worker.address, call_id) == Kind.RESULT
+    finally:
+        done.set()
+        reader.join(timeout=_WAIT)
+    assert readings and not thread_errors
+    assert all(r["clients"] >= 0 and r["calls_in_flight"] >= 0 for r in readings)
+    assert worker.stats()["calls_served"] == 20 and worker.stats()["connections_total"] == 20
+    deadline = time.monotonic() + _WAIT  # each session ends once its service thread sees the hang-up
+    while worker.stats()["clients"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.stats()["clients"] == 0
