@@ -189,6 +189,8 @@ class Poller:
         window: seconds to poll at most; 0 never polls.
         adaptive: poll only where a core is spare (see the module); by default,
             unless ``RPCDL_POLL_MICROSECONDS`` is set.
+        load: where the count of runnable threads comes from (a
+            :class:`LoadSample` of ``/proc/loadavg`` by default).
 
     Example::
 
@@ -200,9 +202,11 @@ class Poller:
 
     __slots__ = ("_decrypted", "_load", "_poll", "_since", "rule")
 
-    def __init__(self, sock: socket.socket, window: float, adaptive: bool | None = None):
+    def __init__(
+        self, sock: socket.socket, window: float, adaptive: bool | None = None, load: LoadSample | None = None
+    ):
         self.rule = PollRule(window, not window_is_explicit() if adaptive is None else adaptive)
-        self._load = LoadSample()
+        self._load = LoadSample() if load is None else load
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
         self._decrypted = getattr(sock, "pending", None)  # a TLS stream's bytes read from the socket already
