@@ -33,7 +33,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..errors import RRefNotFound
 from ..serialization.pickling import current_connection, current_peer
@@ -164,6 +164,17 @@ class StoreView:
         return self.store.resolve(uid, self.timeout)
 
 
+class Holder(Protocol):
+    """What a reference held over a connection needs of it (a :class:`~rpcdl.rpc.connection.Connection`)."""
+
+    @property
+    def closed(self) -> bool: ...  # a retried call then holds the object anew, over its new connection
+
+    def release(self, uid: int) -> None: ...  # this process let go of object ``uid``: queue its release
+
+    def credentials(self) -> dict[str, Any]: ...  # the token and TLS options, for calls on the owner
+
+
 class Handle:
     """The shared state of every RRef object naming one remote object in this process.
 
@@ -176,7 +187,7 @@ class Handle:
 
     __slots__ = ("__weakref__", "connection", "owner", "uid")
 
-    def __init__(self, owner: str, uid: int, connection: Any):
+    def __init__(self, owner: str, uid: int, connection: Holder | None):
         self.owner, self.uid, self.connection = owner, uid, connection
 
 
@@ -185,7 +196,7 @@ _handles_lock = threading.Lock()
 _gone: collections.deque[tuple[str, int]] = collections.deque()  # handles that died: a lock-free queue
 
 
-def _when_gone(key: tuple[str, int], connection: Any) -> Callable[[weakref.ref], None]:
+def _when_gone(key: tuple[str, int], connection: Holder | None) -> Callable[[weakref.ref], None]:
     """The callback of a handle's weak reference: two atomic appends, nothing else (it runs in any thread, at
     any allocation, maybe in a thread holding a lock)."""
     pid = os.getpid()
@@ -198,7 +209,7 @@ def _when_gone(key: tuple[str, int], connection: Any) -> Callable[[weakref.ref],
     return gone
 
 
-def _handle(owner: str, uid: int, connection: Any) -> Handle:
+def _handle(owner: str, uid: int, connection: Holder | None) -> Handle:
     """The live handle of ``(owner, uid)`` (under ``_handles_lock``); a new one if there is none, or if
     ``connection`` holds the object and the handle there is borrowed or held over a connection closed since
     (a call retried on a new connection: the worker frees the object when ``connection`` lets it go)."""
@@ -219,7 +230,7 @@ def _handle(owner: str, uid: int, connection: Any) -> Handle:
     return handle
 
 
-def holding_handle(owner: str, uid: int, connection: Any) -> Handle:
+def holding_handle(owner: str, uid: int, connection: Holder) -> Handle:
     """The handle of a reference this process holds (over ``connection``): freeing it frees the remote object."""
     with _handles_lock:
         return _handle(owner, uid, connection)
@@ -231,7 +242,7 @@ def borrowed_handle(owner: str, uid: int) -> Handle:
         return _handle(owner, uid, None)
 
 
-def held_rref(owner: str, uid: int, connection: Any) -> RRef:
+def held_rref(owner: str, uid: int, connection: Holder) -> RRef:
     """A remote reference to the object ``uid`` on ``owner`` that this process holds, over ``connection``.
 
     Example::
