@@ -36,6 +36,7 @@ from typing import Any
 from ..errors import ChunkFailed
 from ..serialization.pickling import load_exception
 from .chunks import ChunkReader, ChunkSizer
+from .flow import DataFlow
 from .pool import WorkerPool
 from .records import Task
 from .scheduler import Call, Dispatch
@@ -57,6 +58,7 @@ class ServedCounts:
 
     Args:
         workers: the addresses counted from the start (at 0).
+        flow: told of each chunk's items, seconds and bytes too (a loader's :class:`~rpcdl.data.flow.DataFlow`).
 
     Example::
 
@@ -66,14 +68,17 @@ class ServedCounts:
         {'a:1': 3}
     """
 
-    def __init__(self, workers: Iterable[str]):
+    def __init__(self, workers: Iterable[str], flow: DataFlow | None = None):
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(workers, 0)
+        self._flow = flow
 
-    def add(self, worker: str, items: int) -> None:
-        """Count ``items`` more for ``worker``."""
+    def add(self, worker: str, items: int, seconds: float = 0.0, nbytes: int = 0) -> None:
+        """Count ``items`` more for ``worker``, which spent ``seconds`` making them, answered in ``nbytes``."""
         with self._lock:
             self._counts[worker] = self._counts.get(worker, 0) + items
+        if self._flow is not None:
+            self._flow.served(items, seconds, nbytes)
 
     def snapshot(self) -> dict[str, int]:
         """The counts now, a copy."""
@@ -181,7 +186,7 @@ class ChunkedPass(Iterator[ChunkedItem]):
             else:
                 values, seconds, nbytes, errors = error.values, error.seconds, error.nbytes, error.errors
             self._sizer.observe(len(chunk), seconds, nbytes)
-            self._served.add(worker, len(chunk))
+            self._served.add(worker, len(chunk), seconds, nbytes)
             for index, (item, value) in enumerate(zip(chunk, values, strict=True)):
                 report = errors.get(index)
                 failure = None if report is None else load_exception(report, worker)
