@@ -298,3 +298,50 @@ def test_call_seconds_counts_each_bucket_cumulatively():
     buckets, total = times.snapshot()
     assert buckets == [(0.1, 2), (1.0, 3), (float("inf"), 4)]
     assert total == pytest.approx(3.65)
+
+
+# ---------------------------------------------------------------------------- Lightning's logger
+
+
+def test_the_lightning_logger_receives_the_three_figures(two_workers, tmp_path):
+    pytest.importorskip("lightning")
+    import csv
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from rpcdl.integrations.lightning import DataFlowLogger, RPCDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch.float().unsqueeze(1)).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = RPCDataModule(
+        workers=two_workers,
+        train_dataset={"class_path": "helpers.RangeDataset", "init_args": {"n": 24, "delay": 0.005}},
+        batch_size=4,
+        max_batches_per_call=1,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Model(), datamodule=data)
+    assert sum(isinstance(callback, DataFlowLogger) for callback in trainer.callbacks) == 1
+    rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
+    figures = ("rpcdl/data_wait_fraction", "rpcdl/batches_per_second", "rpcdl/workers_needed")
+    logged = [row for row in rows if row.get("rpcdl/data_wait_fraction")]
+    assert [int(row["epoch"]) for row in logged] == [0, 1]  # once per epoch
+    for row in logged:
+        values = {name: float(row[name]) for name in figures}
+        assert 0 < values["rpcdl/data_wait_fraction"] < 1, values  # 20 ms a batch on the workers: it waited
+        assert values["rpcdl/batches_per_second"] > 0, values
+        assert values["rpcdl/workers_needed"] > 1, values
