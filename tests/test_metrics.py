@@ -180,7 +180,7 @@ def test_a_loop_that_waits_for_data_reports_it_and_more_than_one_worker(two_work
     assert figures.data_wait_fraction > 0.5, figures
     assert figures.workers_needed > 1, figures
     assert figures.worker_seconds >= 20 * 0.02  # each batch slept 20 ms on its worker
-    warnings = [r.getMessage() for r in caplog.records if "waited for data" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rpcdl.dataloader.wait"]
     assert len(warnings) == 1, warnings  # once for the epoch
     assert f"about {math.ceil(figures.workers_needed)} workers" in warnings[0]
     assert "it has 2" in warnings[0]

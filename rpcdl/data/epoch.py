@@ -31,8 +31,8 @@ returned is the advancing thread's; what it measures goes to the loader's
 Each ``next()`` is timed: the seconds spent in it are data wait, those since
 the previous one returned are the consumer's work (see
 :mod:`rpcdl.data.flow`). An epoch that runs to its end and waited more than
-:data:`WAIT_WARNING_FRACTION` of its time says so in one warning, with the
-workers that would keep it fed.
+:data:`WAIT_WARNING_FRACTION` of its time says so in one warning on
+:data:`WAIT_LOGGER`, with the workers that would keep it fed.
 """
 
 from __future__ import annotations
@@ -62,9 +62,18 @@ from .pool import WorkerPool
 from .records import Task
 from .scheduler import NoWorkersLeft
 
-__all__ = ["TARGET_CHUNK_BYTES", "WAIT_WARNING_FRACTION", "EpochCall", "EpochIterator", "EpochOpener", "EpochPlan"]
+__all__ = [
+    "TARGET_CHUNK_BYTES",
+    "WAIT_LOGGER",
+    "WAIT_WARNING_FRACTION",
+    "EpochCall",
+    "EpochIterator",
+    "EpochOpener",
+    "EpochPlan",
+]
 
-log = logging.getLogger("rpcdl.dataloader")
+#: The logger of the epochs' data-wait warnings (a child of ``rpcdl.dataloader``): raise its level to silence them.
+WAIT_LOGGER = logging.getLogger("rpcdl.dataloader.wait")
 
 #: The size of the answer a chunk of batches aims at, in bytes. Enough batches to make a call's overhead
 #: small, few enough that the batches in flight stay a few MB and that a chunk crosses a slow link quickly.
@@ -309,7 +318,7 @@ def _warn_if_waited(stage: _Running) -> None:
         if math.isfinite(needed)
         else "the loop does nothing but take batches, so no number of workers keeps it fed"
     )
-    log.warning(
+    WAIT_LOGGER.warning(
         "the training loop waited for data %.0f%% of epoch %d (%.1f s of %.1f s, %d batches): %s "
         "(it has %d; see rpcdl_workers_needed)",
         100 * fraction,

@@ -1,4 +1,4 @@
-"""A trainer's Prometheus metrics: the data flow of its loaders, read when scraped; :func:`serve_metrics`.
+"""A trainer's Prometheus metrics: the data flow of its loaders, read when scraped; :func:`rpcdl.serve_metrics`.
 
 What is counted, and by whom, is :mod:`rpcdl.data.flow`'s business: plain
 counters under a lock, changed by the threads advancing the loaders' epochs.
@@ -8,8 +8,8 @@ A scrape copies them (:data:`~rpcdl.data.flow.PROCESS_FLOW`,
 
 Threading: each scrape runs on a thread of its metrics server.
 :class:`TrainerCollector`'s lock guards the snapshot of its last scrape and
-the figures from it (what ``rpcdl_workers_needed`` shows). The lock of
-:class:`_Servers` guards the servers started in this process.
+the figures from it (what ``rpcdl_workers_needed`` shows). The servers
+started in this process are guarded by a lock of their own.
 """
 
 from __future__ import annotations

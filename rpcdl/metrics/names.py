@@ -23,7 +23,7 @@ class MetricName:
 
     @property
     def family(self) -> str:
-        """The name prometheus-client's metric families take: a counter's without ``_total``."""
+        """The name prometheus-client gives the metric's family (a counter's lacks ``_total``)."""
         return self.name.removesuffix("_total") if self.kind == "counter" else self.name
 
 

@@ -2,7 +2,7 @@
 
 Threading: :class:`WorkerCollector` has no state of its own beyond the worker
 it reads; each scrape runs on a thread of the metrics server and reads the
-worker through :meth:`rpcdl.server.worker.Worker.stats`, which takes the
+worker through its ``stats()`` (:meth:`rpcdl.Worker.stats`), which takes the
 worker's and its counters' locks for a copy. Nothing on the worker's own
 threads changes for metrics: they count as they always do.
 """
@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ..metrics.exposition import MetricsServer, serve_collector
 from ..metrics.names import WORKER_METRICS
 
-__all__ = ["WorkerCollector", "serve_worker_metrics"]
+__all__ = ["StatsSource", "WorkerCollector", "serve_worker_metrics"]
 
 # Each metric and the stats() field it shows.
 _FIELDS = {
@@ -33,8 +33,8 @@ _FIELDS = {
 }
 
 
-class Worker(Protocol):
-    """What a collector reads: a :class:`rpcdl.server.worker.Worker` (not imported here: it imports this)."""
+class StatsSource(Protocol):
+    """What a collector reads: a :class:`rpcdl.Worker` (not imported here: it imports this module)."""
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -52,7 +52,7 @@ class WorkerCollector:
         'rpcdl_worker_calls'
     """
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: StatsSource):
         self.worker = worker
 
     def collect(self) -> Iterator[Metric]:
@@ -64,7 +64,7 @@ class WorkerCollector:
             yield family(metric.family, metric.help, value=values[name])
 
 
-def serve_worker_metrics(worker: Worker, port: int, host: str) -> MetricsServer:
+def serve_worker_metrics(worker: StatsSource, port: int, host: str) -> MetricsServer:
     """Serve ``worker``'s metrics at ``http://HOST:PORT/metrics`` until the returned server is stopped.
 
     Args:
