@@ -210,6 +210,50 @@ def test_a_loop_whose_step_is_slow_reports_about_no_wait(two_workers, caplog):
     dataset.release()
 
 
+def test_loaders_on_several_threads_count_every_batch_while_scraped(two_workers):
+    import sys
+    import threading
+
+    from rpcdl.data.flow import PROCESS_FLOW
+    from rpcdl.data.metrics import TrainerCollector
+
+    collector = TrainerCollector()
+    start = PROCESS_FLOW.snapshot()
+    datasets = [rpcdl.RPCDataset(two_workers, RangeDataset, 30) for _ in range(3)]
+    counted, scraped, done = [], [], threading.Event()
+
+    def consume(dataset: rpcdl.RPCDataset) -> None:
+        counted.append(sum(1 for _ in rpcdl.RPCDataloader(dataset, batch_size=2, max_batches_per_call=2)))
+
+    def scrape() -> None:
+        while not done.is_set():
+            families = {family.name: family for family in collector.collect()}
+            scraped.append(families["rpcdl_batches"].samples[0].value)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        scraper = threading.Thread(target=scrape, name="test-scraper")
+        scraper.start()
+        consumers = [
+            threading.Thread(target=consume, args=(d,), name=f"test-consumer-{i}") for i, d in enumerate(datasets)
+        ]
+        for thread in consumers:
+            thread.start()
+        for thread in consumers:
+            thread.join(timeout=60)
+        done.set()
+        scraper.join(timeout=10)
+    finally:
+        sys.setswitchinterval(previous)
+    assert counted == [15, 15, 15]
+    figures = PROCESS_FLOW.snapshot().since(start)
+    assert figures.batches == figures.worker_batches == 45  # no count lost between the threads
+    assert scraped and scraped == sorted(scraped)  # a counter never goes back
+    for dataset in datasets:
+        dataset.release()
+
+
 # ---------------------------------------------------------------------------- serving, names, figures
 
 
@@ -256,6 +300,22 @@ def test_every_metric_is_exposed_and_in_the_documentation_table(embedded_worker)
     named = set(WORKER_METRICS) | set(TRAINER_METRICS)
     assert named <= documented, f"not in {METRICS_DOC.name}: {sorted(named - documented)}"
     assert not {name for name in documented - named if not name.startswith("rpcdl_call_seconds_")}
+
+
+def test_the_worker_command_names_a_taken_metrics_port(tmp_path):
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        for command in (["-m", "rpcdl", "worker"], ["-m", "rpcdl.launch", "--port", "0"]):
+            result = subprocess.run(
+                [sys.executable, *command, "--metrics-port", str(busy)], capture_output=True, text=True, timeout=60
+            )
+            assert result.returncode != 0
+            assert f"cannot serve metrics on 127.0.0.1:{busy}: Address already in use" in result.stderr, result.stderr
+            assert not result.stdout  # no ready line: the worker did not start
 
 
 def test_worker_metrics_stop_with_the_worker_and_refuse_a_taken_port(embedded_worker):

@@ -6,7 +6,6 @@ then, on the thread serving that request (one per request).
 
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 from http.server import ThreadingHTTPServer
@@ -80,8 +79,7 @@ def serve_collector(collector: Collector, port: int, host: str) -> MetricsServer
         server = server_class((host, port), MetricsHandler.factory(registry))
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        error = OSError(
-            exc.errno or errno.EADDRINUSE, f"cannot serve metrics on {format_address(host, port)}: {reason}"
-        )
-        raise error from None
+        # No errno: the message names the metrics port, so that a command line reporting a failed bind of
+        # the worker's own port (an OSError with an errno) does not take it for that one.
+        raise OSError(f"cannot serve metrics on {format_address(host, port)}: {reason}") from None
     return MetricsServer(server, host)
