@@ -276,6 +276,12 @@ def test_serve_metrics_serves_a_port_once_and_names_a_taken_one(monkeypatch):
         serve_metrics_from_environment()
     monkeypatch.setenv("RPCDL_METRICS_PORT", str(fixed - 1))
     assert serve_metrics_from_environment(local_rank=1) == fixed  # the same server: PORT + local rank
+    monkeypatch.setenv("RPCDL_METRICS_PORT", "0")
+    first = serve_metrics_from_environment(local_rank=1)
+    assert serve_metrics_from_environment() == first  # served once, by the first to ask
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("RPCDL_METRICS_PORT", f"127.0.0.1:{fixed - 3}")
+    assert serve_metrics_from_environment() == fixed  # the rank from $LOCAL_RANK
     monkeypatch.delenv("RPCDL_METRICS_PORT")
     assert serve_metrics_from_environment() is None
 

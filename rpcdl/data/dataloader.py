@@ -38,6 +38,7 @@ from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
 from .fetch import fetch_batches_at, fetch_samples_at
 from .flow import LIVE_POOLS, PROCESS_FLOW, DataFlow, FlowSnapshot
 from .loader_state import EpochBook, check_state, loader_shape
+from .metrics import serve_metrics_from_environment
 from .pool import WorkerPool
 from .probes import PROBE_TIMEOUT
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
@@ -194,6 +195,7 @@ class RPCDataloader:
             dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(), setup=setup
         )
         LIVE_POOLS.add(self._pool)
+        serve_metrics_from_environment()  # when RPCDL_METRICS_PORT asks for it, once per process
         self._flow = DataFlow(parent=PROCESS_FLOW)
         self._batches_served = ServedCounts(dataset.workers, self._flow)
         random_sampler = sampler if batch_sampler is None else getattr(batch_sampler, "sampler", sampler)

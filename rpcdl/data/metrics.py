@@ -106,15 +106,29 @@ class _Servers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_address: dict[tuple[str, int], MetricsServer] = {}
+        self._by_request: dict[str, MetricsServer] = {}
 
     def serve(self, port: int, host: str) -> int:
+        """Serve on ``host:port``, unless served already; ``port`` 0 always starts a server. Returns its port."""
         with self._lock:  # held while binding: two threads asking for one port start one server
-            server = self._by_address.get((host, port)) if port else None
+            return self._serve(port, host).port
+
+    def serve_once(self, requested: str, port: int, host: str) -> int:
+        """Serve as :meth:`serve`, once per ``requested`` (a request that may say port 0): later ones get
+        the same port."""
+        with self._lock:
+            server = self._by_request.get(requested)
             if server is None:
-                server = serve_collector(TrainerCollector(), port, host)
-                if port:
-                    self._by_address[(host, port)] = server
+                server = self._by_request[requested] = self._serve(port, host)
             return server.port
+
+    def _serve(self, port: int, host: str) -> MetricsServer:
+        """Called with the lock held."""
+        server = self._by_address.get((host, port)) if port else None
+        if server is None:
+            server = serve_collector(TrainerCollector(), port, host)
+            self._by_address[(host, server.port)] = server
+        return server
 
 
 _servers = _Servers()
@@ -152,15 +166,19 @@ def serve_metrics(port: int = 0, host: str = "127.0.0.1") -> int:
     return _servers.serve(port, host)
 
 
-def serve_metrics_from_environment(local_rank: int = 0) -> int | None:
+def serve_metrics_from_environment(local_rank: int | None = None) -> int | None:
     """Serve the metrics where ``RPCDL_METRICS_PORT`` says, if set; return the port, else ``None``.
 
     ``RPCDL_METRICS_PORT`` is ``PORT`` (on loopback) or ``HOST:PORT``; the
     process of local rank ``r`` serves on ``PORT + r``, so that the ranks of a
-    node do not collide (``0``: each picks a free port).
+    node do not collide (``0``: each picks a free port). Every
+    :class:`~rpcdl.RPCDataloader` calls it as it is made, and
+    :class:`~rpcdl.integrations.lightning.RPCDataModule` with the trainer's
+    local rank as it sets up; the first call serves, the others return its port.
 
     Args:
-        local_rank: this process's rank on its node.
+        local_rank: this process's rank on its node (default: ``$LOCAL_RANK``, as
+            torchrun and Lightning set it, else 0).
 
     Raises:
         ValueError: the variable is not a port or ``HOST:PORT``.
@@ -176,4 +194,6 @@ def serve_metrics_from_environment(local_rank: int = 0) -> int | None:
         raise ValueError(
             f"${METRICS_PORT_ENV}={text!r} is not PORT or HOST:PORT (0 picks a free port): {exc}"
         ) from None
-    return serve_metrics(port + local_rank if port else 0, host)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return _servers.serve_once(text, port + local_rank if port else 0, host)
