@@ -22,7 +22,8 @@ generator refuses it as any generator does), and its passes refuse a second
 thread too. Any thread may close it: its lock guards the pass re-running a
 failed chunk, which the closing thread closes, and an event tells the thread
 advancing it to stop. A :class:`ServedCounts` is shared by the passes of a
-loader or remote map: its lock guards every access.
+loader or remote map: its lock guards every access; it tells its
+:class:`~rpcdl.data.flow.DataFlow` after letting that lock go.
 """
 
 from __future__ import annotations
