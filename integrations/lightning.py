@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import warnings
@@ -28,11 +29,13 @@ from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
 from rpcdl.data.dataloader import RPCDataloader, check_max_batches_per_call
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import shard_workers
+from rpcdl.data.flow import FlowSnapshot
+from rpcdl.data.metrics import serve_metrics_from_environment
 from rpcdl.integrations._recipes import dataset_recipe, import_object
 from rpcdl.local import LocalWorkers, local_workers
 from rpcdl.seeding import derive_seed
 
-__all__ = ["WORKERS_ENV", "RPCDataModule", "cli_main", "read_workers_file", "resolve_workers"]
+__all__ = ["WORKERS_ENV", "DataFlowLogger", "RPCDataModule", "cli_main", "read_workers_file", "resolve_workers"]
 
 log = logging.getLogger("rpcdl.lightning")
 
@@ -175,6 +178,44 @@ class _TrainerLoader(RPCDataloader):
         return state
 
 
+# ---------------------------------------------------------------------------- the data flow, logged
+
+
+class DataFlowLogger(pl.Callback):
+    """Logs the training loader's data flow at the end of each training epoch, through the trainer's loggers.
+
+    :class:`RPCDataModule` adds one to its trainer. The figures cover the
+    epoch's training batches, from the end of the previous training epoch
+    (see :class:`~rpcdl.data.flow.FlowFigures`): ``rpcdl/data_wait_fraction``
+    (of the loop's time, spent blocked on the loader), ``rpcdl/batches_per_second``
+    and ``rpcdl/workers_needed`` (workers of the measured speed that keep this
+    rank fed; absent until measured). Each rank logs its own.
+
+    Args:
+        datamodule: whose training loader to read.
+    """
+
+    def __init__(self, datamodule: RPCDataModule):
+        self.datamodule = datamodule
+        self._baseline: tuple[RPCDataloader | None, FlowSnapshot] = (None, FlowSnapshot())
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = self.datamodule.loaders.get("train")
+        if loader is None:
+            return
+        now = loader.data_flow()
+        previous_loader, previous = self._baseline
+        figures = now.since(previous if previous_loader is loader else FlowSnapshot())
+        self._baseline = (loader, now)
+        metrics = {
+            "rpcdl/data_wait_fraction": figures.data_wait_fraction,
+            "rpcdl/batches_per_second": figures.batches_per_second,
+        }
+        if math.isfinite(figures.workers_needed):
+            metrics["rpcdl/workers_needed"] = figures.workers_needed
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True)
+
+
 # ---------------------------------------------------------------------------- the data module
 
 
@@ -191,6 +232,11 @@ class RPCDataModule(pl.LightningDataModule):
     and stops the local workers the module started. ``state_dict`` holds the
     position in the training epoch: a checkpoint saved mid-epoch resumes with
     the batches not yet seen.
+
+    Each training epoch it logs ``rpcdl/data_wait_fraction``,
+    ``rpcdl/batches_per_second`` and ``rpcdl/workers_needed`` through the
+    trainer's loggers (:class:`DataFlowLogger`), and with ``RPCDL_METRICS_PORT``
+    set it serves the process's Prometheus metrics (see :func:`rpcdl.serve_metrics`).
 
     Args:
         workers: where the workers are: a list of ``HOST:PORT``; a path to a file
@@ -313,6 +359,9 @@ class RPCDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is not None:
             self.rank, self.world_size = trainer.global_rank, trainer.world_size
+            serve_metrics_from_environment(trainer.local_rank)
+            if not any(isinstance(callback, DataFlowLogger) for callback in trainer.callbacks):
+                trainer.callbacks.append(DataFlowLogger(self))
         if self._base_seed is None:
             self._base_seed = self._default_seed()
         if not self.workers:

@@ -37,6 +37,7 @@ _EXPORTS = {
     "NoWorkersLeft": "data.scheduler",
     "local_workers": "local",
     "set_random_seeds": "seeding",
+    "serve_metrics": "data.metrics",
     "CacheLoader": "data.cache.cached",
     "CachedDataset": "data.cache.cached",
 }
@@ -71,6 +72,7 @@ __all__ = [
     "rpc_async",
     "rpc_sync",
     "run_worker",
+    "serve_metrics",
     "set_random_seeds",
     "shutdown",
     "stats",
@@ -96,6 +98,7 @@ if TYPE_CHECKING:
     from .data.cache.cached import CachedDataset, CacheLoader
     from .data.dataloader import RPCDataloader
     from .data.dataset import RPCDataset
+    from .data.metrics import serve_metrics
     from .data.scheduler import NoWorkersLeft
     from .errors import (
         AuthenticationError,

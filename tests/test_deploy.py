@@ -240,3 +240,62 @@ def test_kubernetes_manifests_fit_together():
         for i in range(workers["spec"]["replicas"])
     ]
     assert addresses == expected
+
+
+def test_kubernetes_metrics_and_autoscaling_fit_the_workers_and_the_trainer():
+    import yaml
+
+    from rpcdl.cli import build_parser
+    from rpcdl.metrics.names import TRAINER_METRICS
+
+    docs = _manifests()
+    workers = docs["StatefulSet/rpcdl-worker"]
+    trainer = docs["Job/rpcdl-trainer"]
+    worker_container = _container(workers["spec"]["template"]["spec"], "worker")
+    trainer_container = _container(trainer["spec"]["template"]["spec"], "trainer")
+
+    def port_named(container: dict, name: str) -> int:
+        return next(p["containerPort"] for p in container["ports"] if p["name"] == name)
+
+    # Each worker serves its metrics on the port its container names "metrics".
+    options = build_parser().parse_args(worker_container["command"][1:] + worker_container["args"])
+    assert options.metrics_port == port_named(worker_container, "metrics")
+    # The trainer serves them on all its interfaces, on its port named "metrics".
+    env = {e["name"]: e.get("value") for e in trainer_container["env"]}
+    host, port = parse_address(env["RPCDL_METRICS_PORT"])
+    assert host == "0.0.0.0" and port == port_named(trainer_container, "metrics")
+
+    # Prometheus scrapes both: each PodMonitor selects its pods' labels and names a port they have.
+    for monitor, pods, container in (
+        ("PodMonitor/rpcdl-worker", workers, worker_container),
+        ("PodMonitor/rpcdl-trainer", trainer, trainer_container),
+    ):
+        spec = docs[monitor]["spec"]
+        labels = pods["spec"]["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items(), monitor
+        assert all(port_named(container, endpoint["port"]) for endpoint in spec["podMetricsEndpoints"])
+
+    # Both autoscalers scale the worker StatefulSet on the trainers' rpcdl_workers_needed, one replica per
+    # worker needed.
+    target = {"apiVersion": workers["apiVersion"], "kind": workers["kind"], "name": workers["metadata"]["name"]}
+    assert "rpcdl_workers_needed" in TRAINER_METRICS
+    hpa = docs["HorizontalPodAutoscaler/rpcdl-worker"]["spec"]
+    assert hpa["scaleTargetRef"] == target
+    assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["name"] == "rpcdl_workers_needed"
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    adapter = yaml.safe_load(docs["ConfigMap/prometheus-adapter"]["data"]["config.yaml"])
+    (rule,) = adapter["externalRules"]
+    assert rule["name"]["as"] == metric["external"]["metric"]["name"]
+    assert rule["seriesQuery"].startswith("rpcdl_workers_needed{")
+    assert "<<.Series>>" in rule["metricsQuery"] and "sum(" in rule["metricsQuery"]
+
+    keda = docs["ScaledObject/rpcdl-worker"]["spec"]
+    assert keda["scaleTargetRef"] == target
+    (trigger,) = keda["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "1"
+    assert re.search(r"\bsum\(.*\brpcdl_workers_needed\{", trigger["metadata"]["query"])
+    assert (keda["minReplicaCount"], keda["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])

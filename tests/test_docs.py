@@ -38,6 +38,7 @@ PUBLIC_NAMES = {
     "rpcdl": [
         "RPCDataset", "RPCDataloader", "rpc_async", "rpc_sync", "remote", "RRef", "run_worker", "Worker",
         "shutdown", "ping", "stats", "set_random_seeds", "local_workers", "CachedDataset", "CacheLoader",
+        "serve_metrics",
     ],
     "rpcdl.samplers": ["LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler"],
     "rpcdl.distributed": ["shard_workers", "distributed_loader"],
@@ -70,6 +71,8 @@ DOCTEST_MODULES = [
     "rpcdl.data.distributed",
     "rpcdl.data.samplers",
     "rpcdl.data.chunked_pass",
+    "rpcdl.data.flow",
+    "rpcdl.data.metrics",
     "rpcdl.data.guard",
     "rpcdl.data.pool",
     "rpcdl.data.records",

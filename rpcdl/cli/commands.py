@@ -110,6 +110,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         default="INFO",
         help="logging level on standard error: DEBUG, INFO, WARNING, ERROR or CRITICAL (default: %(default)s)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=port,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics on --host (0 picks a free port; with --procs N, "
+        "process i uses PORT+i); default: no metrics",
+    )
     parser.add_argument("--watch-pid", type=positive_int, help=argparse.SUPPRESS)
 
 
@@ -204,6 +211,7 @@ def run_worker_command(
             advertise=args.advertise,
             watch_pid=args.watch_pid,
             compression=args.compression,
+            metrics_port=args.metrics_port,
         )
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
@@ -216,11 +224,14 @@ def run_worker_command(
 
 def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Start ``--procs`` worker processes and supervise them until a signal."""
-    child_argv = _without_option(list(argv), "--procs")
+    child_argv = _without_option(_without_option(list(argv), "--procs"), "--port")
     children = []
     for index in range(args.procs):
         port = args.port + index if args.port else 0
-        command = [sys.executable, "-m", "rpcdl", "worker", *_without_option(child_argv, "--port"), "--port", str(port)]
+        command = [sys.executable, "-m", "rpcdl", "worker", *child_argv, "--port", str(port)]
+        if args.metrics_port is not None:
+            metrics_port = args.metrics_port + index if args.metrics_port else 0
+            command = [*_without_option(command, "--metrics-port"), "--metrics-port", str(metrics_port)]
         children.append(subprocess.Popen(command))
     from ..server.worker import StopSignals
 

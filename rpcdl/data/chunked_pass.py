@@ -22,7 +22,8 @@ generator refuses it as any generator does), and its passes refuse a second
 thread too. Any thread may close it: its lock guards the pass re-running a
 failed chunk, which the closing thread closes, and an event tells the thread
 advancing it to stop. A :class:`ServedCounts` is shared by the passes of a
-loader or remote map: its lock guards every access.
+loader or remote map: its lock guards every access; it tells its
+:class:`~rpcdl.data.flow.DataFlow` after letting that lock go.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 from ..errors import ChunkFailed
 from ..serialization.pickling import load_exception
 from .chunks import ChunkReader, ChunkSizer
+from .flow import DataFlow
 from .pool import WorkerPool
 from .records import Task
 from .scheduler import Call, Dispatch
@@ -57,6 +59,7 @@ class ServedCounts:
 
     Args:
         workers: the addresses counted from the start (at 0).
+        flow: told of each chunk's items, seconds and bytes too (a loader's :class:`~rpcdl.data.flow.DataFlow`).
 
     Example::
 
@@ -66,14 +69,17 @@ class ServedCounts:
         {'a:1': 3}
     """
 
-    def __init__(self, workers: Iterable[str]):
+    def __init__(self, workers: Iterable[str], flow: DataFlow | None = None):
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(workers, 0)
+        self._flow = flow
 
-    def add(self, worker: str, items: int) -> None:
-        """Count ``items`` more for ``worker``."""
+    def add(self, worker: str, items: int, seconds: float = 0.0, nbytes: int = 0) -> None:
+        """Count ``items`` more for ``worker``, which spent ``seconds`` making them, answered in ``nbytes``."""
         with self._lock:
             self._counts[worker] = self._counts.get(worker, 0) + items
+        if self._flow is not None:
+            self._flow.served(items, seconds, nbytes)
 
     def snapshot(self) -> dict[str, int]:
         """The counts now, a copy."""
@@ -181,7 +187,7 @@ class ChunkedPass(Iterator[ChunkedItem]):
             else:
                 values, seconds, nbytes, errors = error.values, error.seconds, error.nbytes, error.errors
             self._sizer.observe(len(chunk), seconds, nbytes)
-            self._served.add(worker, len(chunk))
+            self._served.add(worker, len(chunk), seconds, nbytes)
             for index, (item, value) in enumerate(zip(chunk, values, strict=True)):
                 report = errors.get(index)
                 failure = None if report is None else load_exception(report, worker)

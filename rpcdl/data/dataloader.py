@@ -36,7 +36,9 @@ from .chunks import ChunkSizer
 from .dataset import DatasetSetup, RPCDataset
 from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
 from .fetch import fetch_batches_at, fetch_samples_at
+from .flow import LIVE_POOLS, PROCESS_FLOW, DataFlow, FlowSnapshot
 from .loader_state import EpochBook, check_state, loader_shape
+from .metrics import serve_metrics_from_environment
 from .pool import WorkerPool
 from .probes import PROBE_TIMEOUT
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
@@ -192,7 +194,10 @@ class RPCDataloader:
         self._pool = WorkerPool(
             dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(), setup=setup
         )
-        self._batches_served = ServedCounts(dataset.workers)
+        LIVE_POOLS.add(self._pool)
+        serve_metrics_from_environment()  # when RPCDL_METRICS_PORT asks for it, once per process
+        self._flow = DataFlow(parent=PROCESS_FLOW)
+        self._batches_served = ServedCounts(dataset.workers, self._flow)
         random_sampler = sampler if batch_sampler is None else getattr(batch_sampler, "sampler", sampler)
         samplers = [s for s in (sampler, batch_sampler, getattr(batch_sampler, "sampler", None)) if s]
         self._epochs = EpochBook(samplers, random_sampler, generator)
@@ -238,6 +243,20 @@ class RPCDataloader:
     @max_batches_per_call.setter
     def max_batches_per_call(self, value: int) -> None:
         self._chunk_sizer.max_chunk_size = check_max_batches_per_call(value)
+
+    def data_flow(self) -> FlowSnapshot:
+        """This loader's data flow so far: batches, seconds its consumer waited in ``next()`` and worked between
+        them, seconds its workers spent on the batches. Two snapshots give the figures between them.
+
+        Example::
+
+            >>> start = loader.data_flow()  # doctest: +SKIP
+            >>> for batch in loader: ...  # doctest: +SKIP
+            >>> figures = loader.data_flow().since(start)  # doctest: +SKIP
+            >>> figures.data_wait_fraction, figures.workers_needed  # doctest: +SKIP
+            (0.42, 3.4)
+        """
+        return self._flow.snapshot()
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
@@ -319,6 +338,7 @@ class RPCDataloader:
             in_order=self.in_order,
             book=self._epochs,
             reseed_timeout=self._revival_wait(),
+            flow=self._flow,
         )
 
     def state_dict(self) -> dict[str, Any]:

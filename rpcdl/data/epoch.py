@@ -24,14 +24,25 @@ finished) belongs to that thread. :meth:`EpochIterator.close` may come from any
 thread: it sets an event the advancing thread reads at its next step, and
 closes the running epoch's pass, which the advancing thread publishes under
 the iterator's lock as it starts. Its position belongs to its loader's
-:class:`~rpcdl.data.loader_state.EpochBook`.
+:class:`~rpcdl.data.loader_state.EpochBook`. The time its ``next()`` last
+returned is the advancing thread's; what it measures goes to the loader's
+:class:`~rpcdl.data.flow.DataFlow`, under the flow's lock.
+
+Each ``next()`` is timed: the seconds spent in it are data wait, those since
+the previous one returned are the consumer's work (see
+:mod:`rpcdl.data.flow`). An epoch that runs to its end and waited more than
+:data:`WAIT_WARNING_FRACTION` of its time says so in one warning on
+:data:`WAIT_LOGGER`, with the workers that would keep it fed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -44,17 +55,32 @@ from ..seeding import derive_seed, set_random_seeds
 from .chunked_pass import ChunkedPass, ChunkedPassState, ServedCounts
 from .chunks import ChunkSizer
 from .dataset import RPCDataset
+from .flow import DataFlow, FlowSnapshot
 from .guard import EntryGuard
 from .loader_state import EpochBook, Position
 from .pool import WorkerPool
 from .records import Task
 from .scheduler import NoWorkersLeft
 
-__all__ = ["TARGET_CHUNK_BYTES", "EpochCall", "EpochIterator", "EpochOpener", "EpochPlan"]
+__all__ = [
+    "TARGET_CHUNK_BYTES",
+    "WAIT_LOGGER",
+    "WAIT_WARNING_FRACTION",
+    "EpochCall",
+    "EpochIterator",
+    "EpochOpener",
+    "EpochPlan",
+]
+
+#: The logger of the epochs' data-wait warnings (a child of ``rpcdl.dataloader``): raise its level to silence them.
+WAIT_LOGGER = logging.getLogger("rpcdl.dataloader.wait")
 
 #: The size of the answer a chunk of batches aims at, in bytes. Enough batches to make a call's overhead
 #: small, few enough that the batches in flight stay a few MB and that a chunk crosses a slow link quickly.
 TARGET_CHUNK_BYTES = 256 * 1024
+
+#: An epoch whose consumer waited for data more than this fraction of its time logs a warning as it ends.
+WAIT_WARNING_FRACTION = 0.05
 
 
 class EpochCall:
@@ -115,6 +141,7 @@ class EpochPlan:
         book: the loader's epochs.
         reseed_timeout: seconds each worker has to be reseeded at the start
             (when ``call.seed`` is set).
+        flow: the loader's data flow, told how long each ``next()`` waited.
     """
 
     position: Position
@@ -126,6 +153,7 @@ class EpochPlan:
     in_order: bool
     book: EpochBook
     reseed_timeout: float
+    flow: DataFlow
 
 
 class EpochOpener(Protocol):
@@ -145,6 +173,7 @@ class _NotStarted:
 class _Running:
     plan: EpochPlan
     batches: ChunkedPass
+    flow_at_start: FlowSnapshot
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,10 +197,12 @@ class EpochIterator(Iterator[Any]):
         self._closing = threading.Event()  # set by close(), from any thread
         self._lock = threading.Lock()  # guards _closable: the epoch running, published for close()
         self._closable: _Running | _Finished = _FINISHED
+        self._returned_at = 0.0  # when next() last returned, while running (the advancing thread's)
 
     def __next__(self) -> Any:
         if not self._entry.try_enter():
             raise self._entry.busy()
+        entered = time.perf_counter()
         try:
             stage = self._stage
             if type(stage) is not _Running:
@@ -179,15 +210,21 @@ class EpochIterator(Iterator[Any]):
                     self._stage = _FINISHED
                     raise StopIteration
                 stage = self._start(stage.opener)
+                worked = 0.0  # the time before an epoch's first batch is not the consumer's work on it
+            else:
+                worked = entered - self._returned_at
             try:
                 item = next(stage.batches)
-            except (StopIteration, NoWorkersLeft):
-                self._end(stage)
+            except (StopIteration, NoWorkersLeft) as exc:
+                self._count(stage, entered, worked, batches=0)
+                self._end(stage, complete=isinstance(exc, StopIteration))
                 raise
             except Exception:
+                self._count(stage, entered, worked, batches=0)
                 if stage.batches.state is ChunkedPassState.SOURCE_FAILED:  # the sampler raised, after its batches
                     self._end(stage)
                 raise
+            self._count(stage, entered, worked, batches=1)
             seq, indices = item.payload
             plan = stage.plan
             plan.book.yielded(plan.position, seq)
@@ -231,7 +268,9 @@ class EpochIterator(Iterator[Any]):
             if plan.call.seed is not None:
                 _reseed(plan)
             running = _Running(
-                plan, ChunkedPass(plan.pool, batched, plan.call, plan.sizer, plan.served, in_order=plan.in_order)
+                plan,
+                ChunkedPass(plan.pool, batched, plan.call, plan.sizer, plan.served, in_order=plan.in_order),
+                plan.flow.snapshot(),
             )
         except BaseException:
             self._stage = _FINISHED
@@ -244,11 +283,18 @@ class EpochIterator(Iterator[Any]):
             running.batches.close()
         return running
 
-    def _end(self, stage: _Running) -> None:
+    def _count(self, stage: _Running, entered: float, worked: float, batches: int) -> None:
+        """Tell the loader's flow how long this ``next()`` waited, and how long the consumer worked before it."""
+        self._returned_at = now = time.perf_counter()
+        stage.plan.flow.yielded(now - entered, worked, batches)
+
+    def _end(self, stage: _Running, complete: bool = False) -> None:
         self._stage = _FINISHED
         with self._lock:
             self._closable = _FINISHED
         stage.plan.book.finished(stage.plan.position)
+        if complete:
+            _warn_if_waited(stage)
 
     @staticmethod
     def _annotate(exc: BaseException, epoch: int, seq: int, indices: Any, worker: str) -> BaseException:
@@ -258,6 +304,31 @@ class EpochIterator(Iterator[Any]):
             shown = repr(indices)
         exc.add_note(f"while loading batch {seq} of epoch {epoch} (indices {shown}) on worker {worker}")
         return exc
+
+
+def _warn_if_waited(stage: _Running) -> None:
+    """Log one warning if the epoch's consumer waited for data more than :data:`WAIT_WARNING_FRACTION` of it."""
+    figures = stage.plan.flow.snapshot().since(stage.flow_at_start)
+    fraction = figures.data_wait_fraction
+    if fraction <= WAIT_WARNING_FRACTION:
+        return
+    needed = figures.workers_needed
+    advice = (
+        f"about {math.ceil(needed)} workers of the measured speed would keep it fed"
+        if math.isfinite(needed)
+        else "the loop does nothing but take batches, so no number of workers keeps it fed"
+    )
+    WAIT_LOGGER.warning(
+        "the training loop waited for data %.0f%% of epoch %d (%.1f s of %.1f s, %d batches): %s "
+        "(it has %d; see rpcdl_workers_needed)",
+        100 * fraction,
+        stage.plan.position.epoch,
+        figures.wait_seconds,
+        figures.wait_seconds + figures.work_seconds,
+        figures.batches,
+        advice,
+        len(stage.plan.pool.active()),
+    )
 
 
 def _reseed(plan: EpochPlan) -> None:

@@ -44,6 +44,7 @@ import torch
 
 from ..rpc.client import read_in_background
 from .events import WAKE, Orphaned, post_probe_end
+from .flow import CALL_SECONDS
 from .probes import PROBE_TIMEOUT, PingSetup, Revival, WorkerSetup
 from .records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
 from .scheduling_policy import SchedulingPolicy, active
@@ -223,8 +224,11 @@ class PoolState:
                 attempt.state = AttemptState.ANSWERED
 
     def observe(self, attempt: Attempt, measure_link: bool) -> None:
-        """Learn from the answer of ``attempt``, seen now (see :meth:`SchedulingPolicy.observe`)."""
-        self.policy.observe(self.slots[attempt.worker], attempt, self.clock(), measure_link=measure_link)
+        """Learn from the answer of ``attempt``, seen now (see :meth:`SchedulingPolicy.observe`); count its
+        duration in :data:`~rpcdl.data.flow.CALL_SECONDS`."""
+        now = self.clock()
+        CALL_SECONDS.observe(now - attempt.sent_at)
+        self.policy.observe(self.slots[attempt.worker], attempt, now, measure_link=measure_link)
 
     def gives_up(self, task: Task) -> bool:
         """Whether ``task`` timed out on as many workers as could serve it."""

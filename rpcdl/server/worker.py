@@ -61,6 +61,7 @@ from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
 from .calls import CallRunner
 from .counters import Counters
+from .metrics import serve_worker_metrics
 from .process import StopSignals, append_address, process_exists
 from .session import PROMOTE_AFTER, ClientConnection, shutdown_socket
 from .slots import Slots
@@ -474,6 +475,7 @@ def run_worker(
     compression: str | None = None,
     on_ready: Callable[[Worker], Any] | None = None,
     watch_pid: int | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Listen and serve calls until SIGTERM or SIGINT (blocks).
 
@@ -495,6 +497,9 @@ def run_worker(
         on_ready: called with the started worker instead of printing the address.
         watch_pid: stop as SIGTERM would when the process with this pid is gone
             (local workers follow the process that started them).
+        metrics_port: serve Prometheus metrics at ``http://HOST:PORT/metrics`` on
+            ``host``, this port (``0`` picks one; see :mod:`rpcdl.server.metrics`);
+            ``None``: no metrics.
 
     Example::
 
@@ -515,7 +520,11 @@ def run_worker(
         compression=compression,
     ).start()
     stop = StopSignals().install()
+    metrics = None
     try:
+        if metrics_port is not None:
+            metrics = serve_worker_metrics(worker, metrics_port, host)
+            log.info("rpcdl worker %s serves metrics at %s", worker.address, metrics.url)
         if address_file is not None:
             append_address(address_file, worker.address)
         if on_ready is not None:
@@ -529,6 +538,8 @@ def run_worker(
                 break
         log.info("rpcdl worker %s stopping", worker.address)
     finally:
+        if metrics is not None:
+            metrics.stop()
         finished = worker.stop(grace)
         stop.restore()
     if not finished:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -120,6 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     """Run ``rpcdl bench`` with parsed arguments; return the exit code."""
+    # Its loops take batches and do nothing else: that they wait for data is what they measure, not news.
+    logging.getLogger("rpcdl.dataloader.wait").setLevel(logging.ERROR)
     if args.workers:
         args.workers = [address for listed in args.workers for address in listed]
     sizes = Sizes.quick() if args.quick else Sizes()
