@@ -36,6 +36,8 @@ from .chunks import ChunkSizer
 from .dataset import DatasetSetup, RPCDataset
 from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
 from .fetch import fetch_batches_at, fetch_samples_at
+from .elastic import WHOLE_EPOCH, ElasticDistributedSampler
+from .global_state import check_loader_state, epoch_batches, global_fields
 from .loader_state import EpochBook, check_state, loader_shape
 from .pool import WorkerPool
 from .probes import PROBE_TIMEOUT
@@ -261,9 +263,26 @@ class RPCDataloader:
         self._epochs.choose(check_int(epoch, "epoch", minimum=0))
 
     def __len__(self) -> int:
+        return self._batches_numbered()
+
+    def _batches_numbered(self) -> int:
+        """The batches of an epoch; in one resumed on another cluster shape, the batches counted before it too."""
         if self.batch_sampler is not None:
-            return len(self.batch_sampler)
-        return len(self.sampler)
+            batches = len(self.batch_sampler)
+        else:
+            batches = len(self.sampler)
+        elastic = self._elastic_sampler()
+        return batches + (elastic.origin.first_batch if elastic is not None else 0)
+
+    def _elastic_sampler(self) -> ElasticDistributedSampler | None:
+        """The sampler when its epochs resume from a global position (it is this loader's, batched by
+        torch's ``BatchSampler``), else ``None``."""
+        sampler = self.sampler
+        if isinstance(sampler, ElasticDistributedSampler) and (
+            self.batch_sampler is None or type(self.batch_sampler) is BatchSampler
+        ):
+            return sampler
+        return None
 
     @property
     def epoch(self) -> int | None:
@@ -335,8 +354,18 @@ class RPCDataloader:
         restored through its generator). Once every batch of an epoch has been
         yielded, the state is the start of the next epoch.
         """
-        shape = loader_shape(self)
-        return {**shape, **self._epochs.state(shape["batches"])}
+        try:
+            batches: int | None = self._batches_numbered()
+        except TypeError:
+            batches = None
+        shape = loader_shape(self, batches, self._epochs.seed_source())
+        position = self._epochs.state(batches)
+        elastic = self._elastic_sampler()
+        if elastic is None:
+            return {**shape, **{name: value for name, value in position.items() if name != "origin"}}
+        # The epoch's batches from the position's origin (the next epoch's may differ from the one just done).
+        shape["batches"] = epoch_batches(elastic, position["origin"], self.batch_size, self.drop_last)
+        return {**shape, **position, **global_fields(elastic, position, self.batch_size, self.drop_last)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch.
@@ -347,9 +376,21 @@ class RPCDataloader:
                 a loader whose batches differ (the message names each differing
                 field with both values).
         """
-        state = check_state(state, loader_shape(self))
+        try:
+            batches: int | None = self._batches_numbered()
+        except TypeError:
+            batches = None
+        shape = loader_shape(self, batches, self._epochs.seed_source())
+        elastic = self._elastic_sampler()
+        if elastic is None:
+            state = check_state(state, shape)
+        else:
+            shape["batches"] = epoch_batches(elastic, WHOLE_EPOCH, self.batch_size, self.drop_last)
+            state = check_loader_state(state, shape, elastic, self.batch_size, self.drop_last)
         self.close()
         self._epochs.resume(state)
+        if elastic is not None:
+            elastic.set_origin(state["origin"])  # its length tells the resumed epoch's now (a trainer asks it)
 
     def __repr__(self) -> str:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"
