@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from rpcdl.address import check_workers, parse_address
 from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
 from rpcdl.data.dataloader import RPCDataloader, check_max_batches_per_call
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import shard_workers
+from rpcdl.data.elastic import WHOLE_EPOCH, ElasticDistributedSampler, share_batches
+from rpcdl.data.global_state import next_epoch_state
 from rpcdl.integrations._recipes import dataset_recipe, import_object
 from rpcdl.local import LocalWorkers, local_workers
 from rpcdl.seeding import derive_seed
@@ -166,12 +168,23 @@ class _TrainerLoader(RPCDataloader):
     def _requested_epoch(self) -> int | None:
         return self._epoch_source()  # a loaded state still wins: it names its own epoch
 
+    def __len__(self) -> int:
+        # Lightning reads the length once, as the limit of every epoch: after an epoch resumed on another
+        # cluster shape (its length is the batches counted before it and this rank's share of the rest),
+        # the whole epochs that follow must fit too. An epoch shorter than the limit ends with its batches.
+        numbered = super().__len__()
+        sampler = self.sampler
+        if isinstance(sampler, ElasticDistributedSampler) and self.batch_size is not None:
+            whole = share_batches(sampler.share_length(WHOLE_EPOCH), self.batch_size, self.drop_last)
+            return max(numbered, whole)
+        return numbered
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         # Lightning ends an epoch at its batch limit without asking for more batches: a state at
         # the limit is the start of the next epoch.
         if not state["yielded_extra"] and state["yielded_prefix"] >= self._batch_limit():
-            state = {**state, "epoch": state["epoch"] + 1, "yielded_prefix": 0}
+            state = next_epoch_state(state)
         return state
 
 
@@ -429,7 +442,7 @@ class RPCDataModule(pl.LightningDataModule):
         if split == "predict":
             sampler: Sampler = _UnpaddedShard(len(dataset), self.rank, self.world_size)
         else:
-            sampler = DistributedSampler(
+            sampler = ElasticDistributedSampler(
                 dataset, num_replicas=self.world_size, rank=self.rank,
                 shuffle=self.shuffle and training, seed=self._base_seed, drop_last=False,
             )  # fmt: skip

@@ -34,9 +34,9 @@ from ..checks import check_int, check_loader_timeout, check_positive_int
 from .chunked_pass import ServedCounts
 from .chunks import ChunkSizer
 from .dataset import DatasetSetup, RPCDataset
+from .elastic import WHOLE_EPOCH, ElasticDistributedSampler
 from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
 from .fetch import fetch_batches_at, fetch_samples_at
-from .elastic import WHOLE_EPOCH, ElasticDistributedSampler
 from .global_state import check_loader_state, epoch_batches, global_fields
 from .loader_state import EpochBook, check_state, loader_shape
 from .pool import WorkerPool
@@ -267,10 +267,7 @@ class RPCDataloader:
 
     def _batches_numbered(self) -> int:
         """The batches of an epoch; in one resumed on another cluster shape, the batches counted before it too."""
-        if self.batch_sampler is not None:
-            batches = len(self.batch_sampler)
-        else:
-            batches = len(self.sampler)
+        batches = len(self.batch_sampler) if self.batch_sampler is not None else len(self.sampler)
         elastic = self._elastic_sampler()
         return batches + (elastic.origin.first_batch if elastic is not None else 0)
 

@@ -75,8 +75,7 @@ class Origin:
         """
         if not isinstance(value, dict) or not {"consumed", "consumed_extra", "first_batch"} <= value.keys():
             raise TypeError(
-                "a state's origin must be a dict with consumed, consumed_extra and first_batch, "
-                f"got {value!r:.100}"
+                f"a state's origin must be a dict with consumed, consumed_extra and first_batch, got {value!r:.100}"
             )
         consumed, extra, first = value["consumed"], value["consumed_extra"], value["first_batch"]
         check_position(consumed, extra, length, "origin")
