@@ -1,0 +1,84 @@
+"""Resume anywhere with Lightning: a checkpoint of 4 DDP ranks (CPU, gloo) resumes on 2 and on 3 ranks,
+mid-epoch and at an epoch's end, every sample once per epoch (see tests/lightning_resume_job.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from lightning_resume_job import BATCH_SIZE, SAMPLES, SAVED_AFTER_BATCH
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _run(workers: list[str], *args: str) -> None:
+    env = dict(os.environ, RPCDL_WORKERS=",".join(workers), PYTHONPATH=os.pathsep.join(sys.path))
+    job = subprocess.run(
+        [sys.executable, str(TESTS / "lightning_resume_job.py"), *args],
+        env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stderr[-6000:]
+
+
+def _records(directory: Path, world_size: int) -> list[dict]:
+    ranks = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    assert [seen["world_size"] for seen in ranks] == [world_size] * world_size
+    return [record for seen in ranks for record in seen["records"]]
+
+
+def _samples(records: list[dict], epoch: int, batches=range(10**6)) -> list[int]:
+    return [i for r in records if r["epoch"] == epoch and r["batch"] in batches for i in r["indices"]]
+
+
+def _assert_once(samples: list[int], world_size: int, left: int) -> None:
+    """``samples`` hold each of the ``left`` samples once, and at most the padding of a split among ``world_size``."""
+    counts = Counter(samples)
+    padding = -left % world_size
+    assert len(samples) == left + padding and len(counts) == left, sorted(counts.items())
+
+
+@pytest.fixture(scope="module")
+def saved(two_workers, tmp_path_factory) -> Path:
+    """4 ranks fit epoch 0 and save mid.ckpt (after batch 1) and end.ckpt."""
+    out = tmp_path_factory.mktemp("resume")
+    _run(two_workers, "save", str(out))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_4_rank_checkpoint_resumes_on_another_number_of_ranks(two_workers, saved, devices):
+    before = _records(saved / "save", 4)
+    assert len(_samples(before, 0)) == SAMPLES  # 4 ranks: 10 samples each, no padding
+    taken = _samples(before, 0, range(SAVED_AFTER_BATCH + 1))
+    assert len(taken) == len(set(taken)) == 4 * (SAVED_AFTER_BATCH + 1) * BATCH_SIZE
+
+    # the ranks' states agree (rank 0's is the one saved), but for the rank
+    for name, consumed in (("mid", len(taken)), ("end", 0)):
+        states = [json.loads((saved / "states" / f"{name}-rank{r}.json").read_text()) for r in range(4)]
+        loaders = [{**state["train_loader"], "layout": {**state["train_loader"]["layout"], "rank": 0}} for state in states]
+        assert all(loader == loaders[0] for loader in loaders), loaders
+        assert loaders[0]["consumed"] == consumed and loaders[0]["epoch"] == (0 if name == "mid" else 1)
+
+    _run(two_workers, "resume", str(saved), str(devices))
+
+    mid = _records(saved / f"resume{devices}-mid", devices)
+    resumed = _samples(mid, 0)
+    assert min(r["batch"] for r in mid if r["epoch"] == 0) == SAVED_AFTER_BATCH + 1  # Lightning counts on
+    assert not set(resumed) & set(taken)
+    _assert_once(resumed, devices, SAMPLES - len(taken))  # epoch 0: the rest, once
+    _assert_once(_samples(mid, 1), devices, SAMPLES)  # epoch 1: whole, on the new world size
+
+    end = _records(saved / f"resume{devices}-end", devices)
+    assert {r["epoch"] for r in end} == {1}
+    _assert_once(_samples(end, 1), devices, SAMPLES)
+    assert sorted(_samples(end, 1)) == sorted(_samples(mid, 1))  # the same epoch 1 either way
