@@ -179,6 +179,13 @@ class _TrainerLoader(RPCDataloader):
             return max(numbered, whole)
         return numbered
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            super().load_state_dict(state)
+        except (TypeError, ValueError) as exc:
+            exc.add_note(_CANNOT_RESUME)
+            raise
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         # Lightning ends an epoch at its batch limit without asking for more batches: a state at
@@ -186,6 +193,15 @@ class _TrainerLoader(RPCDataloader):
         if not state["yielded_extra"] and state["yielded_prefix"] >= self._batch_limit():
             state = next_epoch_state(state)
         return state
+
+
+_CANNOT_RESUME = (
+    "RPCDataModule: this checkpoint's position in the training epoch does not fit this run's training data "
+    "(above: what differs). Resume it with the same train_dataset, shuffle and seed (any number of ranks, batch "
+    "size and workers will do), or start the epoch again: resume from a checkpoint saved at an epoch's end "
+    "(ModelCheckpoint(save_on_train_epoch_end=True)), whose position, the start of the next epoch, any "
+    "training data resumes."
+)
 
 
 # ---------------------------------------------------------------------------- the data module

@@ -14,7 +14,12 @@ import pytest
 
 pytest.importorskip("lightning")
 
+import lightning.pytorch as pl
+from helpers_lightning import RecordingModel
 from lightning_resume_job import BATCH_SIZE, SAMPLES, SAVED_AFTER_BATCH
+from probe_dataset import probe_spec
+
+from rpcdl.integrations.lightning import RPCDataModule
 
 TESTS = Path(__file__).resolve().parent
 
@@ -65,7 +70,9 @@ def test_a_4_rank_checkpoint_resumes_on_another_number_of_ranks(two_workers, sav
     # the ranks' states agree (rank 0's is the one saved), but for the rank
     for name, consumed in (("mid", len(taken)), ("end", 0)):
         states = [json.loads((saved / "states" / f"{name}-rank{r}.json").read_text()) for r in range(4)]
-        loaders = [{**state["train_loader"], "layout": {**state["train_loader"]["layout"], "rank": 0}} for state in states]
+        loaders = [
+            {**state["train_loader"], "layout": {**state["train_loader"]["layout"], "rank": 0}} for state in states
+        ]
         assert all(loader == loaders[0] for loader in loaders), loaders
         assert loaders[0]["consumed"] == consumed and loaders[0]["epoch"] == (0 if name == "mid" else 1)
 
@@ -82,3 +89,38 @@ def test_a_4_rank_checkpoint_resumes_on_another_number_of_ranks(two_workers, sav
     assert {r["epoch"] for r in end} == {1}
     _assert_once(_samples(end, 1), devices, SAMPLES)
     assert sorted(_samples(end, 1)) == sorted(_samples(mid, 1))  # the same epoch 1 either way
+
+
+class _SaveAfter(pl.Callback):
+    def __init__(self, path: Path, batch: int):
+        self.path, self.batch = path, batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch and trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+def _fit(workers, samples: int, epochs: int = 1, **options) -> RecordingModel:
+    data = RPCDataModule(workers=workers, train_dataset=probe_spec(samples), batch_size=4, shuffle=True, seed=3)
+    model = RecordingModel()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(options.pop("callbacks", ())),
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data, **options)
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_over_other_data_is_refused_saying_how_to_go_on(two_workers, tmp_path):
+    checkpoint = tmp_path / "mid.ckpt"
+    _fit(two_workers, 24, callbacks=[_SaveAfter(checkpoint, 1)])
+    with pytest.raises(ValueError, match="length: the state has 24, this loader has 20") as info:
+        _fit(two_workers, 20, ckpt_path=str(checkpoint))
+    assert "start the epoch again" in "\n".join(info.value.__notes__)
+
+    # the way on the message gives: a checkpoint saved at the epoch's end
+    _fit(two_workers, 24, callbacks=[_SaveAfter(checkpoint, 5)])  # 24 samples: batches 0..5
+    model = _fit(two_workers, 20, ckpt_path=str(checkpoint), epochs=2)
+    assert {r["epoch"] for r in model.records} == {1}
+    assert sorted(i for r in model.records for i in r["indices"]) == list(range(20))

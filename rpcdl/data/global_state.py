@@ -15,7 +15,9 @@ any world size resumes.
 Loading (:func:`check_loader_state`): a state taken by the same rank, world size
 and batches resumes exactly where that rank stopped; any other state resumes
 from its global position: the positions left are split among the new ranks
-(:mod:`rpcdl.data.elastic`), each once.
+(:mod:`rpcdl.data.elastic`), each once. A state over another order (dataset
+length, ``shuffle``, ``seed``) is refused, unless it is at the start of an epoch
+(a checkpoint saved at an epoch's end): then it only names the epoch.
 
 Threading: pure functions, called by the loader's user thread.
 """
@@ -107,6 +109,10 @@ def check_loader_state(
         return {**checked, "origin": WHOLE_EPOCH}
     layout = sampler.layout()
     saved = state["layout"]
+    if _at_epoch_start(state):
+        # Nothing of the epoch consumed: the state names an epoch, which any order starts whole.
+        checked = check_state(state, {**shape, **{name: state.get(name, shape[name]) for name in _SPLIT_FIELDS}})
+        return {**checked, "generator_state": None, "origin": WHOLE_EPOCH}
     refuse_other_order(saved, layout, "loader")
     length = layout["length"]
     origin = Origin.from_state(state.get("origin"), length)
@@ -140,6 +146,16 @@ def check_loader_state(
         "generator_state": None,
         "origin": Origin(consumed, tuple(sorted(extra)), first),
     }
+
+
+def _at_epoch_start(state: dict[str, Any]) -> bool:
+    """Whether ``state`` is at the start of its epoch (nothing consumed, nothing yielded)."""
+    return (
+        state.get("yielded_prefix") == 0
+        and state.get("yielded_extra") == []
+        and state.get("consumed") == 0
+        and state.get("consumed_extra") == []
+    )
 
 
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
