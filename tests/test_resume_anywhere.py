@@ -312,3 +312,30 @@ def test_a_state_from_a_loader_with_a_generator_is_refused_by_one_without_and_th
     same = build(saved_with_generator)
     same.load_state_dict(state)
     assert len([i for batch in same for i in batch.tolist()]) == N - 5
+
+
+# ---------------------------------------------------------------------------- torchdata.nodes
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("old", "new"), [(4, 3), (2, 3)])
+def test_rpc_mapper_under_a_torchdata_loader_resumes_on_another_world_size(two_workers, old, new):
+    """SamplerWrapper(ElasticDistributedSampler) -> RPCMapper -> Batcher -> Loader: a rank's Loader state
+    (its sampler's global position) resumes on ``new`` ranks, every sample once."""
+    nodes = pytest.importorskip("torchdata.nodes")
+    from rpcdl.integrations.torchdata import RPCMapper
+
+    def pipeline(world_size, rank):
+        sampler = ElasticDistributedSampler(range(N), num_replicas=world_size, rank=rank, seed=SEED)
+        mapped = RPCMapper(nodes.SamplerWrapper(sampler), two_workers, int, prefetch_factor=3)
+        return nodes.Loader(nodes.Batcher(mapped, batch_size=3, drop_last=False))
+
+    first = [pipeline(old, rank) for rank in range(old)]
+    iterators = [iter(loader) for loader in first]
+    before = [i for _ in range(3) for iterator in iterators for i in next(iterator)]  # items pulled ahead, too
+    state = first[-1].state_dict()
+    second = [pipeline(new, rank) for rank in range(new)]
+    for loader in second:
+        loader.load_state_dict(state)
+    after = [i for loader in second for batch in loader for i in batch]
+    assert_each_sample_once(before, after, new)
