@@ -218,8 +218,10 @@ class RPCDataModule(pl.LightningDataModule):
     are reseeded, so random augmentations differ between epochs and workers and
     the same ``seed`` draws them again. ``teardown`` frees the remote datasets
     and stops the local workers the module started. ``state_dict`` holds the
-    position in the training epoch: a checkpoint saved mid-epoch resumes with
-    the batches not yet seen.
+    global position in the training epoch (the samples consumed in the epoch's
+    order, the same on every rank): a checkpoint saved mid-epoch or at an
+    epoch's end resumes with the samples not yet seen, each once, on any number
+    of ranks, batch size and workers (see :doc:`/guides/resume`).
 
     Args:
         workers: where the workers are: a list of ``HOST:PORT``; a path to a file
@@ -384,7 +386,8 @@ class RPCDataModule(pl.LightningDataModule):
             context.__exit__(None, None, None)
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed and the training loader's position in its epoch."""
+        """The seed and the training loader's global position in its epoch (see
+        :meth:`rpcdl.RPCDataloader.state_dict`): every rank's is the same but for its rank."""
         state: dict[str, Any] = {"seed": self._base_seed if self._base_seed is not None else self._default_seed()}
         train = self.loaders.get("train")
         if train is not None:
@@ -392,7 +395,8 @@ class RPCDataModule(pl.LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next training epoch continues where it stopped."""
+        """Resume from :meth:`state_dict`, saved on any number of ranks: the next training epoch continues
+        where it stopped, its samples not consumed split among this run's ranks."""
         seed = state_dict.get("seed")
         if seed is not None:
             if self.seed is not None and seed != self.seed:

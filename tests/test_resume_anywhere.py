@@ -286,6 +286,15 @@ def test_a_state_over_another_order_is_refused_naming_what_differs(dataset, opti
     with pytest.raises(ValueError, match="length: the state has 50, this loader has 49"):
         shorter.load_state_dict(state)
 
+    # a state at an epoch's start consumed nothing: it names the epoch, which any order starts whole
+    for loader in first:
+        list(loader)
+    at_start = first[0].state_dict()
+    assert (at_start["epoch"], at_start["consumed"]) == (1, 0)
+    other.load_state_dict(at_start)
+    assert other.epoch is None and len(list(other)) == len(other) == 6  # rank 0 of 3: 17 samples, the whole epoch 1
+    assert other.epoch == 1
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("saved_with_generator", [True, False], ids=["generator-to-none", "none-to-generator"])

@@ -343,7 +343,18 @@ class RPCDataloader:
         The position is that of the iterator that yielded a batch last (when
         several are open at once). It records what determines the batches
         (their number per epoch, ``batch_size``, ``drop_last``, the sampler's
-        kind, ``in_order``): a loader whose batches differ refuses it.
+        kind, ``in_order``, and ``seed_source``: whether a random order comes
+        from the loader's ``generator``, from torch's global generator, or from
+        the sampler itself): a loader whose batches differ refuses it.
+
+        A loader over an :class:`~rpcdl.distributed.ElasticDistributedSampler`
+        (made by :func:`rpcdl.distributed.distributed_loader`) adds the global
+        position: the sampler's ``layout`` (the order's ``length``, ``shuffle``
+        and ``seed``, the ``world_size`` and ``rank``), ``consumed`` and
+        ``consumed_extra`` (the positions of the epoch's global order consumed,
+        counting every rank as having yielded the batches this one did) and the
+        ``origin`` of an epoch resumed on another shape. Such a state loads on
+        any rank of any world size and batch size (see :meth:`load_state_dict`).
 
         With the semantics of torchdata's ``StatefulDataLoader``: a loader that
         loads this state yields, on its next iteration, the batches of the same
@@ -367,11 +378,21 @@ class RPCDataloader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch.
 
+        A loader over an :class:`~rpcdl.distributed.ElasticDistributedSampler`
+        also resumes the state of another rank, world size or batch size over
+        the same order (dataset length, ``shuffle``, ``seed``): the samples of
+        the epoch not consumed are split among this loader's ranks, each once;
+        batches are numbered after those counted before, so ``len()`` is those
+        plus this rank's share of the rest until the epoch ends.
+
         Raises:
             TypeError: ``state`` is not a dict, or one of its fields has the wrong type.
             ValueError: a field is missing or out of range, or the state comes from
-                a loader whose batches differ (the message names each differing
-                field with both values).
+                a loader whose batches differ, or from another order (the
+                message names each differing field with both values), or holds
+                one rank's batches yielded out of order and is loaded on
+                another rank or world size (join the ranks' states with
+                :func:`rpcdl.distributed.merge_states`).
         """
         try:
             batches: int | None = self._batches_numbered()

@@ -42,7 +42,7 @@ __all__ = [
     "remaining_count",
 ]
 
-#: The fields of a layout that decide an epoch's global order: a state is refused by a sampler where one differs.
+#: The fields of a layout that decide an epoch's global order (a state whose layout differs in one is refused).
 ORDER_FIELDS = ("length", "shuffle", "seed")
 
 
@@ -187,8 +187,8 @@ class ElasticDistributedSampler(DistributedSampler):
     """A ``DistributedSampler`` whose epoch can resume from a global position taken on another world size.
 
     A whole epoch is exactly ``DistributedSampler``'s (the same order, padding
-    and shares, for the same ``seed``). An epoch resumed from an :class:`Origin`
-    (:meth:`set_origin`) lays the positions left out among this sampler's
+    and shares, for the same ``seed``). An epoch resumed from an
+    :class:`~rpcdl.data.elastic.Origin` (:meth:`set_origin`) lays the positions left out among this sampler's
     ``num_replicas`` ranks the same way, so every sample not consumed before is
     taken once. :func:`rpcdl.distributed.distributed_loader` and
     ``RPCDataModule`` build their loaders on it; their states hold the global
@@ -253,7 +253,7 @@ class ElasticDistributedSampler(DistributedSampler):
             return self._origin
 
     def set_origin(self, origin: Origin) -> None:
-        """Make the epoch start at ``origin`` (:data:`WHOLE_EPOCH`: at its beginning)."""
+        """Make the epoch start at ``origin`` (:data:`~rpcdl.data.elastic.WHOLE_EPOCH`: at its beginning)."""
         if origin.consumed > len(self.dataset):
             raise ValueError(f"origin {origin} is beyond the {len(self.dataset)} samples of the dataset")
         with self._lock:

@@ -9,7 +9,7 @@ position of the epoch's global order below it is consumed) and
 ``consumed_extra`` (positions consumed above it). The global position assumes
 that every rank yielded the batches this rank yielded, as data-parallel ranks
 do with ``in_order=True``. With ``in_order=False`` each rank's out-of-order
-batches are its own: :func:`merge_states` joins the ranks' states into one that
+batches are its own: :func:`~rpcdl.distributed.merge_states` joins the ranks' states into one that
 any world size resumes.
 
 Loading (:func:`check_loader_state`): a state taken by the same rank, world size

@@ -3,10 +3,13 @@
 A state is the position in an epoch (``epoch``, ``yielded_prefix``: batches
 ``0 .. yielded_prefix - 1`` were yielded, ``yielded_extra``: batches yielded
 beyond them, ``generator_state``: the sampler's random generator at the start of
-the epoch) and what determines the epoch's batches (:data:`SHAPE_FIELDS`). A
-position only means something in a loader that makes the same batches: a state
-is refused by a loader whose shape differs (:func:`check_state`). States written
-before the shape was recorded still load (their missing fields are not checked).
+the epoch) and what determines the epoch's batches (:data:`SHAPE_FIELDS`, with
+``seed_source``: where a random order comes from). A position only means
+something in a loader that makes the same batches: a state is refused by a
+loader whose shape differs (:func:`check_state`). States written before the
+shape was recorded still load (their missing fields are not checked). A loader
+over an :class:`~rpcdl.data.elastic.ElasticDistributedSampler` adds the global
+position (:mod:`rpcdl.data.global_state`), which loads on another shape.
 
 An :class:`EpochBook` keeps a loader's epochs: what the next one is
 (:class:`Counted`, :class:`Chosen` by ``set_epoch`` or :class:`Resumed` from a
@@ -62,7 +65,7 @@ class Shaped(Protocol):
 
 def loader_shape(loader: Shaped, batches: int | None, seed_source: str) -> dict[str, Any]:
     """The fields of :data:`SHAPE_FIELDS` for ``loader``, with its ``batches`` in an epoch (``None`` for a
-    sampler without length) and its ``seed_source`` (one of :data:`SEED_SOURCES`)."""
+    sampler without length) and its ``seed_source`` (one of :data:`~rpcdl.data.loader_state.SEED_SOURCES`)."""
     batch_sampler = loader.batch_sampler
     return {
         "batches": batches,
@@ -416,7 +419,8 @@ class EpochBook:
             }
 
     def seed_source(self) -> str:
-        """Where the random order of the loader's sampler comes from (one of :data:`SEED_SOURCES`)."""
+        """Where the random order of the loader's sampler comes from (one of
+        :data:`~rpcdl.data.loader_state.SEED_SOURCES`)."""
         with self._lock:
             if self._own_generator() is not None:
                 return "generator"
