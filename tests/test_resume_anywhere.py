@@ -287,9 +287,10 @@ def test_a_state_over_another_order_is_refused_naming_what_differs(dataset, opti
         shorter.load_state_dict(state)
 
     # a state at an epoch's start consumed nothing: it names the epoch, which any order starts whole
-    for loader in first:
+    ended = loaders(dataset, 2, batch_size=3)
+    for loader in ended:
         list(loader)
-    at_start = first[0].state_dict()
+    at_start = ended[0].state_dict()
     assert (at_start["epoch"], at_start["consumed"]) == (1, 0)
     other.load_state_dict(at_start)
     assert other.epoch is None and len(list(other)) == len(other) == 6  # rank 0 of 3: 17 samples, the whole epoch 1
