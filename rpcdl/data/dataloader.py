@@ -15,7 +15,9 @@ at a time (see :mod:`rpcdl.data.epoch`). What they share has one owner each:
 the workers' records are the pool's, under its lock
 (:mod:`rpcdl.data.pool`); the epochs' bookkeeping is the
 :class:`~rpcdl.data.loader_state.EpochBook`'s, under its lock; the chunk sizer
-and the served counts have their own locks. The loader's other fields are its
+and the served counts have their own locks, and so has an
+:class:`~rpcdl.data.elastic.ElasticDistributedSampler` for the origin of its
+epoch (set by :meth:`RPCDataloader.load_state_dict` and as an epoch begins). The loader's other fields are its
 settings, changed by the user's thread between epochs.
 """
 

@@ -171,9 +171,15 @@ class Position:
     """
 
     __slots__ = (
-        "epoch", "generator_state", "origin", "start_extra", "start_prefix", "state", "yielded_extra",
+        "epoch",
+        "generator_state",
+        "origin",
+        "start_extra",
+        "start_prefix",
+        "state",
+        "yielded_extra",
         "yielded_prefix",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,
