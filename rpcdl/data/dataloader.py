@@ -17,8 +17,9 @@ the workers' records are the pool's, under its lock
 :class:`~rpcdl.data.loader_state.EpochBook`'s, under its lock; the chunk sizer
 and the served counts have their own locks, and so has an
 :class:`~rpcdl.data.elastic.ElasticDistributedSampler` for the origin of its
-epoch (set by :meth:`RPCDataloader.load_state_dict` and as an epoch begins). The loader's other fields are its
-settings, changed by the user's thread between epochs.
+epoch (set by :meth:`RPCDataloader.load_state_dict` and as an epoch begins).
+The loader's other fields are its settings, changed by the user's thread
+between epochs.
 """
 
 from __future__ import annotations
