@@ -28,7 +28,7 @@ def _run(workers: list[str], *args: str) -> None:
     env = dict(os.environ, RPCDL_WORKERS=",".join(workers), PYTHONPATH=os.pathsep.join(sys.path))
     job = subprocess.run(
         [sys.executable, str(TESTS / "lightning_resume_job.py"), *args],
-        env=env, capture_output=True, text=True, timeout=280,
+        env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert job.returncode == 0, job.stderr[-6000:]
 
@@ -59,7 +59,7 @@ def saved(two_workers, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("devices", [2, 3])
 def test_a_4_rank_checkpoint_resumes_on_another_number_of_ranks(two_workers, saved, devices):
     before = _records(saved / "save", 4)
@@ -111,7 +111,7 @@ def _fit(workers, samples: int, epochs: int = 1, **options) -> RecordingModel:
     return model
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_checkpoint_over_other_data_is_refused_saying_how_to_go_on(two_workers, tmp_path):
     checkpoint = tmp_path / "mid.ckpt"
     _fit(two_workers, 24, callbacks=[_SaveAfter(checkpoint, 1)])
