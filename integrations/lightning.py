@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from rpcdl.address import check_workers, parse_address
 from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
 from rpcdl.data.dataloader import RPCDataloader, check_max_batches_per_call
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import shard_workers
+from rpcdl.data.elastic import WHOLE_EPOCH, ElasticDistributedSampler, share_batches
 from rpcdl.data.flow import FlowSnapshot
+from rpcdl.data.global_state import next_epoch_state
 from rpcdl.data.metrics import serve_metrics_from_environment
 from rpcdl.integrations._recipes import dataset_recipe, import_object
 from rpcdl.local import LocalWorkers, local_workers
@@ -169,12 +171,30 @@ class _TrainerLoader(RPCDataloader):
     def _requested_epoch(self) -> int | None:
         return self._epoch_source()  # a loaded state still wins: it names its own epoch
 
+    def __len__(self) -> int:
+        # Lightning reads the length once, as the limit of every epoch: after an epoch resumed on another
+        # cluster shape (its length is the batches counted before it and this rank's share of the rest),
+        # the whole epochs that follow must fit too. An epoch shorter than the limit ends with its batches.
+        numbered = super().__len__()
+        sampler = self.sampler
+        if isinstance(sampler, ElasticDistributedSampler) and self.batch_size is not None:
+            whole = share_batches(sampler.share_length(WHOLE_EPOCH), self.batch_size, self.drop_last)
+            return max(numbered, whole)
+        return numbered
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            super().load_state_dict(state)
+        except (TypeError, ValueError) as exc:
+            exc.add_note(_CANNOT_RESUME)
+            raise
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         # Lightning ends an epoch at its batch limit without asking for more batches: a state at
         # the limit is the start of the next epoch.
         if not state["yielded_extra"] and state["yielded_prefix"] >= self._batch_limit():
-            state = {**state, "epoch": state["epoch"] + 1, "yielded_prefix": 0}
+            state = next_epoch_state(state)
         return state
 
 
@@ -216,6 +236,15 @@ class DataFlowLogger(pl.Callback):
         pl_module.log_dict(metrics, on_step=False, on_epoch=True)
 
 
+_CANNOT_RESUME = (
+    "RPCDataModule: this checkpoint's position in the training epoch does not fit this run's training data "
+    "(above: what differs). Resume it with the same train_dataset, shuffle and seed (any number of ranks, batch "
+    "size and workers will do), or start the epoch again: resume from a checkpoint saved at an epoch's end "
+    "(ModelCheckpoint(save_on_train_epoch_end=True)), whose position, the start of the next epoch, any "
+    "training data resumes."
+)
+
+
 # ---------------------------------------------------------------------------- the data module
 
 
@@ -230,8 +259,10 @@ class RPCDataModule(pl.LightningDataModule):
     are reseeded, so random augmentations differ between epochs and workers and
     the same ``seed`` draws them again. ``teardown`` frees the remote datasets
     and stops the local workers the module started. ``state_dict`` holds the
-    position in the training epoch: a checkpoint saved mid-epoch resumes with
-    the batches not yet seen.
+    global position in the training epoch (the samples consumed in the epoch's
+    order, the same on every rank): a checkpoint saved mid-epoch or at an
+    epoch's end resumes with the samples not yet seen, each once, on any number
+    of ranks, batch size and workers (see :doc:`/guides/resume`).
 
     Each training epoch it logs ``rpcdl/data_wait_fraction``,
     ``rpcdl/batches_per_second`` and ``rpcdl/workers_needed`` through the
@@ -404,7 +435,8 @@ class RPCDataModule(pl.LightningDataModule):
             context.__exit__(None, None, None)
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed and the training loader's position in its epoch."""
+        """The seed and the training loader's global position in its epoch (see
+        :meth:`rpcdl.RPCDataloader.state_dict`): every rank's is the same but for its rank."""
         state: dict[str, Any] = {"seed": self._base_seed if self._base_seed is not None else self._default_seed()}
         train = self.loaders.get("train")
         if train is not None:
@@ -412,7 +444,8 @@ class RPCDataModule(pl.LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next training epoch continues where it stopped."""
+        """Resume from :meth:`state_dict`, saved on any number of ranks: the next training epoch continues
+        where it stopped, its samples not consumed split among this run's ranks."""
         seed = state_dict.get("seed")
         if seed is not None:
             if self.seed is not None and seed != self.seed:
@@ -478,7 +511,7 @@ class RPCDataModule(pl.LightningDataModule):
         if split == "predict":
             sampler: Sampler = _UnpaddedShard(len(dataset), self.rank, self.world_size)
         else:
-            sampler = DistributedSampler(
+            sampler = ElasticDistributedSampler(
                 dataset, num_replicas=self.world_size, rank=self.rank,
                 shuffle=self.shuffle and training, seed=self._base_seed, drop_last=False,
             )  # fmt: skip

@@ -114,6 +114,16 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
     does not move the state: a state taken right after it resumes with the
     failed item, which is mapped (or pulled from ``source``) again.
 
+    Across ranks: the state is ``source``'s, so it resumes on another world
+    size where the source's state does. Shard with
+    ``SamplerWrapper(rpcdl.distributed.ElasticDistributedSampler(...))``: its
+    state holds the global position (the samples consumed in the epoch's
+    global order, every rank counted as having taken as many as this one), and
+    any rank of any world size resumes it, each sample not consumed once. A
+    source sharded otherwise (torch's ``DistributedSampler``, a list sliced by
+    rank) counts the items of its own shard only: its state resumes on the
+    same rank and world size, not on another.
+
     Args:
         source: the node whose items are mapped.
         workers: worker addresses, ``"host:port"``.

@@ -15,8 +15,11 @@ at a time (see :mod:`rpcdl.data.epoch`). What they share has one owner each:
 the workers' records are the pool's, under its lock
 (:mod:`rpcdl.data.pool`); the epochs' bookkeeping is the
 :class:`~rpcdl.data.loader_state.EpochBook`'s, under its lock; the chunk sizer
-and the served counts have their own locks. The loader's other fields are its
-settings, changed by the user's thread between epochs.
+and the served counts have their own locks, and so has an
+:class:`~rpcdl.data.elastic.ElasticDistributedSampler` for the origin of its
+epoch (set by :meth:`RPCDataloader.load_state_dict` and as an epoch begins).
+The loader's other fields are its settings, changed by the user's thread
+between epochs.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from ..checks import check_int, check_loader_timeout, check_positive_int
 from .chunked_pass import ServedCounts
 from .chunks import ChunkSizer
 from .dataset import DatasetSetup, RPCDataset
+from .elastic import WHOLE_EPOCH, ElasticDistributedSampler
 from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
 from .fetch import fetch_batches_at, fetch_samples_at
 from .flow import LIVE_POOLS, PROCESS_FLOW, DataFlow, FlowSnapshot
+from .global_state import check_loader_state, epoch_batches, global_fields
 from .loader_state import EpochBook, check_state, loader_shape
 from .metrics import serve_metrics_from_environment
 from .pool import WorkerPool
@@ -280,9 +285,23 @@ class RPCDataloader:
         self._epochs.choose(check_int(epoch, "epoch", minimum=0))
 
     def __len__(self) -> int:
-        if self.batch_sampler is not None:
-            return len(self.batch_sampler)
-        return len(self.sampler)
+        return self._batches_numbered()
+
+    def _batches_numbered(self) -> int:
+        """The batches of an epoch; in one resumed on another cluster shape, the batches counted before it too."""
+        batches = len(self.batch_sampler) if self.batch_sampler is not None else len(self.sampler)
+        elastic = self._elastic_sampler()
+        return batches + (elastic.origin.first_batch if elastic is not None else 0)
+
+    def _elastic_sampler(self) -> ElasticDistributedSampler | None:
+        """The sampler when its epochs resume from a global position (it is this loader's, batched by
+        torch's ``BatchSampler``), else ``None``."""
+        sampler = self.sampler
+        if isinstance(sampler, ElasticDistributedSampler) and (
+            self.batch_sampler is None or type(self.batch_sampler) is BatchSampler
+        ):
+            return sampler
+        return None
 
     @property
     def epoch(self) -> int | None:
@@ -347,7 +366,18 @@ class RPCDataloader:
         The position is that of the iterator that yielded a batch last (when
         several are open at once). It records what determines the batches
         (their number per epoch, ``batch_size``, ``drop_last``, the sampler's
-        kind, ``in_order``): a loader whose batches differ refuses it.
+        kind, ``in_order``, and ``seed_source``: whether a random order comes
+        from the loader's ``generator``, from torch's global generator, or from
+        the sampler itself): a loader whose batches differ refuses it.
+
+        A loader over an :class:`~rpcdl.distributed.ElasticDistributedSampler`
+        (made by :func:`rpcdl.distributed.distributed_loader`) adds the global
+        position: the sampler's ``layout`` (the order's ``length``, ``shuffle``
+        and ``seed``, the ``world_size`` and ``rank``), ``consumed`` and
+        ``consumed_extra`` (the positions of the epoch's global order consumed,
+        counting every rank as having yielded the batches this one did) and the
+        ``origin`` of an epoch resumed on another shape. Such a state loads on
+        any rank of any world size and batch size (see :meth:`load_state_dict`).
 
         With the semantics of torchdata's ``StatefulDataLoader``: a loader that
         loads this state yields, on its next iteration, the batches of the same
@@ -355,21 +385,53 @@ class RPCDataloader:
         restored through its generator). Once every batch of an epoch has been
         yielded, the state is the start of the next epoch.
         """
-        shape = loader_shape(self)
-        return {**shape, **self._epochs.state(shape["batches"])}
+        try:
+            batches: int | None = self._batches_numbered()
+        except TypeError:
+            batches = None
+        shape = loader_shape(self, batches, self._epochs.seed_source())
+        position = self._epochs.state(batches)
+        elastic = self._elastic_sampler()
+        if elastic is None:
+            return {**shape, **{name: value for name, value in position.items() if name != "origin"}}
+        # The epoch's batches from the position's origin (the next epoch's may differ from the one just done).
+        shape["batches"] = epoch_batches(elastic, position["origin"], self.batch_size, self.drop_last)
+        return {**shape, **position, **global_fields(elastic, position, self.batch_size, self.drop_last)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch.
 
+        A loader over an :class:`~rpcdl.distributed.ElasticDistributedSampler`
+        also resumes the state of another rank, world size or batch size over
+        the same order (dataset length, ``shuffle``, ``seed``): the samples of
+        the epoch not consumed are split among this loader's ranks, each once;
+        batches are numbered after those counted before, so ``len()`` is those
+        plus this rank's share of the rest until the epoch ends.
+
         Raises:
             TypeError: ``state`` is not a dict, or one of its fields has the wrong type.
             ValueError: a field is missing or out of range, or the state comes from
-                a loader whose batches differ (the message names each differing
-                field with both values).
+                a loader whose batches differ, or from another order (the
+                message names each differing field with both values), or holds
+                one rank's batches yielded out of order and is loaded on
+                another rank or world size (join the ranks' states with
+                :func:`rpcdl.distributed.merge_states`).
         """
-        state = check_state(state, loader_shape(self))
+        try:
+            batches: int | None = self._batches_numbered()
+        except TypeError:
+            batches = None
+        shape = loader_shape(self, batches, self._epochs.seed_source())
+        elastic = self._elastic_sampler()
+        if elastic is None:
+            state = check_state(state, shape)
+        else:
+            shape["batches"] = epoch_batches(elastic, WHOLE_EPOCH, self.batch_size, self.drop_last)
+            state = check_loader_state(state, shape, elastic, self.batch_size, self.drop_last)
         self.close()
         self._epochs.resume(state)
+        if elastic is not None:
+            elastic.set_origin(state["origin"])  # its length tells the resumed epoch's now (a trainer asks it)
 
     def __repr__(self) -> str:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"

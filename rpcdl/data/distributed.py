@@ -10,11 +10,15 @@ import warnings
 from collections.abc import Sequence
 
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler, RandomSampler
+from torch.utils.data import RandomSampler
 
 from ..address import check_workers
 from ..checks import check_int, check_positive_int
 from .dataloader import RPCDataloader
+from .elastic import ElasticDistributedSampler
+from .global_state import merge_states
+
+__all__ = ["distributed_loader", "merge_states", "rank_and_world_size", "shard_workers"]
 
 
 def rank_and_world_size(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -62,10 +66,25 @@ def distributed_loader(
 ) -> RPCDataloader:
     """A copy of ``loader`` that reads only this rank's share of the dataset.
 
-    The copy draws indices from a :class:`~torch.utils.data.DistributedSampler`
-    (every rank sees a disjoint shard, padded to equal length unless
-    ``drop_last``) and keeps the other settings of ``loader``. Like
+    The copy draws indices from an
+    :class:`~rpcdl.data.elastic.ElasticDistributedSampler`, a
+    :class:`~torch.utils.data.DistributedSampler` (every rank sees a disjoint
+    shard, padded to equal length unless ``drop_last``) whose epochs resume on
+    another cluster shape, and keeps the other settings of ``loader``. Like
     aitoolbox's ``DDPHandler.build_loader_sampler`` for rpcdl loaders.
+
+    Its ``state_dict()`` holds the global position in the epoch (the samples
+    consumed in the epoch's global order, counting every rank as having
+    yielded the batches this one did, as data-parallel ranks do), with the
+    world size and batch size it was taken with. ``load_state_dict`` accepts
+    the state of any rank of any world size and batch size over the same
+    dataset, ``shuffle`` and ``seed``: the samples of the epoch not consumed
+    yet are split among the new ranks, each once (padded, or cut with
+    ``drop_last``, as ``DistributedSampler`` does). The state of a rank that
+    yielded batches out of order (``in_order=False``) resumes on that rank of
+    the same world size; :func:`merge_states` joins every rank's into one that
+    resumes anywhere. Give ``rank`` and ``world_size`` to build every rank's
+    loader in one process (no process group needed).
 
     Args:
         loader: the single-process loader.
@@ -90,7 +109,7 @@ def distributed_loader(
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     drop_last = loader.drop_last if drop_last is None else drop_last
-    sampler = DistributedSampler(
+    sampler = ElasticDistributedSampler(
         loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
     return RPCDataloader(

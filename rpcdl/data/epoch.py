@@ -259,10 +259,14 @@ class EpochIterator(Iterator[Any]):
             self._stage = _FINISHED
             raise
         try:
-            skip = plan.position.start_extra
+            position = plan.position
+            skip = position.start_extra
+            # A resumed epoch's sampler starts at its origin: its first batch has the origin's number.
+            first = position.origin.first_batch
+            numbered = enumerate(plan.batches, first)
             batched = (
                 (seq, indices)
-                for seq, indices in itertools.islice(enumerate(plan.batches), plan.position.start_prefix, None)
+                for seq, indices in itertools.islice(numbered, position.start_prefix - first, None)
                 if seq not in skip
             )
             if plan.call.seed is not None:

@@ -3,10 +3,13 @@
 A state is the position in an epoch (``epoch``, ``yielded_prefix``: batches
 ``0 .. yielded_prefix - 1`` were yielded, ``yielded_extra``: batches yielded
 beyond them, ``generator_state``: the sampler's random generator at the start of
-the epoch) and what determines the epoch's batches (:data:`SHAPE_FIELDS`). A
-position only means something in a loader that makes the same batches: a state
-is refused by a loader whose shape differs (:func:`check_state`). States written
-before the shape was recorded still load (their missing fields are not checked).
+the epoch) and what determines the epoch's batches (:data:`SHAPE_FIELDS`, with
+``seed_source``: where a random order comes from). A position only means
+something in a loader that makes the same batches: a state is refused by a
+loader whose shape differs (:func:`check_state`). States written before the
+shape was recorded still load (their missing fields are not checked). A loader
+over an :class:`~rpcdl.data.elastic.ElasticDistributedSampler` adds the global
+position (:mod:`rpcdl.data.global_state`), which loads on another shape.
 
 An :class:`EpochBook` keeps a loader's epochs: what the next one is
 (:class:`Counted`, :class:`Chosen` by ``set_epoch`` or :class:`Resumed` from a
@@ -35,10 +38,17 @@ import torch
 from torch.utils.data import RandomSampler
 
 from ..checks import check_int
+from .elastic import WHOLE_EPOCH, ElasticDistributedSampler, Origin
 
 #: The fields of a state that determine the batch sequence of an epoch.
-SHAPE_FIELDS = ("batches", "batch_size", "drop_last", "sampler", "batch_sampler", "in_order")
+SHAPE_FIELDS = ("batches", "batch_size", "drop_last", "sampler", "batch_sampler", "in_order", "seed_source")
 POSITION_FIELDS = ("epoch", "yielded_prefix", "yielded_extra")
+
+#: Where a loader's random order comes from (a state's ``seed_source``): the sampler's own generator
+#: (the loader's ``generator=``, or a ``RandomSampler(generator=...)``); a generator drawn from torch's
+#: global one at each epoch (a ``RandomSampler`` without one); or the sampler alone (no random order
+#: drawn by the loader: a sequential sampler, or one seeded by its own ``seed``, as ``DistributedSampler``).
+SEED_SOURCES = ("generator", "global", "sampler")
 
 
 class Shaped(Protocol):
@@ -53,12 +63,9 @@ class Shaped(Protocol):
     def __len__(self) -> int: ...
 
 
-def loader_shape(loader: Shaped) -> dict[str, Any]:
-    """The fields of :data:`SHAPE_FIELDS` for ``loader`` (``batches`` is ``None`` for a sampler without length)."""
-    try:
-        batches: int | None = len(loader)
-    except TypeError:
-        batches = None
+def loader_shape(loader: Shaped, batches: int | None, seed_source: str) -> dict[str, Any]:
+    """The fields of :data:`SHAPE_FIELDS` for ``loader``, with its ``batches`` in an epoch (``None`` for a
+    sampler without length) and its ``seed_source`` (one of :data:`~rpcdl.data.loader_state.SEED_SOURCES`)."""
     batch_sampler = loader.batch_sampler
     return {
         "batches": batches,
@@ -67,6 +74,7 @@ def loader_shape(loader: Shaped) -> dict[str, Any]:
         "sampler": type(loader.sampler).__qualname__,
         "batch_sampler": type(batch_sampler).__qualname__ if batch_sampler is not None else None,
         "in_order": loader.in_order,
+        "seed_source": seed_source,
     }
 
 
@@ -95,10 +103,18 @@ def check_state(state: Any, shape: dict[str, Any]) -> dict[str, Any]:
         if name in state and state[name] != shape[name]
     ]
     if differences:
+        hint = ""
+        if any(name.startswith("seed_source") for name in differences):
+            hint = (
+                " (seed_source: the random order came from the loader's generator= in one loader and from "
+                "torch's global generator in the other; build both the same way)"
+            )
         raise ValueError(
             "this state was saved by a loader that makes different batches; resuming would skip or repeat "
-            f"samples. Differences: {'; '.join(differences)}. Load it into a loader built with the same "
-            "batch_size, drop_last, sampler and in_order over a dataset of the same length"
+            f"samples. Differences: {'; '.join(differences)}{hint}. Load it into a loader built with the same "
+            "batch_size, drop_last, sampler, generator and in_order over a dataset of the same length, or "
+            "start the epoch again (load no state: the next iteration is a whole epoch). Loaders made by "
+            "rpcdl.distributed.distributed_loader (and RPCDataModule) resume on another world size or batch size"
         )
     _check_counter(state, "epoch")
     prefix = _check_counter(state, "yielded_prefix")
@@ -148,15 +164,34 @@ class Position:
 
     ``yielded_prefix``, ``yielded_extra`` and ``state`` change, through its
     :class:`EpochBook` (whose lock guards them), as the thread advancing its
-    epoch yields; ``epoch``, ``generator_state`` and where it started
+    epoch yields; ``epoch``, ``generator_state``, ``origin`` (where an
+    :class:`~rpcdl.data.elastic.ElasticDistributedSampler`'s layout starts: its
+    first batch is numbered ``origin.first_batch``) and where it started
     (``start_prefix``, ``start_extra``: the batches a resumed epoch skips) never do.
     """
 
-    __slots__ = ("epoch", "generator_state", "start_extra", "start_prefix", "state", "yielded_extra", "yielded_prefix")
+    __slots__ = (
+        "epoch",
+        "generator_state",
+        "origin",
+        "start_extra",
+        "start_prefix",
+        "state",
+        "yielded_extra",
+        "yielded_prefix",
+    )
 
-    def __init__(self, epoch: int, generator_state: torch.Tensor | None, prefix: int, extra: Iterable[int]):
+    def __init__(
+        self,
+        epoch: int,
+        generator_state: torch.Tensor | None,
+        prefix: int,
+        extra: Iterable[int],
+        origin: Origin = WHOLE_EPOCH,
+    ):
         self.epoch = epoch
         self.generator_state = generator_state
+        self.origin = origin
         self.start_prefix = prefix
         self.start_extra = frozenset(extra)
         self.yielded_prefix = prefix
@@ -170,6 +205,7 @@ class Position:
             "yielded_prefix": self.yielded_prefix,
             "yielded_extra": sorted(self.yielded_extra),
             "generator_state": self.generator_state,
+            "origin": self.origin,
         }
 
 
@@ -242,6 +278,7 @@ class EpochBook:
     def __init__(self, samplers: Sequence[Any], random_sampler: Any, generator: torch.Generator | None):
         self._lock = threading.Lock()
         self._samplers = [sampler for sampler in samplers if hasattr(sampler, "set_epoch")]
+        self._elastic = [sampler for sampler in samplers if isinstance(sampler, ElasticDistributedSampler)]
         self._random_sampler = random_sampler
         self._generator = generator
         self._next: Counted | Chosen | Resumed = Counted(0)
@@ -274,9 +311,16 @@ class EpochBook:
                 self._next = Chosen(epoch)
 
     def resume(self, state: dict[str, Any]) -> None:
-        """Make the next epoch continue ``state`` (checked already)."""
+        """Make the next epoch continue ``state`` (checked already): its position fields, its
+        ``generator_state`` and its ``origin`` (an :class:`~rpcdl.data.elastic.Origin`)."""
         with self._lock:
-            self._next = Resumed(state)
+            self._next = Resumed(
+                {
+                    **{name: state[name] for name in POSITION_FIELDS},
+                    "generator_state": state.get("generator_state"),
+                    "origin": state.get("origin", WHOLE_EPOCH),
+                }
+            )
 
     def opened(self, iterator: Closeable) -> None:
         """Keep ``iterator`` (weakly) to close it with :meth:`open_iterators`."""
@@ -330,7 +374,10 @@ class EpochBook:
             prefix, extra = (
                 (plan.state["yielded_prefix"], plan.state["yielded_extra"]) if isinstance(plan, Resumed) else (0, ())
             )
-            position = Position(epoch, start, prefix, extra)
+            origin = plan.state.get("origin", WHOLE_EPOCH) if isinstance(plan, Resumed) else WHOLE_EPOCH
+            for sampler in self._elastic:
+                sampler.set_origin(origin)
+            position = Position(epoch, start, prefix, extra, origin)
             self._begun = self._last = position
             try:
                 started = _started(batches)
@@ -357,8 +404,9 @@ class EpochBook:
             position.state = PositionState.FINISHED
 
     def state(self, batches: int | None) -> dict[str, Any]:
-        """The position fields of the state: the loaded state not used yet, the epoch that yielded last while
-        it runs and has batches left (``batches`` in an epoch; ``None``: unknown), else the start of the next."""
+        """The position fields of the state (``origin`` an :class:`~rpcdl.data.elastic.Origin`): the loaded
+        state not used yet, the epoch that yielded last while it runs and has batches left (``batches`` in an
+        epoch; ``None``: unknown), else the start of the next."""
         with self._lock:
             if isinstance(self._next, Resumed):
                 return dict(self._next.state)
@@ -373,7 +421,16 @@ class EpochBook:
                 "yielded_prefix": 0,
                 "yielded_extra": [],
                 "generator_state": generator.get_state() if generator is not None else None,
+                "origin": WHOLE_EPOCH,
             }
+
+    def seed_source(self) -> str:
+        """Where the random order of the loader's sampler comes from (one of
+        :data:`~rpcdl.data.loader_state.SEED_SOURCES`)."""
+        with self._lock:
+            if self._own_generator() is not None:
+                return "generator"
+            return "global" if isinstance(self._random_sampler, RandomSampler) else "sampler"
 
     def _set_generators(self, saved: torch.Tensor | None) -> torch.Tensor | None:
         """Restore or draw the sampler's random generator for the epoch starting; its state at the start."""
