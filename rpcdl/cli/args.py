@@ -33,6 +33,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number of seconds, ``0`` or more (``0``: no wait)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (0 or more), got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, 0 or more, got {value}")
+    return value
+
+
 def port(text: str) -> int:
     try:
         value = int(text)

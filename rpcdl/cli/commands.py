@@ -27,7 +27,16 @@ from ..transport.security import (
     resolve_token,
     server_tls_context,
 )
-from .args import host_problem, log_level, new_file, port, positive_float, positive_int, worker_address
+from .args import (
+    host_problem,
+    log_level,
+    new_file,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+    worker_address,
+)
 
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
@@ -99,10 +108,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "--threads", type=positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
     )
     parser.add_argument(
+        "--drain-timeout",
         "--grace",
-        type=positive_float,
+        dest="grace",
+        metavar="SECONDS",
+        type=non_negative_float,
         default=30.0,
-        help="seconds calls in flight get to finish on SIGTERM/SIGINT (default: %(default)s)",
+        help="on SIGTERM/SIGINT the worker stops taking calls, tells its clients it is leaving and gives the calls "
+        "in flight this long to finish, then exits 0; a second signal stops it at once (default: %(default)s)",
     )
     parser.add_argument(
         "--log-level",

@@ -1,7 +1,7 @@
 """The process around a worker: stop signals, the parent it follows, the address file.
 
-Threading: :class:`StopSignals` handlers run in the main thread and only set a
-flag, which the main thread polls; nothing here starts a thread.
+Threading: :class:`StopSignals` handlers run in the main thread and only count
+the signals, which the main thread polls; nothing here starts a thread.
 """
 
 from __future__ import annotations
@@ -15,16 +15,26 @@ from typing import Any
 
 
 class StopSignals:
-    """SIGTERM and SIGINT turned into a flag the main thread polls.
+    """SIGTERM and SIGINT counted, for the main thread to poll: the first drains, a second stops at once.
 
-    The handlers only set an attribute: a handler that takes a lock (``Event.set()``)
+    The handlers only set attributes: a handler that takes a lock (``Event.set()``)
     deadlocks when the signal lands while the main thread holds that lock itself.
     Outside the main thread nothing is installed and :meth:`wait` just sleeps.
     """
 
     def __init__(self):
-        self.received = False
+        self.count = 0  #: signals received
+        self.last: int | None = None  #: the number of the last signal received
         self._previous: dict[int, Any] = {}
+
+    @property
+    def received(self) -> bool:
+        """Whether a signal came."""
+        return self.count > 0
+
+    def describe(self) -> str:
+        """The last signal's name (``"SIGTERM"``), or ``""`` if none came."""
+        return signal.Signals(self.last).name if self.last is not None else ""
 
     def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -33,7 +43,8 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
+        self.count += 1
+        self.last = signum
 
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds, less if a signal comes; return whether one came."""

@@ -184,6 +184,15 @@ class ClientConnection:
             if self._state is SessionState.SERVING:
                 self._state = SessionState.DRAINING
 
+    def announce_leaving(self, payload: bytes) -> None:
+        """Tell the client the worker is leaving: a ``LEAVING`` frame (see :mod:`rpcdl.transport.control`).
+
+        Sent by the thread announcing the worker's drain, after :meth:`drain`;
+        nothing if the connection is closed meanwhile.
+        """
+        if not self.closed:
+            self.send(Frame(Kind.LEAVING, 0, payload=payload))
+
     def send(self, frame: Frame, answers_call: bool = False) -> None:
         """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
         that cannot take it is closed."""

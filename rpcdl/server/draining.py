@@ -1,0 +1,105 @@
+"""A worker leaving well: telling its clients, and the drain of a worker process stopped by signals.
+
+Threading: :func:`announce_leaving` starts the announcer thread
+(``rpcdl-leaving-ADDRESS``), which owns nothing: it sends one ``LEAVING`` frame
+on each session through the session's public :meth:`announce_leaving` (which
+takes that session's send lock) and ends. :func:`drain_process` runs in the
+main thread of a worker process; it reads the worker's count of calls in
+flight (the counters' own lock) and the signals' count (set by the handlers,
+read by the main thread only).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+log = logging.getLogger("rpcdl.worker")
+
+ANNOUNCE_WAIT = 1.0  #: seconds a stop waits at least for the clients to be told, even one at once
+
+
+class Announced(Protocol):
+    """What the announcer needs of a session (:class:`rpcdl.server.session.ClientConnection`)."""
+
+    def announce_leaving(self, payload: bytes) -> None:
+        """Send the client a ``LEAVING`` frame with ``payload``."""
+        ...
+
+
+def announce_leaving(address: str, sessions: Sequence[Announced], payload: bytes) -> threading.Thread:
+    """Send every session a ``LEAVING`` frame, from a thread of its own; return that thread, started.
+
+    A thread, so that a client that does not read cannot hold the drain: the
+    worker closes its connection once the drain ends (which ends the send).
+
+    Args:
+        address: the worker's address, for the thread's name.
+        sessions: the sessions to tell.
+        payload: the frame's payload (:func:`rpcdl.transport.control.encode_leaving`).
+
+    Returns:
+        The announcer thread (a daemon).
+    """
+
+    def announce() -> None:
+        for session in sessions:
+            session.announce_leaving(payload)
+
+    thread = threading.Thread(target=announce, name=f"rpcdl-leaving-{address}", daemon=True)
+    thread.start()
+    return thread
+
+
+class DrainEnd(enum.Enum):
+    """How a drain ended."""
+
+    FINISHED = "finished"  #: every call in flight was answered
+    TIMED_OUT = "timed out"  #: the drain timeout passed with calls still running
+    INTERRUPTED = "interrupted"  #: a second SIGTERM/SIGINT: stop at once
+
+
+class Drained(Protocol):
+    """What a drain needs of the worker (:class:`rpcdl.server.worker.Worker`)."""
+
+    @property
+    def calls_in_flight(self) -> int:
+        """How many calls run or wait for a slot."""
+        ...
+
+
+def drain_process(worker: Drained, timeout: float, signals_now: Callable[[], int], tick: float = 0.02) -> DrainEnd:
+    """Wait, in a worker process's main thread, for the calls in flight of a draining worker.
+
+    Args:
+        worker: the worker, draining already (:meth:`rpcdl.Worker.drain`).
+        timeout: seconds to wait at most (``--drain-timeout``).
+        signals_now: how many stop signals the process has had; one more than
+            when the drain began interrupts it.
+        tick: seconds between two looks.
+
+    Returns:
+        How the drain ended.
+
+    Example::
+
+        >>> class Idle:
+        ...     calls_in_flight = 0
+        >>> drain_process(Idle(), 1.0, lambda: 1)
+        <DrainEnd.FINISHED: 'finished'>
+    """
+    first = signals_now()
+    deadline = time.monotonic() + timeout
+    while True:
+        if worker.calls_in_flight <= 0:
+            return DrainEnd.FINISHED
+        if signals_now() > first:
+            return DrainEnd.INTERRUPTED
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return DrainEnd.TIMED_OUT
+        time.sleep(min(tick, left))
