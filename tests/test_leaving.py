@@ -24,7 +24,7 @@ from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
 from rpcdl.rpc.answers import outcome
 from rpcdl.rpc.client import add_leaving_listener, connection_to, is_leaving, remove_leaving_listener
-from rpcdl.server.draining import DrainEnd, drain_process
+from rpcdl.server.draining import SAME_SIGNAL_WINDOW, DrainEnd, drain_process
 from rpcdl.server.worker import Phase
 from rpcdl.transport.control import decode_leaving, encode_leaving
 from rpcdl.transport.handshake import client_negotiate
@@ -75,8 +75,15 @@ def test_drain_process_ends_when_idle_on_a_second_signal_or_at_its_timeout():
         calls_in_flight = 0
 
     assert drain_process(Idle(), 5.0, lambda: 1) is DrainEnd.FINISHED
-    signals = iter([1, 1, 2])
-    assert drain_process(Busy(), 5.0, lambda: next(signals), tick=0.001) is DrainEnd.INTERRUPTED
+    signals = [1]
+
+    def signals_now() -> int:
+        signals[0] += 1  # one more at every look
+        return signals[0]
+
+    started = time.monotonic()
+    assert drain_process(Busy(), 5.0, signals_now, tick=0.001) is DrainEnd.INTERRUPTED
+    assert time.monotonic() - started >= SAME_SIGNAL_WINDOW  # those at once were the same notice
     assert drain_process(Busy(), 0.01, lambda: 1, tick=0.001) is DrainEnd.TIMED_OUT
 
 
@@ -205,6 +212,7 @@ def test_a_second_signal_stops_a_draining_worker_at_once():
         _eventually(lambda: rpcdl.stats(address)["calls_in_flight"] == 1, "the call to run")
         process.send_signal(signal.SIGINT)
         _eventually(lambda: is_leaving(address), "the client to hear LEAVING")
+        time.sleep(SAME_SIGNAL_WINDOW + 0.2)  # a second signal at once would be the same notice
         assert process.poll() is None  # draining: the call has 100 s
         process.send_signal(signal.SIGINT)
         assert process.wait(_WAIT) == 0

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from ..processes import stop_processes
 from ..transport.compression import COMPRESSION_ENV, MODES, resolve_mode
 from ..transport.security import (
     TLS_CERT_ENV,
@@ -41,8 +40,6 @@ from .args import (
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
 _PLUGGED_COMMANDS: list[str] = ["demo", "bench"]
-
-_CHILD_EXIT_MARGIN = 10.0  # seconds a worker process of --procs gets past its --grace before SIGKILL
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool = False) -> None:
@@ -184,7 +181,7 @@ def run_worker_command(
             :meth:`argparse.ArgumentParser.error` does (the default prints one line).
 
     Returns:
-        0 once stopped by SIGTERM or SIGINT; 1 when a process of ``--procs`` failed.
+        0 once stopped by SIGTERM or SIGINT (``--procs`` restarts a process that dies, and says why).
     """
     fail = fail or getattr(args, "fail", None) or _print_mistake
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -228,21 +225,28 @@ def run_worker_command(
 
 
 def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Start ``--procs`` worker processes and supervise them until a signal."""
-    child_argv = _without_option(list(argv), "--procs")
-    children = []
-    for index in range(args.procs):
+    """Start ``--procs`` worker processes and keep them running until a signal (see :mod:`rpcdl.server.supervisor`)."""
+    from ..server.process import StopSignals
+    from ..server.supervisor import Supervisor
+
+    child_argv = list(argv)
+    for option in ("--procs", "--port", "--watch-pid"):
+        child_argv = _without_option(child_argv, option)
+    follow = ["--watch-pid", str(os.getpid())]  # a supervisor killed outright: its children drain and exit
+
+    def command_for(index: int) -> list[str]:
         port = args.port + index if args.port else 0
-        command = [sys.executable, "-m", "rpcdl", "worker", *_without_option(child_argv, "--port"), "--port", str(port)]
-        children.append(subprocess.Popen(command))
-    from ..server.worker import StopSignals
+        return [sys.executable, "-m", "rpcdl", "worker", *child_argv, "--port", str(port), *follow]
+
+    def spawn(command: list[str]) -> subprocess.Popen:
+        # their own process group: a Ctrl-C in the terminal reaches the supervisor only, which drains them once
+        return subprocess.Popen(command, process_group=0)
 
     stop = StopSignals().install()
-    while not stop.wait(0.5):
-        if any(child.poll() is not None for child in children):
-            break
-    codes = stop_processes(children, grace=args.grace + _CHILD_EXIT_MARGIN)
-    return 0 if stop.received and all(code == 0 for code in codes) else 1
+    try:
+        return Supervisor(command_for, args.procs, args.grace, spawn=spawn).run(lambda: stop.count)
+    finally:
+        stop.restore()
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Protocol
 log = logging.getLogger("rpcdl.worker")
 
 ANNOUNCE_WAIT = 1.0  #: seconds a stop waits at least for the clients to be told, even one at once
+SAME_SIGNAL_WINDOW = 0.5  #: seconds after the first stop signal in which another is the same notice
 
 
 class Announced(Protocol):
@@ -79,7 +80,9 @@ def drain_process(worker: Drained, timeout: float, signals_now: Callable[[], int
         worker: the worker, draining already (:meth:`rpcdl.Worker.drain`).
         timeout: seconds to wait at most (``--drain-timeout``).
         signals_now: how many stop signals the process has had; one more than
-            when the drain began interrupts it.
+            when the drain began interrupts it, unless it came within
+            :data:`SAME_SIGNAL_WINDOW` (a worker of ``--procs`` in a Slurm step gets
+            SIGTERM from Slurm and from its supervisor at once).
         tick: seconds between two looks.
 
     Returns:
@@ -92,12 +95,15 @@ def drain_process(worker: Drained, timeout: float, signals_now: Callable[[], int
         >>> drain_process(Idle(), 1.0, lambda: 1)
         <DrainEnd.FINISHED: 'finished'>
     """
+    started = time.monotonic()
+    deadline = started + timeout
     first = signals_now()
-    deadline = time.monotonic() + timeout
     while True:
         if worker.calls_in_flight <= 0:
             return DrainEnd.FINISHED
-        if signals_now() > first:
+        if time.monotonic() - started < SAME_SIGNAL_WINDOW:
+            first = signals_now()  # the same notice, by two routes (the process group and a supervisor, say)
+        elif signals_now() > first:
             return DrainEnd.INTERRUPTED
         left = deadline - time.monotonic()
         if left <= 0:
