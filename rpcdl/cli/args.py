@@ -9,6 +9,7 @@ import threading
 
 from ..address import parse_address
 from ..local import LOG_LEVELS
+from ..registry import RegistryURL
 
 _RESOLVE_TIMEOUT = 10.0
 
@@ -42,6 +43,15 @@ def non_negative_float(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds, 0 or more, got {value}")
     return value
+
+
+def registry_url(text: str) -> str:
+    """A Redis registry URL (see :mod:`rpcdl.registry`), checked; kept as text."""
+    try:
+        RegistryURL.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def port(text: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from .args import (
     port,
     positive_float,
     positive_int,
+    registry_url,
     worker_address,
 )
 
@@ -103,6 +105,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
     )
     parser.add_argument(
         "--threads", type=positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--register",
+        metavar="URL",
+        type=registry_url,
+        help="join the Redis registry redis://HOST:PORT[/DB]?key=KEY[&ttl=SECONDS] while serving: a heartbeat every "
+        "ttl/3 s (ttl 15 s by default), the entry removed on SIGTERM; trainers read it with the same URL as their "
+        "workers (needs pip install 'rpcdl[redis]')",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -195,6 +205,8 @@ def run_worker_command(
         fail(str(exc))
     except (ImportError, ValueError) as exc:
         fail(str(exc).replace("compression=", "--compression ", 1))
+    if args.register is not None and importlib.util.find_spec("redis") is None:
+        fail("--register needs redis-py: pip install 'rpcdl[redis]' (or pip install redis)")
     if args.procs > 1:
         return _run_worker_processes(args, argv)
     from ..server.worker import run_worker
@@ -214,6 +226,7 @@ def run_worker_command(
             advertise=args.advertise,
             watch_pid=args.watch_pid,
             compression=args.compression,
+            register=args.register,
         )
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed

@@ -1,6 +1,7 @@
 """A worker leaving well: telling its clients, and the drain of a worker process stopped by signals.
 
-Threading: :func:`announce_leaving` starts the announcer thread
+Threading: :func:`serve_until_stopped` runs in a worker process's main
+thread: it waits for a stop signal, then drains. :func:`announce_leaving` starts the announcer thread
 (``rpcdl-leaving-ADDRESS``), which owns nothing: it sends one ``LEAVING`` frame
 on each session through the session's public :meth:`announce_leaving` (which
 takes that session's send lock) and ends. :func:`drain_process` runs in the
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
+
+from .process import StopSignals, append_address, process_exists
+from .registration import Registration
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -73,6 +78,21 @@ class Drained(Protocol):
         ...
 
 
+class Served(Drained, Protocol):
+    """What serving until told to stop needs of the worker (:class:`rpcdl.server.worker.Worker`)."""
+
+    address: str
+    parallel: int
+
+    def drain(self, grace: float = 30.0, reason: str = ...) -> bool:
+        """Begin leaving."""
+        ...
+
+    def stop(self, grace: float = 30.0) -> bool:
+        """Wait for the calls in flight up to ``grace`` seconds, and close."""
+        ...
+
+
 def drain_process(worker: Drained, timeout: float, signals_now: Callable[[], int], tick: float = 0.02) -> DrainEnd:
     """Wait, in a worker process's main thread, for the calls in flight of a draining worker.
 
@@ -109,3 +129,69 @@ def drain_process(worker: Drained, timeout: float, signals_now: Callable[[], int
         if left <= 0:
             return DrainEnd.TIMED_OUT
         time.sleep(min(tick, left))
+
+
+def serve_until_stopped(
+    worker: Served,
+    grace: float,
+    address_file: str | os.PathLike | None,
+    on_ready: Callable[[Any], Any],
+    registration: Registration | None = None,
+    watch_pid: int | None = None,
+) -> None:
+    """Serve with a started ``worker`` until SIGTERM or SIGINT (or ``watch_pid`` gone), then leave well.
+
+    Ready: the address goes to ``address_file`` and ``on_ready``, and the
+    registration starts beating. Told to stop: the registration leaves the
+    registry, the worker drains (:meth:`~rpcdl.server.worker.Worker.drain`)
+    for up to ``grace`` seconds, a second signal cutting it short, and stops.
+
+    Args:
+        worker: the worker, started.
+        grace: the drain timeout, seconds.
+        address_file: a file to append the address to, or ``None``.
+        on_ready: called with the worker once it is ready.
+        registration: the worker's entry in a registry, not started yet, or ``None``.
+        watch_pid: stop when the process with this pid is gone, or ``None``.
+    """
+    stop = StopSignals().install()
+    drained = False
+    try:
+        if address_file is not None:
+            append_address(address_file, worker.address)
+        if registration is not None:
+            registration.start()
+        on_ready(worker)
+        log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), worker.parallel)
+        reason = ""
+        while not stop.wait(0.5):
+            if watch_pid is not None and not process_exists(watch_pid):
+                reason = f"process {watch_pid} is gone"
+                break
+        reason = stop.describe() or reason
+        log.info("rpcdl worker %s stopping (%s): draining for up to %gs", worker.address, reason, grace)
+        worker.drain(grace, reason)
+        if registration is not None:
+            registration.leave()
+        end = drain_process(worker, grace, lambda: stop.count)
+        drained = True
+        if end is DrainEnd.INTERRUPTED:
+            log.warning(
+                "rpcdl worker %s: a second signal: stopping at once, %d call(s) unanswered",
+                worker.address,
+                worker.calls_in_flight,
+            )
+        elif end is DrainEnd.TIMED_OUT:
+            log.warning(
+                "rpcdl worker %s stopped with %d call(s) still running after %gs",
+                worker.address,
+                worker.calls_in_flight,
+                grace,
+            )
+        else:
+            log.info("rpcdl worker %s drained", worker.address)
+    finally:
+        if registration is not None:
+            registration.leave()
+        worker.stop(0.0 if drained else grace)
+        stop.restore()

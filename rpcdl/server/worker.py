@@ -54,6 +54,7 @@ from .._lifecycle import ExitPhase, at_exit
 from ..address import format_address, is_loopback, parse_address
 from ..checks import check_int, check_positive_int, check_timeout
 from ..errors import ProtocolError
+from ..registry import RegistryURL
 from ..rpc import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
@@ -65,8 +66,8 @@ from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
 from .calls import CallRunner
 from .counters import Counters
-from .draining import ANNOUNCE_WAIT, DrainEnd, announce_leaving, drain_process
-from .process import StopSignals, append_address, process_exists
+from .draining import ANNOUNCE_WAIT, announce_leaving, serve_until_stopped
+from .registration import Registration
 from .session import PROMOTE_AFTER, ClientConnection, shutdown_socket
 from .slots import Slots
 from .streaming import stream
@@ -523,6 +524,7 @@ def run_worker(
     compression: str | None = None,
     on_ready: Callable[[Worker], Any] | None = None,
     watch_pid: int | None = None,
+    register: str | None = None,
 ) -> None:
     """Listen and serve calls until SIGTERM or SIGINT (blocks).
 
@@ -545,6 +547,9 @@ def run_worker(
         on_ready: called with the started worker instead of printing the address.
         watch_pid: stop as SIGTERM would when the process with this pid is gone
             (local workers follow the process that started them).
+        register: a Redis registry to join while serving,
+            ``redis://HOST:PORT[/DB]?key=KEY[&ttl=SECONDS]`` (see :mod:`rpcdl.registry`):
+            the worker beats there until it drains, when it leaves it.
 
     Example::
 
@@ -564,41 +569,6 @@ def run_worker(
         advertise=advertise,
         compression=compression,
     ).start()
-    stop = StopSignals().install()
-    drained = False
-    try:
-        if address_file is not None:
-            append_address(address_file, worker.address)
-        if on_ready is not None:
-            on_ready(worker)
-        else:
-            print(worker.address, flush=True)
-        log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), parallel)
-        reason = ""
-        while not stop.wait(0.5):
-            if watch_pid is not None and not process_exists(watch_pid):
-                reason = f"process {watch_pid} is gone"
-                break
-        reason = stop.describe() or reason
-        log.info("rpcdl worker %s stopping (%s): draining for up to %gs", worker.address, reason, grace)
-        worker.drain(grace, reason)
-        end = drain_process(worker, grace, lambda: stop.count)
-        drained = True
-        if end is DrainEnd.INTERRUPTED:
-            log.warning(
-                "rpcdl worker %s: a second signal: stopping at once, %d call(s) unanswered",
-                worker.address,
-                worker.calls_in_flight,
-            )
-        elif end is DrainEnd.TIMED_OUT:
-            log.warning(
-                "rpcdl worker %s stopped with %d call(s) still running after %gs",
-                worker.address,
-                worker.calls_in_flight,
-                grace,
-            )
-        else:
-            log.info("rpcdl worker %s drained", worker.address)
-    finally:
-        worker.stop(0.0 if drained else grace)
-        stop.restore()
+    registration = Registration(RegistryURL.parse(register), worker.address) if register is not None else None
+    announce_ready = on_ready if on_ready is not None else lambda started: print(started.address, flush=True)
+    serve_until_stopped(worker, grace, address_file, announce_ready, registration, watch_pid)
