@@ -370,11 +370,16 @@ class ClientConnection:
         started = time.perf_counter()
         held.holding = True
         try:
-            self.worker.slots.run(self, frame)
+            self.worker.slots.run(self, frame, before_queued=lambda: self._stop_holding(held))
         finally:
             held.holding = False
         if time.perf_counter() - started > _QUICK_CALL or held.answers >= _OUTBOX_ANSWERS:
             self._flush(held)
+
+    def _stop_holding(self, held: _HeldAnswers) -> None:
+        """This thread goes on with queued calls (maybe other clients', maybe long): send what it held back."""
+        held.holding = False
+        self._flush(held)
 
     def _read_frame(self) -> Frame | None:
         """The next frame, or ``None`` if none came within the idle tick or the connection closed."""
