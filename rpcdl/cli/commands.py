@@ -70,7 +70,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "--procs",
         type=positive_int,
         default=1,
-        help="worker processes to start, each on its own port (default: %(default)s)",
+        help="worker processes to start, each on its own port (--port P: P, P+1, ...); one that dies is logged "
+        "with its signal or exit code and started again, after a backoff while it keeps dying (default: %(default)s)",
     )
     parser.add_argument(
         "--address-file",
