@@ -59,7 +59,7 @@ class WorkerUnavailable(RPCDLError, ConnectionError):
 class WorkerLeaving(WorkerUnavailable):
     """The worker is leaving (it was sent SIGTERM or SIGINT, or told to drain): it takes no new calls.
 
-    Transient (:func:`is_transient`): make the call on another worker, at once.
+    Transient (:func:`rpcdl.errors.is_transient`): make the call on another worker, at once.
     Raised for a call made to a worker after its ``LEAVING`` notice reached this
     process, and for a call the worker rejected because it drains; calls that
     were in flight when it began to leave get their answers. See

@@ -114,7 +114,7 @@ class RegistryURL:
 
     @property
     def heartbeat(self) -> float:
-        """Seconds between two heartbeats of a worker: a third of :attr:`ttl`."""
+        """Seconds between two heartbeats of a worker, a third of :attr:`ttl`."""
         return self.ttl / 3.0
 
     def client(self, timeout: float = 5.0) -> Any:

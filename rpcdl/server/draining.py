@@ -1,10 +1,10 @@
 """A worker leaving well: telling its clients, and the drain of a worker process stopped by signals.
 
-Threading: :func:`serve_until_stopped` runs in a worker process's main
-thread: it waits for a stop signal, then drains. :func:`announce_leaving` starts the announcer thread
+Threading: ``serve_until_stopped`` runs in a worker process's main
+thread: it waits for a stop signal, then drains. ``announce_leaving`` starts the announcer thread
 (``rpcdl-leaving-ADDRESS``), which owns nothing: it sends one ``LEAVING`` frame
-on each session through the session's public :meth:`announce_leaving` (which
-takes that session's send lock) and ends. :func:`drain_process` runs in the
+on each session through the session's public ``announce_leaving`` (which
+takes that session's send lock) and ends. ``drain_process`` runs in the
 main thread of a worker process; it reads the worker's count of calls in
 flight (the counters' own lock) and the signals' count (set by the handlers,
 read by the main thread only).

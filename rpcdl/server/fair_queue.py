@@ -7,8 +7,8 @@ client's own calls keep their order (a call that uses an RRef runs after the
 call that makes it, from the same connection). A client that starts waiting
 joins the rotation at its end.
 
-Threading: a :class:`FairQueue` has no lock of its own: it is a field of
-:class:`rpcdl.server.slots.Slots`, whose lock guards every access to it.
+Threading: a ``FairQueue`` has no lock of its own: it is a field of
+``rpcdl.server.slots.Slots``, whose lock guards every access to it.
 """
 
 from __future__ import annotations

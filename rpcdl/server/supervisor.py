@@ -9,7 +9,7 @@ at once; a child still there after the drain timeout and a margin is killed.
 
 Threading: everything runs in the main thread of the supervisor, which owns
 every field here; the signal handlers only count signals
-(:class:`~rpcdl.server.process.StopSignals`), which that thread polls.
+(``rpcdl.server.process.StopSignals``), which that thread polls.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ class Worker:
 
     @property
     def calls_in_flight(self) -> int:
-        """How many calls run or wait for a slot (a hint: it may change as soon as it is read)."""
+        """How many calls run or wait for a slot now (a hint, which may change as soon as it is read)."""
         return max(0, self.counters.outstanding)
 
     def stop(self, grace: float = 30.0) -> bool:
