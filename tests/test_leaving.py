@@ -25,6 +25,7 @@ from rpcdl.processes import stop_process
 from rpcdl.rpc.answers import outcome
 from rpcdl.rpc.client import add_leaving_listener, connection_to, is_leaving, remove_leaving_listener
 from rpcdl.server.draining import SAME_SIGNAL_WINDOW, DrainEnd, drain_process
+from rpcdl.server.process import StopSignals
 from rpcdl.server.worker import Phase
 from rpcdl.transport.control import decode_leaving, encode_leaving
 from rpcdl.transport.handshake import client_negotiate
@@ -74,17 +75,19 @@ def test_drain_process_ends_when_idle_on_a_second_signal_or_at_its_timeout():
     class Idle:
         calls_in_flight = 0
 
-    assert drain_process(Idle(), 5.0, lambda: 1) is DrainEnd.FINISHED
-    signals = [1]
+    assert drain_process(Idle(), 5.0, lambda: False) is DrainEnd.FINISHED
+    looks = iter([False, False, True])
+    assert drain_process(Busy(), 5.0, lambda: next(looks), tick=0.001) is DrainEnd.INTERRUPTED
+    assert drain_process(Busy(), 0.01, lambda: False, tick=0.001) is DrainEnd.TIMED_OUT
 
-    def signals_now() -> int:
-        signals[0] += 1  # one more at every look
-        return signals[0]
 
-    started = time.monotonic()
-    assert drain_process(Busy(), 5.0, signals_now, tick=0.001) is DrainEnd.INTERRUPTED
-    assert time.monotonic() - started >= SAME_SIGNAL_WINDOW  # those at once were the same notice
-    assert drain_process(Busy(), 0.01, lambda: 1, tick=0.001) is DrainEnd.TIMED_OUT
+def test_a_second_signal_counts_only_once_the_same_notice_window_has_passed():
+    signals = StopSignals()
+    assert not signals.received and not signals.again(SAME_SIGNAL_WINDOW)
+    signals.times += [10.0, 10.2]  # SIGTERM from Slurm and from a supervisor: one notice
+    assert signals.received and not signals.again(SAME_SIGNAL_WINDOW)
+    signals.times.append(10.0 + SAME_SIGNAL_WINDOW)  # a person pressing Ctrl-C again
+    assert signals.again(SAME_SIGNAL_WINDOW)
 
 
 # ---------------------------------------------------------------------------- the rpc level

@@ -240,6 +240,7 @@ def run_worker_command(
 
 def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Start ``--procs`` worker processes and keep them running until a signal (see :mod:`rpcdl.server.supervisor`)."""
+    from ..server.draining import SAME_SIGNAL_WINDOW
     from ..server.process import StopSignals
     from ..server.supervisor import Supervisor
 
@@ -258,7 +259,8 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     stop = StopSignals().install()
     try:
-        return Supervisor(command_for, args.procs, args.grace, spawn=spawn).run(lambda: stop.count)
+        supervisor = Supervisor(command_for, args.procs, args.grace, spawn=spawn)
+        return supervisor.run(lambda: stop.received, lambda: stop.again(SAME_SIGNAL_WINDOW))
     finally:
         stop.restore()
 

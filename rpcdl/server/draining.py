@@ -6,7 +6,7 @@ thread: it waits for a stop signal, then drains. ``announce_leaving`` starts the
 on each session through the session's public ``announce_leaving`` (which
 takes that session's send lock) and ends. ``drain_process`` runs in the
 main thread of a worker process; it reads the worker's count of calls in
-flight (the counters' own lock) and the signals' count (set by the handlers,
+flight (the counters' own lock) and the signals' times (set by the handlers,
 read by the main thread only).
 """
 
@@ -93,16 +93,16 @@ class Served(Drained, Protocol):
         ...
 
 
-def drain_process(worker: Drained, timeout: float, signals_now: Callable[[], int], tick: float = 0.02) -> DrainEnd:
+def drain_process(worker: Drained, timeout: float, told_again: Callable[[], bool], tick: float = 0.02) -> DrainEnd:
     """Wait, in a worker process's main thread, for the calls in flight of a draining worker.
 
     Args:
         worker: the worker, draining already (:meth:`rpcdl.Worker.drain`).
         timeout: seconds to wait at most (``--drain-timeout``).
-        signals_now: how many stop signals the process has had; one more than
-            when the drain began interrupts it, unless it came within
-            :data:`SAME_SIGNAL_WINDOW` (a worker of ``--procs`` in a Slurm step gets
-            SIGTERM from Slurm and from its supervisor at once).
+        told_again: whether a second stop signal came, which interrupts the
+            drain (:meth:`~rpcdl.server.process.StopSignals.again`, with
+            :data:`SAME_SIGNAL_WINDOW`: a worker of ``--procs`` in a Slurm step gets
+            SIGTERM from Slurm and from its supervisor at once, one notice).
         tick: seconds between two looks.
 
     Returns:
@@ -112,18 +112,14 @@ def drain_process(worker: Drained, timeout: float, signals_now: Callable[[], int
 
         >>> class Idle:
         ...     calls_in_flight = 0
-        >>> drain_process(Idle(), 1.0, lambda: 1)
+        >>> drain_process(Idle(), 1.0, lambda: False)
         <DrainEnd.FINISHED: 'finished'>
     """
-    started = time.monotonic()
-    deadline = started + timeout
-    first = signals_now()
+    deadline = time.monotonic() + timeout
     while True:
         if worker.calls_in_flight <= 0:
             return DrainEnd.FINISHED
-        if time.monotonic() - started < SAME_SIGNAL_WINDOW:
-            first = signals_now()  # the same notice, by two routes (the process group and a supervisor, say)
-        elif signals_now() > first:
+        if told_again():
             return DrainEnd.INTERRUPTED
         left = deadline - time.monotonic()
         if left <= 0:
@@ -173,7 +169,7 @@ def serve_until_stopped(
         worker.drain(grace, reason)
         if registration is not None:
             registration.leave()
-        end = drain_process(worker, grace, lambda: stop.count)
+        end = drain_process(worker, grace, lambda: stop.again(SAME_SIGNAL_WINDOW))
         drained = True
         if end is DrainEnd.INTERRUPTED:
             log.warning(

@@ -1,7 +1,7 @@
 """The process around a worker: stop signals, the parent it follows, the address file.
 
-Threading: :class:`StopSignals` handlers run in the main thread and only count
-the signals, which the main thread polls; nothing here starts a thread.
+Threading: :class:`StopSignals` handlers run in the main thread and only note
+when each signal came, which the main thread polls; nothing here starts a thread.
 """
 
 from __future__ import annotations
@@ -23,14 +23,20 @@ class StopSignals:
     """
 
     def __init__(self):
-        self.count = 0  #: signals received
+        self.times: list[float] = []  #: when each signal came (``time.monotonic()``), appended by the handler
         self.last: int | None = None  #: the number of the last signal received
         self._previous: dict[int, Any] = {}
 
     @property
     def received(self) -> bool:
         """Whether a signal came."""
-        return self.count > 0
+        return bool(self.times)
+
+    def again(self, window: float) -> bool:
+        """Whether a second signal came ``window`` seconds or more after the first (sooner, it is the same
+        notice by two routes: a process group and a supervisor, say)."""
+        times = self.times
+        return len(times) > 1 and times[-1] - times[0] >= window
 
     def describe(self) -> str:
         """The last signal's name (``"SIGTERM"``), or ``""`` if none came."""
@@ -43,7 +49,7 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.count += 1
+        self.times.append(time.monotonic())
         self.last = signum
 
     def wait(self, timeout: float) -> bool:

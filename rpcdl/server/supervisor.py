@@ -124,16 +124,17 @@ class Supervisor:
         self._children: list[Running | Waiting | Ended] = [Waiting(0.0, 0.0) for _ in range(count)]
         self.restarts = 0  #: children started again after they died
 
-    def run(self, signals_now: Callable[[], int]) -> int:
+    def run(self, told: Callable[[], bool], told_again: Callable[[], bool]) -> int:
         """Start the children, restart those that die, until a stop signal; then drain them.
 
         Args:
-            signals_now: how many stop signals came (the first stops, a second stops the children at once).
+            told: whether a stop signal came.
+            told_again: whether a second one came (the children then stop at once).
 
         Returns:
             0 once stopped (the children's own ends are logged).
         """
-        while signals_now() == 0:
+        while not told():
             now = time.monotonic()
             for index, child in enumerate(self._children):
                 if isinstance(child, Waiting) and now >= child.restart_at:
@@ -141,7 +142,7 @@ class Supervisor:
                 elif isinstance(child, Running) and child.process.poll() is not None:
                     self._died(index, child, now)
             time.sleep(_TICK)
-        self._drain(signals_now)
+        self._drain(told_again)
         return 0
 
     def _start(self, index: int, wait: float) -> None:
@@ -164,17 +165,17 @@ class Supervisor:
         )
         self._children[index] = Waiting(now + wait, wait)
 
-    def _drain(self, signals_now: Callable[[], int]) -> None:
+    def _drain(self, told_again: Callable[[], bool]) -> None:
         """SIGTERM to every child, a second one if a second signal comes, SIGKILL after the timeout and margin."""
-        told = signals_now()
+        passed_on = False
         running = [child for child in self._children if isinstance(child, Running)]
         log.info("rpcdl worker: stopping, draining %d process(es) for up to %gs", len(running), self._drain_timeout)
         for child in running:
             _signal(child.process, signal.SIGTERM)
         deadline = time.monotonic() + self._drain_timeout + EXIT_MARGIN
         while any(child.process.poll() is None for child in running):
-            if signals_now() > told:
-                told = signals_now()
+            if not passed_on and told_again():
+                passed_on = True
                 log.warning("rpcdl worker: a second signal: stopping the processes at once")
                 for child in running:
                     _signal(child.process, signal.SIGTERM)
