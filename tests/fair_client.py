@@ -23,13 +23,13 @@ def main(address: str, in_flight: int) -> int:
     print("ready", flush=True)
     start, stop = map(float, sys.stdin.readline().split())
     time.sleep(max(0.0, start - time.time()))
-    futures: collections.deque = collections.deque(rpcdl.rpc_async(address, work, (0.002,)) for _ in range(in_flight))
+    futures: collections.deque = collections.deque(rpcdl.rpc_async(address, work, (0.005,)) for _ in range(in_flight))
     answered = 0
     while time.time() < stop:
         futures.popleft().wait()
         if start <= time.time() < stop:
             answered += 1
-        futures.append(rpcdl.rpc_async(address, work, (0.002,)))
+        futures.append(rpcdl.rpc_async(address, work, (0.005,)))
     for future in futures:
         future.wait()
     return answered
