@@ -22,6 +22,7 @@ _EXPORTS = {
     "RPCDLError": "errors",
     "RemoteError": "errors",
     "WorkerTimeout": "errors",
+    "WorkerLeaving": "errors",
     "WorkerUnavailable": "errors",
     "ping": "rpc.client",
     "remote": "rpc.client",
@@ -64,6 +65,7 @@ __all__ = [
     "RRefNotFound",
     "RemoteError",
     "Worker",
+    "WorkerLeaving",
     "WorkerTimeout",
     "WorkerUnavailable",
     "local_workers",
@@ -110,6 +112,7 @@ if TYPE_CHECKING:
         RemoteError,
         RPCDLError,
         RRefNotFound,
+        WorkerLeaving,
         WorkerTimeout,
         WorkerUnavailable,
     )

@@ -56,6 +56,36 @@ class WorkerUnavailable(RPCDLError, ConnectionError):
     """The worker could not be reached, or refused new calls while shutting down."""
 
 
+class WorkerLeaving(WorkerUnavailable):
+    """The worker is leaving (it was sent SIGTERM or SIGINT, or told to drain): it takes no new calls.
+
+    Transient (:func:`rpcdl.errors.is_transient`): make the call on another worker, at once.
+    Raised for a call made to a worker after its ``LEAVING`` notice reached this
+    process, and for a call the worker rejected because it drains; calls that
+    were in flight when it began to leave get their answers. See
+    :func:`rpcdl.rpc.client.is_leaving` and
+    :func:`rpcdl.rpc.client.add_leaving_listener`.
+
+    Attributes:
+        address: the worker, ``"host:port"``.
+
+    Example::
+
+        >>> try:  # doctest: +SKIP
+        ...     rpcdl.rpc_sync(leaving_worker, min, (1, 2))
+        ... except rpcdl.WorkerLeaving as exc:
+        ...     print(exc.address, rpcdl.errors.is_transient(exc))
+        127.0.0.1:6543 True
+    """
+
+    def __init__(self, message: str, address: str = ""):
+        super().__init__(message)
+        self.address = address
+
+    def __reduce__(self):
+        return type(self), (str(self), self.address)
+
+
 class ConnectionLost(RPCDLError, ConnectionError):
     """The connection to a worker broke while a call was in flight."""
 

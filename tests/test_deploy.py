@@ -299,3 +299,40 @@ def test_kubernetes_metrics_and_autoscaling_fit_the_workers_and_the_trainer():
     assert trigger["metadata"]["threshold"] == "1"
     assert re.search(r"\bsum\(.*\brpcdl_workers_needed\{", trigger["metadata"]["query"])
     assert (keda["minReplicaCount"], keda["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])
+
+
+def test_kubernetes_worker_pool_deployment_drains_within_its_grace_and_is_ready_only_while_serving():
+    """The Deployment recipe: a headless Service of ready pods, a readiness probe, a preStop that drains, and a
+    termination grace that covers --drain-timeout."""
+    from rpcdl.cli import build_parser
+
+    docs = _manifests()
+    service = docs["Service/rpcdl-pool"]
+    pool = docs["Deployment/rpcdl-pool"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is False  # a draining or unready pod leaves DNS
+    labels = pool["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+    pod = pool["spec"]["template"]["spec"]
+    container = _container(pod, "worker")
+    command = container["command"] + container["args"]
+    options = build_parser().parse_args(command[1:])
+    assert options.host == "0.0.0.0" and service["spec"]["ports"][0]["port"] == options.port
+    assert "--drain-timeout" in command  # said, not left to the default
+    env = {e["name"]: e for e in container["env"]}
+    assert options.advertise == "$(POD_IP)" and env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+    # The drain fits in the grace, with a margin; the preStop hook drains and waits no longer than the grace.
+    grace = pod["terminationGracePeriodSeconds"]
+    assert options.grace + 5 <= grace <= options.grace + 60
+    pre_stop = " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+    assert "kill -TERM 1" in pre_stop
+    waits = int(re.search(r"seq (\d+)", pre_stop).group(1))
+    assert options.grace < waits <= grace
+
+    # Ready only while it serves: the probe is a real handshake on the worker's port.
+    probe = container["readinessProbe"]["exec"]["command"]
+    assert probe[:2] == ["rpcdl", "status"] and probe[2] == f"127.0.0.1:{options.port}"
+    assert container["readinessProbe"]["failureThreshold"] == 1

@@ -321,6 +321,8 @@ def test_calls_arriving_while_the_worker_drains_are_rejected_and_the_running_cal
     stopping = threading.Thread(target=worker.stop, args=(10.0,), name="test-stopping")
     stopping.start()
     _eventually(lambda: worker.phase is Phase.DRAINING, "the worker draining")
+    notice = client.answer()  # the worker tells its clients it leaves before it rejects anything
+    assert (notice.kind, notice.call_id) == (Kind.LEAVING, 0)
     client.send(_call(2, operator.add, 1, 1))
     first = client.answer()
     _released.set()

@@ -9,6 +9,7 @@ import threading
 
 from ..address import parse_address
 from ..local import LOG_LEVELS
+from ..registry import RegistryURL
 
 _RESOLVE_TIMEOUT = 10.0
 
@@ -31,6 +32,26 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number of seconds, ``0`` or more (``0``: no wait)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (0 or more), got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, 0 or more, got {value}")
+    return value
+
+
+def registry_url(text: str) -> str:
+    """A Redis registry URL (see :mod:`rpcdl.registry`), checked; kept as text."""
+    try:
+        RegistryURL.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def port(text: str) -> int:

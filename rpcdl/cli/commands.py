@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import signal
@@ -14,7 +15,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from ..processes import stop_processes
 from ..transport.compression import COMPRESSION_ENV, MODES, resolve_mode
 from ..transport.security import (
     TLS_CERT_ENV,
@@ -27,13 +27,21 @@ from ..transport.security import (
     resolve_token,
     server_tls_context,
 )
-from .args import host_problem, log_level, new_file, port, positive_float, positive_int, worker_address
+from .args import (
+    host_problem,
+    log_level,
+    new_file,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+    registry_url,
+    worker_address,
+)
 
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
 _PLUGGED_COMMANDS: list[str] = ["demo", "bench"]
-
-_CHILD_EXIT_MARGIN = 10.0  # seconds a worker process of --procs gets past its --grace before SIGKILL
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool = False) -> None:
@@ -62,7 +70,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "--procs",
         type=positive_int,
         default=1,
-        help="worker processes to start, each on its own port (default: %(default)s)",
+        help="worker processes to start, each on its own port (--port P: P, P+1, ...); one that dies is logged "
+        "with its signal or exit code and started again, after a backoff while it keeps dying (default: %(default)s)",
     )
     parser.add_argument(
         "--address-file",
@@ -99,10 +108,22 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "--threads", type=positive_int, default=1, help="torch.set_num_threads for each process (default: %(default)s)"
     )
     parser.add_argument(
+        "--register",
+        metavar="URL",
+        type=registry_url,
+        help="join the Redis registry redis://HOST:PORT[/DB]?key=KEY[&ttl=SECONDS] while serving: a heartbeat every "
+        "ttl/3 s (ttl 15 s by default), the entry removed on SIGTERM; trainers read it with the same URL as their "
+        "workers (needs pip install 'rpcdl[redis]')",
+    )
+    parser.add_argument(
+        "--drain-timeout",
         "--grace",
-        type=positive_float,
+        dest="grace",
+        metavar="SECONDS",
+        type=non_negative_float,
         default=30.0,
-        help="seconds calls in flight get to finish on SIGTERM/SIGINT (default: %(default)s)",
+        help="on SIGTERM/SIGINT the worker stops taking calls, tells its clients it is leaving and gives the calls "
+        "in flight this long to finish, then exits 0; a second signal stops it at once (default: %(default)s)",
     )
     parser.add_argument(
         "--log-level",
@@ -178,7 +199,7 @@ def run_worker_command(
             :meth:`argparse.ArgumentParser.error` does (the default prints one line).
 
     Returns:
-        0 once stopped by SIGTERM or SIGINT; 1 when a process of ``--procs`` failed.
+        0 once stopped by SIGTERM or SIGINT (``--procs`` restarts a process that dies, and says why).
     """
     fail = fail or getattr(args, "fail", None) or _print_mistake
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -192,6 +213,8 @@ def run_worker_command(
         fail(str(exc))
     except (ImportError, ValueError) as exc:
         fail(str(exc).replace("compression=", "--compression ", 1))
+    if args.register is not None and importlib.util.find_spec("redis") is None:
+        fail("--register needs redis-py: pip install 'rpcdl[redis]' (or pip install redis)")
     if args.procs > 1:
         return _run_worker_processes(args, argv)
     from ..server.worker import run_worker
@@ -212,6 +235,7 @@ def run_worker_command(
             watch_pid=args.watch_pid,
             compression=args.compression,
             metrics_port=args.metrics_port,
+            register=args.register,
         )
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
@@ -223,24 +247,34 @@ def run_worker_command(
 
 
 def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Start ``--procs`` worker processes and supervise them until a signal."""
-    child_argv = _without_option(_without_option(list(argv), "--procs"), "--port")
-    children = []
-    for index in range(args.procs):
+    """Start ``--procs`` worker processes and keep them running until a signal (see :mod:`rpcdl.server.supervisor`)."""
+    from ..server.draining import SAME_SIGNAL_WINDOW
+    from ..server.process import StopSignals
+    from ..server.supervisor import Supervisor
+
+    child_argv = list(argv)
+    for option in ("--procs", "--port", "--watch-pid"):
+        child_argv = _without_option(child_argv, option)
+    follow = ["--watch-pid", str(os.getpid())]  # a supervisor killed outright: its children drain and exit
+
+    def command_for(index: int) -> list[str]:
         port = args.port + index if args.port else 0
-        command = [sys.executable, "-m", "rpcdl", "worker", *child_argv, "--port", str(port)]
-        if args.metrics_port is not None:
+        command = [sys.executable, "-m", "rpcdl", "worker", *child_argv, "--port", str(port), *follow]
+        if args.metrics_port is not None:  # one metrics port per child, as one port per worker
             metrics_port = args.metrics_port + index if args.metrics_port else 0
             command = [*_without_option(command, "--metrics-port"), "--metrics-port", str(metrics_port)]
-        children.append(subprocess.Popen(command))
-    from ..server.worker import StopSignals
+        return command
+
+    def spawn(command: list[str]) -> subprocess.Popen:
+        # their own process group: a Ctrl-C in the terminal reaches the supervisor only, which drains them once
+        return subprocess.Popen(command, process_group=0)
 
     stop = StopSignals().install()
-    while not stop.wait(0.5):
-        if any(child.poll() is not None for child in children):
-            break
-    codes = stop_processes(children, grace=args.grace + _CHILD_EXIT_MARGIN)
-    return 0 if stop.received and all(code == 0 for code in codes) else 1
+    try:
+        supervisor = Supervisor(command_for, args.procs, args.grace, spawn=spawn)
+        return supervisor.run(lambda: stop.received, lambda: stop.again(SAME_SIGNAL_WINDOW))
+    finally:
+        stop.restore()
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:

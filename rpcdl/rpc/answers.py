@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import WorkerTimeout, WorkerUnavailable
+from ..errors import WorkerLeaving, WorkerTimeout, WorkerUnavailable
 from ..serialization.pickling import load_exception, loads_from
-from ..transport.control import decode_rejected, decode_stats
+from ..transport.control import DEFAULT_REJECTION, decode_rejected, decode_stats
 from ..transport.wire import Frame, Kind
 from .calls import Call, describe_call
 
@@ -53,6 +53,8 @@ def outcome(address: str, connection: Any, frame: Frame, subject: str | Callable
     if kind is Kind.ERROR:
         return None, load_exception(frame.payload, address)
     reason = decode_rejected(frame.payload)
+    if reason == DEFAULT_REJECTION:  # the worker drains: it said LEAVING before it rejected anything
+        return None, WorkerLeaving(f"worker {address} did not run {describe_call(subject)}: {reason}", address)
     return None, WorkerUnavailable(f"worker {address} did not run {describe_call(subject)}: {reason}")
 
 

@@ -34,19 +34,23 @@ from .calls import Call, pending_call
 from .connection import IDLE_TICK, Connection
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
 from .invoke import call_and_wait, check_address, prepare, submit
+from .leaving import add_leaving_listener, is_leaving, remove_leaving_listener
 from .pool import connection_to, shutdown
 from .rref import RRef, held_rref, new_uid
 
 __all__ = [
     "Connection",
+    "add_leaving_listener",
     "answers_read_here",
     "connection_to",
+    "is_leaving",
     "outside_held_blocks",
     "ping",
     "ping_async",
     "read_answers",
     "read_in_background",
     "remote",
+    "remove_leaving_listener",
     "rpc_async",
     "rpc_sync",
     "sent_together",

@@ -5,9 +5,11 @@ Threads and what each owns (the one statement of the connection's model):
 * **The connection's own thread**, ``rpcdl-connection-HOST:PORT``
   (:mod:`rpcdl.rpc.connection_thread`), calls only the public methods below:
   it opens the connection (:meth:`Connection.connect`), then, until it closes,
-  reads the answers of :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls, fails
-  overdue calls and flushes deferred frames and releases. It owns the socket's
-  life: it opens it, and closes it once nobody reads or writes it
+  reads the answers of :attr:`~rpcdl.rpc.calls.ReadBy.BACKGROUND` calls (and,
+  while no call is pending, what the worker sends unasked: its ``LEAVING``
+  notice, or its closing the connection), fails overdue calls and flushes
+  deferred frames and releases. It owns the socket's life: it opens it, and
+  closes it once nobody reads or writes it
   (:meth:`Connection.finish`).
 * **Any thread** makes calls, sends, waits for answers and closes.
 * **One lock**, ``Connection._lock``, guards every mutable field: the
@@ -76,9 +78,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..address import parse_address
-from ..errors import AuthenticationError, ConnectionLost, FrameTooLarge, ProtocolError, WorkerUnavailable
+from ..errors import AuthenticationError, ConnectionLost, FrameTooLarge, ProtocolError, WorkerLeaving, WorkerUnavailable
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
+from ..transport.control import decode_leaving
 from ..transport.handshake import Agreement
 from ..transport.polling import window_from_environment
 from ..transport.security import Token
@@ -87,10 +90,11 @@ from . import held
 from .answers import ANSWERS, deliver, outcome, overdue_error
 from .calls import Call, ReadBy, describe_call, next_call_id
 from .dial import dial
+from .leaving import worker_left, worker_serves
 from .outbox import OutboxState
 from .reading import Receiver
 from .sending import Sending
-from .state import Alarm, Closed, Connecting, Open, PendingCalls, Reader, ReadingRole
+from .state import Alarm, Closed, Connecting, Leaving, Open, PendingCalls, Reader, ReadingRole
 
 IDLE_TICK = 0.1  #: seconds: how often a reader with nothing to read looks at deadlines
 RELEASE_TICK = 1.0  #: seconds: how often queued RRef releases are flushed when idle
@@ -112,7 +116,7 @@ class Chores(NamedTuple):
 class Status:
     """A connection's state at one moment (:meth:`Connection.status`), for messages and tests."""
 
-    state: str  #: ``"connecting"``, ``"open"`` or ``"closed"``
+    state: str  #: ``"connecting"``, ``"open"``, ``"leaving"`` or ``"closed"``
     reader: Reader  #: who holds the reading role
     readers_waiting: int  #: callers blocked until the role is free or their call is answered
     pending: int  #: calls waiting for an answer
@@ -226,7 +230,8 @@ class Connection:
         connected; its answer completes ``call.future``.
 
         Returns:
-            Whether the call was made; ``False`` if the connection is closed (make it on a new one).
+            Whether the call was made; ``False`` if the connection is closed (make it on a new one). A call made
+            once the worker said it is leaving fails at once with :class:`~rpcdl.errors.WorkerLeaving` (made).
         """
         awaited = AWAITED if call.read_by is ReadBy.WAITER else 0  # its caller blocks: the worker may poll for the next
         frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers), awaited)
@@ -234,14 +239,18 @@ class Connection:
             state = self._state
             if isinstance(state, Closed):
                 return False
-            busy = len(self._calls) > 0  # the worker has calls of ours to run: this one may wait for the next
-            self._calls.add(call, call.started)
-            if self._alarm.asleep:  # wake the connection's thread for this call's deadline, or for its answer
-                turn = self._role.background_turn() if call.read_by is ReadBy.BACKGROUND else call.deadline
-                self._wake_thread_by(min(turn, call.deadline))
-            if isinstance(state, Connecting):
-                state.queued.append(frame)
-                return True
+            if not isinstance(state, Leaving):
+                busy = len(self._calls) > 0  # the worker has calls of ours to run: this one may wait for the next
+                self._calls.add(call, call.started)
+                if self._alarm.asleep:  # wake the connection's thread for this call's deadline, or for its answer
+                    turn = self._role.background_turn() if call.read_by is ReadBy.BACKGROUND else call.deadline
+                    self._wake_thread_by(min(turn, call.deadline))
+                if isinstance(state, Connecting):
+                    state.queued.append(frame)
+                    return True
+        if isinstance(state, Leaving):  # failed outside the lock: the future's callbacks may make calls
+            call.future.fail(self._leaving_error(state.reason, call))
+            return True
         if held.hold(self, frame):
             if call.read_by is ReadBy.WAITER:  # after what this thread holds, in the order it made the calls
                 held.send_held()
@@ -331,6 +340,7 @@ class Connection:
             state = self._state
             alone = (
                 isinstance(state, Open)
+                and not isinstance(state, Leaving)
                 and state.sending.state is OutboxState.IDLE
                 and held.holds_nothing()
                 and self._role.take(Reader.CALLER)
@@ -516,6 +526,20 @@ class Connection:
         if take:
             self._read_turn(state.receiver)
 
+    def read_while_idle(self) -> None:
+        """Read what arrives while no call is pending: a worker's ``LEAVING`` notice, or its closing the
+        connection, is heard within a tick even by a process that makes no call now. Run by the
+        connection's thread, after each wait for chores."""
+        with self._lock:
+            state = self._state
+            take = isinstance(state, Open) and len(self._calls) == 0 and self._role.take(Reader.BACKGROUND)
+        if not take:
+            return
+        if state.receiver.arrives_now():
+            self._read_turn(state.receiver)
+        else:
+            self._end_turn([], None)
+
     def finish(self, opened: Open) -> None:
         """Close the socket of ``opened`` (what :meth:`connect` opened; the connection is closed now) once no
         thread reads or writes it any more: shut down, it sends them away at once. :data:`SOCKET_CLOSE_WAIT`
@@ -566,9 +590,21 @@ class Connection:
         caller has read on its own so far (:meth:`call_sync`), joins the pending calls first. An ``error``
         that ended the reading closes the connection: the stream may have stopped inside a frame."""
         answered = []
+        reason = None
+        if any(frame.kind is Kind.LEAVING for frame in frames):  # the worker drains: no call of ours goes there now
+            notices = [frame for frame in frames if frame.kind is Kind.LEAVING]
+            frames = [frame for frame in frames if frame.kind is not Kind.LEAVING]
+            try:
+                reason = decode_leaving(notices[-1].payload)[1]
+            except ProtocolError as exc:
+                error = error or exc
         unexpected = frames[-1] if frames and frames[-1].kind not in ANSWERS else None
         with self._lock:
             state = self._state
+            if reason is not None and isinstance(state, Open) and not isinstance(state, Leaving):
+                self._state = Leaving(state, reason)
+            else:
+                reason = None  # closed meanwhile, or told already
             if waiting is not None and not isinstance(state, Closed):
                 self._calls.add(waiting, waiting.started)
             # taken while still reading: a thread waiting for these calls must not take the role to read
@@ -580,6 +616,8 @@ class Connection:
             self._give_role_back(frames[-1] if frames and unexpected is None else None)
         if waiting is not None and isinstance(state, Closed):
             waiting.future.fail(state.error())
+        if reason is not None:
+            worker_left(self.address, reason)
         for frame, call in answered:
             deliver(self.address, self, frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
@@ -601,6 +639,12 @@ class Connection:
         if self._role.waiters:
             self._answered.notify_all()
         self._caller_left()
+
+    def _leaving_error(self, reason: str, call: Call) -> WorkerLeaving:
+        return WorkerLeaving(
+            f"worker {self.address} is leaving ({reason}): {call.what} was not sent; make it on another worker",
+            self.address,
+        )
 
     def _pins(self, call_id: int) -> bool:
         """Whether the answer to ``call_id`` is received into pinned memory (the reader asks, holding the role)."""
@@ -671,6 +715,7 @@ class Connection:
         if not isinstance(state, Connecting):  # closed meanwhile: nobody else has seen this socket
             sock.close()
             return None
+        worker_serves(self.address)
         self._send(sending, [])
         return opened
 

@@ -57,6 +57,7 @@ def serve(connection: Connection) -> None:
             elif chores.deferred_due:
                 connection.flush()  # frames deferred by a thread that went on with something else
             connection.read_background()
+            connection.read_while_idle()
     except BaseException as exc:  # nothing waits in silence: the calls fail with it
         connection.close(f"the thread of the connection to worker {connection.address} failed: {exc!r}")
         raise

@@ -31,6 +31,7 @@ from .connection import Connection
 from .connection_thread import start_connection
 from .dial import connect_grace
 from .environment import Variables
+from .leaving import is_leaving
 from .live_threads import join_connection_threads
 
 log = logging.getLogger("rpcdl.client")
@@ -82,7 +83,9 @@ def _open(key: tuple, address: str, timeout: float, token: Token | None, ssl_con
     with _pool_lock:
         connection = _pool.get(key)
         if connection is None:
-            connection = start_connection(address, token, ssl_context, timeout, grace=connect_grace(), on_close=_forget)
+            # a worker that left is not awaited: a call to it fails at once unless a worker serves there again
+            grace = 0.0 if is_leaving(address) else connect_grace()
+            connection = start_connection(address, token, ssl_context, timeout, grace=grace, on_close=_forget)
             _pool = {**_pool, key: connection}
     return connection
 

@@ -7,8 +7,9 @@ methods only while holding it), so each object moves from one consistent
 state to the next and is testable without sockets.
 
 * The lifecycle: a connection holds exactly one of :class:`Connecting`,
-  :class:`Open` and :class:`Closed`, and only ever moves forward
-  (CONNECTING -> OPEN -> CLOSED, or straight to CLOSED). A field that only one
+  :class:`Open`, :class:`Leaving` and :class:`Closed`, and only ever moves forward
+  (CONNECTING -> OPEN [-> LEAVING] -> CLOSED, or straight to CLOSED). A leaving
+  connection is open for the calls in flight (it is an :class:`Open`) and takes no new ones. A field that only one
   state has lives only in that state's object.
 * :class:`ReadingRole`: who reads the socket now (one thread at a time).
 * :class:`PendingCalls`: the calls waiting for an answer, and who reads each.
@@ -90,6 +91,24 @@ class Open:
         self.sending = sending
         self.segment = segment
         self.compression = compression
+
+
+class Leaving(Open):
+    """Open for the calls in flight, whose answers still come, but the worker said it is leaving: calls made
+    now fail at once with :class:`~rpcdl.errors.WorkerLeaving` (see :mod:`rpcdl.rpc.leaving`).
+
+    Args:
+        opened: the open state it follows (its socket, reader and sender carry on).
+        reason: why the worker leaves, as it said.
+    """
+
+    name = "leaving"
+
+    __slots__ = ("reason",)
+
+    def __init__(self, opened: Open, reason: str) -> None:
+        super().__init__(opened.sock, opened.receiver, opened.sending, opened.segment, opened.compression)
+        self.reason = reason
 
 
 class Closed:

@@ -1,7 +1,7 @@
 """The process around a worker: stop signals, the parent it follows, the address file.
 
-Threading: :class:`StopSignals` handlers run in the main thread and only set a
-flag, which the main thread polls; nothing here starts a thread.
+Threading: :class:`StopSignals` handlers run in the main thread and only note
+when each signal came, which the main thread polls; nothing here starts a thread.
 """
 
 from __future__ import annotations
@@ -15,16 +15,32 @@ from typing import Any
 
 
 class StopSignals:
-    """SIGTERM and SIGINT turned into a flag the main thread polls.
+    """SIGTERM and SIGINT counted, for the main thread to poll: the first drains, a second stops at once.
 
-    The handlers only set an attribute: a handler that takes a lock (``Event.set()``)
+    The handlers only set attributes: a handler that takes a lock (``Event.set()``)
     deadlocks when the signal lands while the main thread holds that lock itself.
     Outside the main thread nothing is installed and :meth:`wait` just sleeps.
     """
 
     def __init__(self):
-        self.received = False
+        self.times: list[float] = []  #: when each signal came (``time.monotonic()``), appended by the handler
+        self.last: int | None = None  #: the number of the last signal received
         self._previous: dict[int, Any] = {}
+
+    @property
+    def received(self) -> bool:
+        """Whether a signal came."""
+        return bool(self.times)
+
+    def again(self, window: float) -> bool:
+        """Whether a second signal came ``window`` seconds or more after the first (sooner, it is the same
+        notice by two routes: a process group and a supervisor, say)."""
+        times = self.times
+        return len(times) > 1 and times[-1] - times[0] >= window
+
+    def describe(self) -> str:
+        """The last signal's name (``"SIGTERM"``), or ``""`` if none came."""
+        return signal.Signals(self.last).name if self.last is not None else ""
 
     def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -33,7 +49,8 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
+        self.times.append(time.monotonic())
+        self.last = signum
 
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds, less if a signal comes; return whether one came."""

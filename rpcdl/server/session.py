@@ -184,6 +184,15 @@ class ClientConnection:
             if self._state is SessionState.SERVING:
                 self._state = SessionState.DRAINING
 
+    def announce_leaving(self, payload: bytes) -> None:
+        """Tell the client the worker is leaving: a ``LEAVING`` frame (see :mod:`rpcdl.transport.control`).
+
+        Sent by the thread announcing the worker's drain, after :meth:`drain`;
+        nothing if the connection is closed meanwhile.
+        """
+        if not self.closed:
+            self.send(Frame(Kind.LEAVING, 0, payload=payload))
+
     def send(self, frame: Frame, answers_call: bool = False) -> None:
         """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
         that cannot take it is closed."""
@@ -361,11 +370,16 @@ class ClientConnection:
         started = time.perf_counter()
         held.holding = True
         try:
-            self.worker.slots.run(self, frame)
+            self.worker.slots.run(self, frame, before_queued=lambda: self._stop_holding(held))
         finally:
             held.holding = False
         if time.perf_counter() - started > _QUICK_CALL or held.answers >= _OUTBOX_ANSWERS:
             self._flush(held)
+
+    def _stop_holding(self, held: _HeldAnswers) -> None:
+        """This thread goes on with queued calls (maybe other clients', maybe long): send what it held back."""
+        held.holding = False
+        self._flush(held)
 
     def _read_frame(self) -> Frame | None:
         """The next frame, or ``None`` if none came within the idle tick or the connection closed."""

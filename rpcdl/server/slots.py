@@ -9,13 +9,14 @@ queued (:meth:`Slots.take`, see :mod:`rpcdl.server.session`), else one of
 A thread whose call is done runs the next queued call in the same slot if
 there is one (no thread switch per call), else frees the slot; it frees the
 slot before sending a large answer, so the next call runs meanwhile. The
-queue is one FIFO for all clients: calls start in the order they arrived,
-whoever sent them. Nothing else is called under the lock.
+queue is fair (:class:`~rpcdl.server.fair_queue.FairQueue`): each client's
+calls wait in their own line, in the order they arrived, and a freed slot
+takes the next call of the next client in turn, so a client with many calls
+queued cannot starve one with few. Nothing else is called under the lock.
 """
 
 from __future__ import annotations
 
-import collections
 import enum
 import threading
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ..rpc.rref import RRefStore
 from ..transport.control import encode_rejected
 from ..transport.wire import Frame, Kind
 from .calls import Session
+from .fair_queue import FairQueue
 
 LARGE_ANSWER = 1 << 20  #: bytes of buffers from which an answer is sent after its slot is freed
 
@@ -41,7 +43,7 @@ _OPEN = SlotsState.OPEN  # read on every call: see rpcdl.server.session for what
 
 
 class Slots:
-    """``parallel`` slots and the queue in front of them.
+    """``parallel`` slots and the fair queue in front of them (a line per client, served in turns).
 
     Args:
         parallel: how many calls run at once.
@@ -55,7 +57,7 @@ class Slots:
         self._store = store
         self._lock = threading.Lock()  # alone where nobody waits: see ClientConnection's
         self._runnable = threading.Condition(self._lock)  # a queued call may run (or the slots stopped)
-        self._queue: collections.deque[tuple[Session, Frame]] = collections.deque()
+        self._queue: FairQueue[Session, Frame] = FairQueue()
         self._running = 0
         self._state = SlotsState.NEW
         self._threads = [
@@ -101,17 +103,24 @@ class Slots:
             return None
 
     def enqueue(self, session: Session, frame: Frame) -> None:
-        """Queue a call for the next free slot."""
+        """Queue a call of ``session`` for a free slot, after that session's other queued calls."""
         with self._lock:
-            self._queue.append((session, frame))
+            self._queue.push(session, frame)
             if self._running < self.parallel:  # else whoever frees a slot takes it
                 self._runnable.notify()
 
-    def run(self, session: Session, frame: Frame) -> None:
+    def run(self, session: Session, frame: Frame, before_queued: Callable[[], None] | None = None) -> None:
         """Run a call in a slot already taken, then the queued calls while there are any; answer each.
 
         A large answer takes a while to send: its slot goes to the next queued
         call before it is sent, so that call runs while it goes out.
+
+        Args:
+            session: the session of the call.
+            frame: the call.
+            before_queued: called once before the first queued call runs (the
+                reader that ran ``frame`` inline sends the answers it held back:
+                the queued calls may be other clients', and run for long).
         """
         while True:
             queued = answer = None
@@ -122,7 +131,7 @@ class Slots:
                 large = answer is not None and bool(answer.buffers) and answer.buffer_bytes >= LARGE_ANSWER
                 with self._lock:
                     if self._queue and self._state is _OPEN and not large:
-                        queued = self._queue.popleft()
+                        queued = self._queue.pop()
                     else:
                         self._running -= 1
                         if large and self._queue:
@@ -130,6 +139,9 @@ class Slots:
             session.send(answer, answers_call=True)
             if queued is None:
                 return
+            if before_queued is not None:
+                before_queued()
+                before_queued = None
             session, frame = queued
 
     def _refuse(self, frame: Frame) -> Frame:
@@ -144,6 +156,6 @@ class Slots:
                     self._runnable.wait()
                 if self._state is not SlotsState.OPEN:
                     return
-                session, frame = self._queue.popleft()
+                session, frame = self._queue.pop()
                 self._running += 1
             self.run(session, frame)

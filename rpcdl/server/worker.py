@@ -11,12 +11,16 @@ Threads of a worker:
   run the calls that found no free slot at once;
 * the promoter thread (``rpcdl-promoter-ADDRESS``) hands a session's reading to
   its standby thread when a call has run inline for a while;
-* the thread that calls :meth:`Worker.start` and :meth:`Worker.stop` (and the
-  exit hook, which stops the workers still running).
+* the thread that calls :meth:`Worker.start`, :meth:`Worker.drain` and
+  :meth:`Worker.stop` (and the exit hook, which stops the workers still running);
+* as the worker drains, the announcer thread (``rpcdl-leaving-ADDRESS``,
+  :mod:`rpcdl.server.draining`) sends every client a ``LEAVING`` frame.
 
 Who owns what: the worker's lock (``_lock``) guards its :class:`Phase` and its
 set of sessions, for every read and write, so that a session is admitted only
-while the worker serves and a stop sees every session admitted. A session owns
+while the worker serves and a stop sees every session admitted, and the
+announcer thread once started. ``_stop_lock`` is held by the one thread that
+stops the worker (a second stop waits for it). A session owns
 its own state (its module says how); the worker reaches it through its public
 methods: :meth:`~rpcdl.server.session.ClientConnection.drain` when it stops,
 :meth:`~rpcdl.server.session.ClientConnection.offer_if_lent_before` from the
@@ -50,10 +54,11 @@ from .._lifecycle import ExitPhase, at_exit
 from ..address import format_address, is_loopback, parse_address
 from ..checks import check_int, check_positive_int, check_timeout
 from ..errors import ProtocolError
+from ..registry import RegistryURL
 from ..rpc import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
-from ..transport.control import decode_release, encode_stats
+from ..transport.control import DEFAULT_LEAVING, decode_release, encode_leaving, encode_stats
 from ..transport.handshake import server_negotiate
 from ..transport.polling import window_from_environment
 from ..transport.security import Token, default_server_tls, resolve_token
@@ -61,8 +66,9 @@ from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
 from .calls import CallRunner
 from .counters import Counters
+from .draining import ANNOUNCE_WAIT, announce_leaving, serve_until_stopped
 from .metrics import serve_worker_metrics
-from .process import StopSignals, append_address, process_exists
+from .registration import Registration
 from .session import PROMOTE_AFTER, ClientConnection, shutdown_socket
 from .slots import Slots
 from .streaming import stream
@@ -79,7 +85,7 @@ class Phase(enum.Enum):
 
     NEW = "new"
     SERVING = "serving"
-    DRAINING = "draining"  #: not accepting; calls arriving are rejected, calls in flight finish
+    DRAINING = "draining"  #: leaving: not accepting, clients told; calls arriving are rejected, calls in flight finish
     STOPPED = "stopped"
 
 
@@ -173,6 +179,8 @@ class Worker:
         self._lock = threading.Lock()
         self._phase = Phase.NEW
         self._connections: set[ClientConnection] = set()
+        self._announcer: threading.Thread | None = None  # set with the phase DRAINING, under _lock
+        self._stop_lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._threads = (
             threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True),
@@ -208,14 +216,55 @@ class Worker:
             _running.add(self)  # before any stop() can discard it
         return self
 
+    def drain(self, grace: float = 30.0, reason: str = DEFAULT_LEAVING) -> bool:
+        """Begin leaving, and return at once: stop accepting, tell every client, reject the calls that arrive.
+
+        Each client gets a ``LEAVING`` frame (see :mod:`rpcdl.transport.control`)
+        and stops sending calls here (they fail at once on its side with
+        :class:`~rpcdl.errors.WorkerLeaving`); the calls in flight go on running
+        and are answered. :meth:`stop` then waits for them and closes.
+
+        Args:
+            grace: the seconds the calls in flight will get (what clients are told).
+            reason: why the worker leaves, for the clients' messages.
+
+        Returns:
+            whether this call began the drain (``False``: it drains already, stops, or never started).
+
+        Example::
+
+            >>> worker = rpcdl.Worker().start()  # doctest: +SKIP
+            >>> worker.drain(grace=5.0)  # doctest: +SKIP
+            True
+            >>> worker.stop(grace=5.0)  # doctest: +SKIP
+            True
+        """
+        payload = encode_leaving(grace, reason)
+        with self._lock:
+            if self._phase is not Phase.SERVING:
+                return False
+            self._phase = Phase.DRAINING
+            connections = list(self._connections)
+            for connection in connections:  # with the phase: no call is admitted once it drains
+                connection.drain()
+            self._announcer = announce_leaving(self.address, connections, payload)
+        shutdown_socket(self._listener)
+        log.info("rpcdl worker %s is leaving (%s): %d client(s) told", self.address, reason, len(connections))
+        return True
+
+    @property
+    def calls_in_flight(self) -> int:
+        """How many calls run or wait for a slot now (a hint, which may change as soon as it is read)."""
+        return max(0, self.counters.outstanding)
+
     def stop(self, grace: float = 30.0) -> bool:
-        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, close.
+        """Drain (see :meth:`drain`), let calls in flight finish for up to ``grace`` seconds, close.
 
         Calls arriving meanwhile are rejected, so clients retry them elsewhere.
         A second call (from another thread, say) waits for the first to finish.
 
         Args:
-            grace: seconds the calls in flight get to finish.
+            grace: seconds the calls in flight get to finish (``0``: close now).
 
         Returns:
             whether every call in flight finished within ``grace``.
@@ -226,38 +275,39 @@ class Worker:
             >>> worker.stop(grace=5.0)  # doctest: +SKIP
             True
         """
-        with self._lock:
-            previous = self._phase
-            if previous is Phase.SERVING:
-                self._phase = Phase.DRAINING
+        with self._stop_lock:
+            with self._lock:
+                previous = self._phase
+                if previous is Phase.NEW:
+                    self._phase = Phase.STOPPED
+            if previous is Phase.NEW:  # never started: no thread, no session
+                self._listener.close()
+                self.slots.stop(timeout=0.0)
+                self._stopped.set()
+                return True
+            if previous is Phase.STOPPED:
+                return True
+            self.drain(grace)
+            deadline = time.monotonic() + grace
+            while self.counters.outstanding > 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            finished = self.counters.outstanding <= 0
+            with self._lock:
+                announcer = self._announcer
+            if announcer is not None:  # the clients hear LEAVING before their connections close, even at once
+                announcer.join(timeout=max(ANNOUNCE_WAIT, deadline - time.monotonic()))
+            with self._lock:
                 connections = list(self._connections)
-                for connection in connections:  # with the phase: no call is admitted once it drains
-                    connection.drain()
-            elif previous is Phase.NEW:
+            for connection in connections:
+                connection.close()
+            with self._lock:
                 self._phase = Phase.STOPPED
-        if previous is Phase.NEW:  # never started: no thread, no session
-            self._listener.close()
-            self.slots.stop(timeout=0.0)
+            self.slots.stop(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            for thread in self._threads:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
             self._stopped.set()
-            return True
-        if previous is not Phase.SERVING:
-            self._stopped.wait(grace + 2.0)
-            return True
-        shutdown_socket(self._listener)
-        deadline = time.monotonic() + grace
-        while self.counters.outstanding > 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        finished = self.counters.outstanding <= 0
-        for connection in connections:
-            connection.close()
-        with self._lock:
-            self._phase = Phase.STOPPED
-        self.slots.stop(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-        self._stopped.set()
-        _running.discard(self)
-        return finished
+            _running.discard(self)
+            return finished
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the worker has stopped (:meth:`stop`, from another thread); return whether it has.
@@ -476,13 +526,15 @@ def run_worker(
     on_ready: Callable[[Worker], Any] | None = None,
     watch_pid: int | None = None,
     metrics_port: int | None = None,
+    register: str | None = None,
 ) -> None:
     """Listen and serve calls until SIGTERM or SIGINT (blocks).
 
     When ready, prints the worker's ``host:port`` on one line of standard
     output and appends it to ``address_file`` if given. On SIGTERM or SIGINT it
-    stops accepting, lets calls in flight finish for up to ``grace`` seconds
-    and returns.
+    leaves well (:meth:`Worker.drain`): it stops accepting, tells every client
+    it is leaving, lets calls in flight finish for up to ``grace`` seconds and
+    returns; a second signal meanwhile ends the drain at once.
 
     Args:
         host: interface to bind to (``"0.0.0.0"`` for all; requires a token or
@@ -493,13 +545,16 @@ def run_worker(
         token, insecure, ssl_context, advertise, compression: as for :class:`Worker`.
         num_threads: ``torch.set_num_threads`` for this process (``None`` leaves it).
         address_file: file to append the address to, under a lock.
-        grace: seconds calls in flight get to finish on shutdown.
+        grace: seconds calls in flight get to finish on shutdown (``--drain-timeout``).
         on_ready: called with the started worker instead of printing the address.
         watch_pid: stop as SIGTERM would when the process with this pid is gone
             (local workers follow the process that started them).
         metrics_port: serve Prometheus metrics at ``http://HOST:PORT/metrics`` on
             ``host``, this port (``0`` picks one; see :mod:`rpcdl.server.metrics`);
             ``None``: no metrics.
+        register: a Redis registry to join while serving,
+            ``redis://HOST:PORT[/DB]?key=KEY[&ttl=SECONDS]`` (see :mod:`rpcdl.registry`):
+            the worker beats there until it drains, when it leaves it.
 
     Example::
 
@@ -519,28 +574,18 @@ def run_worker(
         advertise=advertise,
         compression=compression,
     ).start()
-    stop = StopSignals().install()
-    metrics = None
+    registration = Registration(RegistryURL.parse(register), worker.address) if register is not None else None
+    announce_ready = on_ready if on_ready is not None else lambda started: print(started.address, flush=True)
+    if metrics_port is None:
+        serve_until_stopped(worker, grace, address_file, announce_ready, registration, watch_pid)
+        return
     try:
-        if metrics_port is not None:
-            metrics = serve_worker_metrics(worker, metrics_port, host)
-            log.info("rpcdl worker %s serves metrics at %s", worker.address, metrics.url)
-        if address_file is not None:
-            append_address(address_file, worker.address)
-        if on_ready is not None:
-            on_ready(worker)
-        else:
-            print(worker.address, flush=True)
-        log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), parallel)
-        while not stop.wait(0.5):
-            if watch_pid is not None and not process_exists(watch_pid):
-                log.info("process %d is gone", watch_pid)
-                break
-        log.info("rpcdl worker %s stopping", worker.address)
+        metrics = serve_worker_metrics(worker, metrics_port, host)
+    except BaseException:
+        worker.stop(0)  # it never served: nothing to drain
+        raise
+    log.info("rpcdl worker %s serves metrics at %s", worker.address, metrics.url)
+    try:
+        serve_until_stopped(worker, grace, address_file, announce_ready, registration, watch_pid)
     finally:
-        if metrics is not None:
-            metrics.stop()
-        finished = worker.stop(grace)
-        stop.restore()
-    if not finished:
-        log.warning("rpcdl worker %s stopped with calls still running after %gs", worker.address, grace)
+        metrics.stop()

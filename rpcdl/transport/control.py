@@ -8,6 +8,10 @@
   stream), then a frame size and a count, u64 and u32, big-endian: the worker
   answers with that many ``STREAM_DATA`` frames, each one out-of-band buffer of that many
   incompressible bytes and no payload (a link's raw rate; ``REJECTED`` with the reason if out of bounds);
+- ``LEAVING`` (worker -> client, call id 0): the worker drains and then exits (SIGTERM, a
+  spot-instance notice, ``kubectl delete pod``): a big-endian f64, the seconds it gives the calls
+  in flight, then why, UTF-8 text. Sent once to every client as the drain begins; calls that
+  reach the worker later are answered ``REJECTED``, calls in flight are answered as usual;
 - ``PING``, ``PONG``, ``STATS`` and ``STREAM_DATA``: empty.
 
 A payload that breaks this format raises :class:`~rpcdl.errors.ProtocolError`
@@ -26,12 +30,14 @@ from typing import Any
 from ..errors import ProtocolError
 
 _UID = struct.Struct("!Q")
+_SECONDS = struct.Struct("!d")
 _STREAM = struct.Struct("!12sQI")
 _STREAM_MARKER = b"rpcdl-stream"
 MAX_STREAM_FRAME_BYTES = 256 << 20  #: largest frame a STREAM request may ask for
 MAX_STREAM_BYTES = 64 << 30  #: most bytes one STREAM request may ask for
 _MAX_UID = 2**64 - 1
 DEFAULT_REJECTION = "the worker is shutting down"
+DEFAULT_LEAVING = "the worker was told to stop"
 
 
 def _pack_u64s(values: Iterable[int], what: str) -> bytes:
@@ -174,6 +180,47 @@ def decode_rejected(payload: bytes | bytearray | memoryview) -> str:
         'the worker is shutting down'
     """
     return bytes(payload).decode("utf-8", "replace") or DEFAULT_REJECTION
+
+
+def encode_leaving(drain_timeout: float, reason: str = DEFAULT_LEAVING) -> bytes:
+    """Encode the payload of a ``LEAVING`` frame: how long the worker drains, and why it leaves.
+
+    Args:
+        drain_timeout: seconds the calls in flight get to finish (``>= 0``).
+        reason: why the worker leaves, for messages.
+
+    Raises:
+        ValueError: ``drain_timeout`` is negative or not finite.
+
+    Example::
+
+        >>> encode_leaving(30.0, "SIGTERM").hex()
+        '403e0000000000005349475445524d'
+    """
+    if not 0.0 <= drain_timeout < float("inf"):
+        raise ValueError(f"drain_timeout must be a finite number of seconds >= 0, got {drain_timeout!r}")
+    return _SECONDS.pack(drain_timeout) + reason.encode("utf-8")
+
+
+def decode_leaving(payload: bytes | bytearray | memoryview) -> tuple[float, str]:
+    """Decode the payload of a ``LEAVING`` frame into ``(drain_timeout, reason)``.
+
+    Bytes of the reason that are not UTF-8 are replaced: the text only explains.
+
+    Raises:
+        ProtocolError: it is shorter than its 8-byte drain timeout, or that is not a finite number >= 0.
+
+    Example::
+
+        >>> decode_leaving(encode_leaving(2.5, "SIGTERM"))
+        (2.5, 'SIGTERM')
+    """
+    if len(payload) < _SECONDS.size:
+        raise ProtocolError(f"a LEAVING payload starts with an 8-byte drain timeout, got {len(payload)} bytes")
+    (seconds,) = _SECONDS.unpack(bytes(payload[: _SECONDS.size]))
+    if not 0.0 <= seconds < float("inf"):
+        raise ProtocolError(f"a LEAVING payload's drain timeout is a finite number >= 0, got {seconds!r}")
+    return seconds, bytes(payload[_SECONDS.size :]).decode("utf-8", "replace") or DEFAULT_LEAVING
 
 
 def encode_stream(size: int, count: int) -> bytes:

@@ -64,6 +64,7 @@ class Kind(enum.IntEnum):
     STREAM = 10  #: client -> worker: send incompressible bytes back, a link's raw rate (see rpcdl.transport.control)
     STREAM_DATA = 11  #: worker -> client: one out-of-band buffer of those bytes and no payload
     SEGMENT_RELEASE = 12  #: client -> worker: free spans of the shared segment; u64 offsets (see .control)
+    LEAVING = 13  #: worker -> client: the worker drains and will exit; no new calls (see .control)
 
 
 _KINDS = {kind.value: kind for kind in Kind}

@@ -1,0 +1,193 @@
+"""A worker leaving well: telling its clients, and the drain of a worker process stopped by signals.
+
+Threading: ``serve_until_stopped`` runs in a worker process's main
+thread: it waits for a stop signal, then drains. ``announce_leaving`` starts the announcer thread
+(``rpcdl-leaving-ADDRESS``), which owns nothing: it sends one ``LEAVING`` frame
+on each session through the session's public ``announce_leaving`` (which
+takes that session's send lock) and ends. ``drain_process`` runs in the
+main thread of a worker process; it reads the worker's count of calls in
+flight (the counters' own lock) and the signals' times (set by the handlers,
+read by the main thread only).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from .process import StopSignals, append_address, process_exists
+from .registration import Registration
+
+log = logging.getLogger("rpcdl.worker")
+
+ANNOUNCE_WAIT = 1.0  #: seconds a stop waits at least for the clients to be told, even one at once
+SAME_SIGNAL_WINDOW = 0.5  #: seconds after the first stop signal in which another is the same notice
+
+
+class Announced(Protocol):
+    """What the announcer needs of a session (:class:`rpcdl.server.session.ClientConnection`)."""
+
+    def announce_leaving(self, payload: bytes) -> None:
+        """Send the client a ``LEAVING`` frame with ``payload``."""
+        ...
+
+
+def announce_leaving(address: str, sessions: Sequence[Announced], payload: bytes) -> threading.Thread:
+    """Send every session a ``LEAVING`` frame, from a thread of its own; return that thread, started.
+
+    A thread, so that a client that does not read cannot hold the drain: the
+    worker closes its connection once the drain ends (which ends the send).
+
+    Args:
+        address: the worker's address, for the thread's name.
+        sessions: the sessions to tell.
+        payload: the frame's payload (:func:`rpcdl.transport.control.encode_leaving`).
+
+    Returns:
+        The announcer thread (a daemon).
+    """
+
+    def announce() -> None:
+        for session in sessions:
+            session.announce_leaving(payload)
+
+    thread = threading.Thread(target=announce, name=f"rpcdl-leaving-{address}", daemon=True)
+    thread.start()
+    return thread
+
+
+class DrainEnd(enum.Enum):
+    """How a drain ended."""
+
+    FINISHED = "finished"  #: every call in flight was answered
+    TIMED_OUT = "timed out"  #: the drain timeout passed with calls still running
+    INTERRUPTED = "interrupted"  #: a second SIGTERM/SIGINT: stop at once
+
+
+class Drained(Protocol):
+    """What a drain needs of the worker (:class:`rpcdl.server.worker.Worker`)."""
+
+    @property
+    def calls_in_flight(self) -> int:
+        """How many calls run or wait for a slot."""
+        ...
+
+
+class Served(Drained, Protocol):
+    """What serving until told to stop needs of the worker (:class:`rpcdl.server.worker.Worker`)."""
+
+    address: str
+    parallel: int
+
+    def drain(self, grace: float = 30.0, reason: str = ...) -> bool:
+        """Begin leaving."""
+        ...
+
+    def stop(self, grace: float = 30.0) -> bool:
+        """Wait for the calls in flight up to ``grace`` seconds, and close."""
+        ...
+
+
+def drain_process(worker: Drained, timeout: float, told_again: Callable[[], bool], tick: float = 0.02) -> DrainEnd:
+    """Wait, in a worker process's main thread, for the calls in flight of a draining worker.
+
+    Args:
+        worker: the worker, draining already (:meth:`rpcdl.Worker.drain`).
+        timeout: seconds to wait at most (``--drain-timeout``).
+        told_again: whether a second stop signal came, which interrupts the
+            drain (:meth:`~rpcdl.server.process.StopSignals.again`, with
+            :data:`SAME_SIGNAL_WINDOW`: a worker of ``--procs`` in a Slurm step gets
+            SIGTERM from Slurm and from its supervisor at once, one notice).
+        tick: seconds between two looks.
+
+    Returns:
+        How the drain ended.
+
+    Example::
+
+        >>> class Idle:
+        ...     calls_in_flight = 0
+        >>> drain_process(Idle(), 1.0, lambda: False)
+        <DrainEnd.FINISHED: 'finished'>
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if worker.calls_in_flight <= 0:
+            return DrainEnd.FINISHED
+        if told_again():
+            return DrainEnd.INTERRUPTED
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return DrainEnd.TIMED_OUT
+        time.sleep(min(tick, left))
+
+
+def serve_until_stopped(
+    worker: Served,
+    grace: float,
+    address_file: str | os.PathLike | None,
+    on_ready: Callable[[Any], Any],
+    registration: Registration | None = None,
+    watch_pid: int | None = None,
+) -> None:
+    """Serve with a started ``worker`` until SIGTERM or SIGINT (or ``watch_pid`` gone), then leave well.
+
+    Ready: the address goes to ``address_file`` and ``on_ready``, and the
+    registration starts beating. Told to stop: the registration leaves the
+    registry, the worker drains (:meth:`~rpcdl.server.worker.Worker.drain`)
+    for up to ``grace`` seconds, a second signal cutting it short, and stops.
+
+    Args:
+        worker: the worker, started.
+        grace: the drain timeout, seconds.
+        address_file: a file to append the address to, or ``None``.
+        on_ready: called with the worker once it is ready.
+        registration: the worker's entry in a registry, not started yet, or ``None``.
+        watch_pid: stop when the process with this pid is gone, or ``None``.
+    """
+    stop = StopSignals().install()
+    drained = False
+    try:
+        if address_file is not None:
+            append_address(address_file, worker.address)
+        if registration is not None:
+            registration.start()
+        on_ready(worker)
+        log.info("rpcdl worker %s ready (pid %d, parallel %d)", worker.address, os.getpid(), worker.parallel)
+        reason = ""
+        while not stop.wait(0.5):
+            if watch_pid is not None and not process_exists(watch_pid):
+                reason = f"process {watch_pid} is gone"
+                break
+        reason = stop.describe() or reason
+        log.info("rpcdl worker %s stopping (%s): draining for up to %gs", worker.address, reason, grace)
+        worker.drain(grace, reason)
+        if registration is not None:
+            registration.leave()
+        end = drain_process(worker, grace, lambda: stop.again(SAME_SIGNAL_WINDOW))
+        drained = True
+        if end is DrainEnd.INTERRUPTED:
+            log.warning(
+                "rpcdl worker %s: a second signal: stopping at once, %d call(s) unanswered",
+                worker.address,
+                worker.calls_in_flight,
+            )
+        elif end is DrainEnd.TIMED_OUT:
+            log.warning(
+                "rpcdl worker %s stopped with %d call(s) still running after %gs",
+                worker.address,
+                worker.calls_in_flight,
+                grace,
+            )
+        else:
+            log.info("rpcdl worker %s drained", worker.address)
+    finally:
+        if registration is not None:
+            registration.leave()
+        worker.stop(0.0 if drained else grace)
+        stop.restore()

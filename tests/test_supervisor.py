@@ -1,0 +1,90 @@
+"""``rpcdl worker --procs N`` supervises: a child that dies is logged with why and started again.
+
+Real processes: the supervisor and its children are ``rpcdl worker`` processes;
+the tests kill children with real signals and stop the supervisor with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import rpcdl
+from rpcdl.local import child_environment, read_ready_line
+from rpcdl.processes import stop_process
+from rpcdl.server.process import process_exists
+from rpcdl.server.supervisor import Backoff, describe_exit
+
+_WAIT = 30.0
+
+
+def test_backoff_doubles_while_a_child_dies_young_and_starts_over_once_it_ran_well():
+    backoff = Backoff(initial=0.5, cap=4.0, healthy_after=10.0)
+    waits, wait = [], 0.0
+    for _ in range(5):
+        wait = backoff.next(wait, ran_for=0.1)
+        waits.append(wait)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert backoff.next(4.0, ran_for=10.0) == 0.5
+
+
+def test_describe_exit_names_the_signal_or_the_code():
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
+    assert describe_exit(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert describe_exit(1) == "exited with code 1"
+
+
+def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, "exit"])
+def test_procs_restarts_a_child_that_dies_says_why_and_drains_all_on_sigterm(tmp_path, how):
+    address_file = tmp_path / "workers"
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "rpcdl", "worker", "--procs", "2", "--port", "0", "--address-file", str(address_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_environment(),
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        first = {read_ready_line(supervisor, 60.0), read_ready_line(supervisor, 60.0)}
+        pids = [rpcdl.stats(address)["pid"] for address in sorted(first)]
+        victim_address = sorted(first)[0]
+        if how == "exit":
+            rpcdl.rpc_async(victim_address, os._exit, (3,))  # the child ends itself, with a code
+        else:
+            os.kill(pids[0], how)
+        replacement = read_ready_line(supervisor, 60.0)  # started again, on a new port (--port 0)
+        assert replacement not in first
+        new_pid = rpcdl.stats(replacement)["pid"]
+        assert new_pid not in pids and rpcdl.rpc_sync(replacement, min, (1, 2)) == 1
+        pids.append(new_pid)
+        assert address_file.read_text().split() == [*sorted(first, key=address_file.read_text().index), replacement]
+        assert supervisor.poll() is None  # a child dying does not end the supervisor
+
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(_WAIT) == 0
+        log = supervisor.stderr.read()
+        cause = "killed by SIGKILL" if how == signal.SIGKILL else "exited with code 3"
+        assert re.search(rf"rpcdl worker process [01] \(pid {pids[0]}\) {cause} after [0-9.]+s; starting it again", log)
+        assert "started again" in log
+        assert log.count("drained") == 2  # both children drained on the supervisor's SIGTERM
+        _eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit")
+    finally:
+        stop_process(supervisor, grace=1.0)
+        for pid in pids:
+            if process_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+        rpcdl.shutdown()
