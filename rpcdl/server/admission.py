@@ -22,7 +22,8 @@ handshake thread says when its socket changes (:meth:`Admission.rebind`, as it
 wraps it in TLS) and when it leaves (:meth:`Admission.leave`). The admission's
 lock (``_lock``) guards the table of handshakes in progress, the random
 generator, and each :class:`Pending`'s socket and state, for every read and
-write. An eviction shuts a socket down under that lock and a handshake thread
+write. A :class:`QuietLog` guards its counts with its own lock (the accept
+thread and handshake threads log through it). An eviction shuts a socket down under that lock and a handshake thread
 closes its socket, or hands it to a session, only after leaving: a socket is
 never shut down once another owner has it.
 """
@@ -30,6 +31,7 @@ never shut down once another owner has it.
 from __future__ import annotations
 
 import enum
+import logging
 import random
 import socket
 import threading
@@ -160,6 +162,43 @@ class Admission:
             pending.state = PendingState.LEFT
             del self._pending[pending]
             return True
+
+
+class QuietLog:
+    """Warnings that a flood would repeat thousands of times, at most one per ``every`` seconds per kind.
+
+    The first of a kind is logged at once; those that follow within ``every``
+    seconds are counted, and the next warning says how many there were.
+
+    Args:
+        log: where the warnings go.
+        every: seconds between two warnings of one kind.
+
+    Example::
+
+        >>> quiet = QuietLog(logging.getLogger("rpcdl.worker"))
+        >>> quiet.warning("full", "refused connection from %s: the worker is full", "10.0.0.7:51234")  # doctest: +SKIP
+    """
+
+    def __init__(self, log: logging.Logger, every: float = 10.0):
+        self._log = log
+        self._every = every
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}  # kind -> when its next warning may be logged
+        self._held: dict[str, int] = {}  # kind -> warnings not logged since
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        """Log ``message % args`` unless a warning of ``kind`` was logged less than ``every`` seconds ago."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(kind, now):
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            held = self._held.pop(kind, 0)
+            self._next[kind] = now + self._every
+        if held:
+            message += f" (and {held} more like it in the last {self._every:g}s)"
+        self._log.warning(message, *args)
 
 
 def _shut_down(sock: socket.socket) -> None:

@@ -61,7 +61,7 @@ from ..transport.polling import window_from_environment
 from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
-from .admission import Admission, Full, Pending, max_handshakes
+from .admission import MAX_HANDSHAKES_ENV, Admission, Full, Pending, QuietLog, max_handshakes
 from .calls import CallRunner
 from .counters import Counters
 from .process import StopSignals, append_address, process_exists
@@ -175,6 +175,7 @@ class Worker:
         self._phase = Phase.NEW
         self._connections: set[ClientConnection] = set()
         self._admission = Admission(max_handshakes(), self.limits.handshake_timeout)
+        self._quiet_log = QuietLog(log)  # refusals a flood repeats: one warning per 10 s, with a count
         self._threads = (
             threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True),
             threading.Thread(target=self._promote, name=f"rpcdl-promoter-{self.address}", daemon=True),
@@ -331,12 +332,13 @@ class Worker:
             pending = self._admission.admit(sock, peer)
             if isinstance(pending, Full):
                 self.counters.add(connections_refused=1)
-                log.warning(
-                    "refused connection from %s: %d connections are in their handshake, none for long enough "
-                    "to make room (%s)",
+                self._quiet_log.warning(
+                    "full",
+                    "refused connection from %s: %d connections are in their handshake (%s), none for long "
+                    "enough to be evicted",
                     peer,
                     pending.pending,
-                    "the most admitted" if pending.pending >= pending.limit else "an early random drop",
+                    f"the limit, {MAX_HANDSHAKES_ENV}" if pending.pending >= pending.limit else "an early random drop",
                 )
                 send_refusal(sock, pending.pending, pending.limit, tls=self._ssl is not None)
                 continue
@@ -352,6 +354,13 @@ class Worker:
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
         self.counters.add(connections_refused=1)
         log.warning("refused connection from %s: %s", peer, reason)
+        shutdown_socket(sock)
+
+    def _evicted(self, sock: socket.socket, peer: str) -> None:
+        self.counters.add(connections_refused=1)
+        self._quiet_log.warning(
+            "evicted", "evicted connection from %s: the oldest in its handshake, to make room for a newer one", peer
+        )
         shutdown_socket(sock)
 
     def _handshake(self, pending: Pending, sock: socket.socket, peer: str) -> None:
@@ -370,13 +379,15 @@ class Worker:
                 sock.do_handshake()  # one call: the socket's timeout bounds it whole
             agreed = server_negotiate(sock, self._token, peer, self.compression, self.shared_memory, deadline)
         except Exception as exc:
-            evicted = not self._admission.leave(pending)
-            self._refuse(sock, peer, "evicted to make room for newer connections" if evicted else _why(exc))
+            if self._admission.leave(pending):
+                self._refuse(sock, peer, _why(exc))
+            else:
+                self._evicted(sock, peer)
             return
         if not self._admission.leave(pending):  # evicted as it passed: its socket is shut down
             if agreed.segment is not None:
                 agreed.segment.close()
-            self._refuse(sock, peer, "evicted to make room for newer connections")
+            self._evicted(sock, peer)
             return
         sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
