@@ -329,7 +329,7 @@ def pair():
 
 def test_admission_admits_below_start_then_evicts_the_oldest_past_its_grace(pair):
     admission = Admission(limit=8, handshake_timeout=4.0, seed=1)
-    assert (admission.start, admission.grace) == (2, 1.0)
+    assert (admission.start, admission.grace) == (4, 1.0)
     entries = [admission.admit(pair(), f"peer-{i}", now=float(i) / 100) for i in range(2)]
     assert all(isinstance(entry, Pending) for entry in entries) and len(admission) == 2
     # Full table, everyone young: the newcomer is refused.

@@ -5,7 +5,7 @@ handshake holds a socket and a thread of the worker for up to the handshake
 deadline. So a worker holds at most ``limit`` of them
 (``RPCDL_MAX_HANDSHAKES``, default 256):
 
-* below ``start`` (a quarter of the limit) a new connection is admitted;
+* below ``start`` (half the limit) a new connection is admitted;
 * from ``start`` on, a new connection makes room with a probability that rises
   linearly to 1 at the limit (early random drops: a flood seldom fills the table);
 * making room evicts the oldest handshake in progress if it has lasted at least
@@ -104,7 +104,7 @@ class Admission:
 
     def __init__(self, limit: int, handshake_timeout: float, seed: int | None = None):
         self.limit = limit
-        self.start = max(1, limit // 4)
+        self.start = max(1, limit // 2)
         self.grace = min(_MOST_GRACE, handshake_timeout / 4)
         self._lock = threading.Lock()
         self._pending: dict[Pending, None] = {}  # in the order of acceptance: the oldest first
