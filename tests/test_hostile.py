@@ -313,13 +313,13 @@ def test_restart_right_after_kill(spawn_workers):
 
 @pytest.fixture
 def pair():
-    """Makes sockets for the admission to hold (a closed peer each), closed after the test."""
+    """Makes sockets for the admission to hold (their peers kept open), closed after the test."""
     made: list[socket.socket] = []
 
     def make() -> socket.socket:
         first, second = socket.socketpair()
-        second.close()
-        made.append(first)
+        made.extend((first, second))
+        first.settimeout(5)
         return first
 
     yield make
@@ -344,7 +344,10 @@ def test_admission_admits_below_start_then_evicts_the_oldest_past_its_grace(pair
     newcomer = admission.admit(pair(), "late", now=1.5)
     assert isinstance(newcomer, Pending) and len(admission) == 8
     assert oldest.state is PendingState.EVICTED
-    assert oldest.sock.recv(1) == b""  # shut down: its handshake thread would wake
+    assert oldest.sock.recv(1) == b""  # shut down (its peer is open): its handshake thread would wake
+    assert entries[1].state is PendingState.IN_HANDSHAKE
+    with pytest.raises(BlockingIOError):  # the next oldest is left alone
+        entries[1].sock.recv(1, socket.MSG_DONTWAIT)
     assert not admission.leave(oldest) and not admission.rebind(oldest, pair())
     assert admission.leave(newcomer) and len(admission) == 7
 

@@ -77,6 +77,11 @@ def max_handshakes() -> int:
 
     Raises:
         ValueError: ``RPCDL_MAX_HANDSHAKES`` is not a whole number >= 1.
+
+    Example::
+
+        >>> max_handshakes()  # doctest: +SKIP
+        256
     """
     return environment_number(
         MAX_HANDSHAKES_ENV,
@@ -202,7 +207,12 @@ class QuietLog:
 
 
 def _shut_down(sock: socket.socket) -> None:
+    """Shut the TCP connection down under its handshake thread, which then fails its read and closes it.
+
+    Through :class:`socket.socket`'s own method: :meth:`ssl.SSLSocket.shutdown` would
+    also drop the TLS object that thread is using.
+    """
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:  # detached by a TLS wrapper not recorded yet: rebind tells its thread
         pass

@@ -413,6 +413,11 @@ def tls_refusal(error: BaseException, peer: str) -> WorkerFull | None:
 
     Returns:
         a :class:`WorkerFull` to retry, or ``None``: ``error`` means something else.
+
+    Example::
+
+        >>> tls_refusal(ConnectionResetError(), "10.0.0.7:6543") is None
+        True
     """
     if isinstance(error, ssl.SSLError) and error.reason == "TLSV1_ALERT_USER_CANCELLED":
         return WorkerFull(peer)
