@@ -55,7 +55,8 @@ class PendingState(enum.Enum):
 
 
 class Pending:
-    """A connection in its handshake: when it was accepted, and its socket (guarded by the admission's lock)."""
+    """A connection in its handshake: its peer and when it was accepted (both fixed), its socket and its
+    state (both guarded by the admission's lock)."""
 
     def __init__(self, sock: socket.socket, peer: str, accepted_at: float):
         self.peer = peer
@@ -160,12 +161,16 @@ class Admission:
             return True
 
     def leave(self, pending: Pending) -> bool:
-        """``pending``'s handshake is over (passed or failed); return ``False`` if it was evicted first."""
+        """``pending``'s handshake is over (passed or failed); return ``False`` if it was evicted first.
+
+        Leaving again changes nothing (and returns ``True``).
+        """
         with self._lock:
-            if pending.state is not PendingState.IN_HANDSHAKE:
+            if pending.state is PendingState.EVICTED:
                 return False
-            pending.state = PendingState.LEFT
-            del self._pending[pending]
+            if pending.state is PendingState.IN_HANDSHAKE:
+                pending.state = PendingState.LEFT
+                del self._pending[pending]
             return True
 
 

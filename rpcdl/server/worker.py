@@ -56,7 +56,7 @@ from ..rpc import client as _client  # noqa: F401  (user code here may fetch an 
 from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import decode_release, encode_stats
-from ..transport.handshake import Deadline, send_refusal, server_negotiate
+from ..transport.handshake import Agreement, Deadline, send_refusal, server_negotiate
 from ..transport.polling import window_from_environment
 from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.shm import WorkerSegment, resolve_bytes
@@ -374,27 +374,27 @@ class Worker:
         The socket is closed, or handed to a session, only once the admission let it go (it may evict it).
         """
         deadline = Deadline(self.limits.handshake_timeout, start=pending.accepted_at)
+        agreed = Agreement("off")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 if not self._admission.rebind(pending, sock):
-                    raise ConnectionAbortedError("evicted to make room for newer connections")
+                    raise ConnectionAbortedError("evicted")
                 deadline.arm(sock)
                 sock.do_handshake()  # one call: the socket's timeout bounds it whole
             agreed = server_negotiate(sock, self._token, peer, self.compression, self.shared_memory, deadline)
+            if not self._admission.leave(pending):  # evicted as it passed: its socket is shut down
+                raise ConnectionAbortedError("evicted")
+            sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
+            if agreed.segment is not None:
+                agreed.segment.close()
             if self._admission.leave(pending):
                 self._refuse(sock, peer, _why(exc))
             else:
                 self._evicted(sock, peer)
             return
-        if not self._admission.leave(pending):  # evicted as it passed: its socket is shut down
-            if agreed.segment is not None:
-                agreed.segment.close()
-            self._evicted(sock, peer)
-            return
-        sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
         self.serve_socket(sock, peer, compressor, agreed.segment)
 
