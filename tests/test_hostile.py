@@ -23,9 +23,10 @@ import pytest
 
 import rpcdl
 from rpcdl.cli.bench.pki import make_ca, make_certificate
+from rpcdl.errors import WorkerFull
 from rpcdl.local import child_environment
-from rpcdl.server.admission import Admission, Full, Pending, PendingState
-from rpcdl.transport.handshake import MAGIC, VERSION, WorkerFull, client_negotiate, tls_refusal
+from rpcdl.server.admission import Admission, Full, Pending, PendingState, QuietLog
+from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate, tls_refusal
 from rpcdl.transport.security import client_tls_context, server_tls_context
 from rpcdl.transport.wire import Frame, Kind, encode_frame
 
@@ -362,3 +363,15 @@ def test_admission_drops_early_and_at_random_between_start_and_limit(pair):
     assert min(held_at_refusals) >= admission.start  # ...never below its start...
     assert len(held_at_refusals) == 300 - len(admission)  # ...on newcomers, none held being past its grace
     assert len(admission) <= 100
+
+
+def test_quiet_log_logs_a_flood_once_per_period_with_a_count(caplog):
+    caplog.set_level(logging.WARNING, logger="test.quiet")
+    quiet = QuietLog(logging.getLogger("test.quiet"), every=0.3)
+    for i in range(5):
+        quiet.warning("full", "refused connection from %s", f"peer-{i}")
+    quiet.warning("evicted", "evicted connection from %s", "peer-x")  # another kind: its own period
+    assert caplog.messages == ["refused connection from peer-0", "evicted connection from peer-x"]
+    time.sleep(0.35)
+    quiet.warning("full", "refused connection from %s", "peer-5")
+    assert caplog.messages[-1] == "refused connection from peer-5 (and 4 more like it in the last 0.3s)"

@@ -28,7 +28,7 @@ What happens to each kind of failure:
 * **Full**: a worker that holds as many connections in their handshake as it
   admits (a flood, say) refuses new ones with a refusal of its own, or a TLS
   ``user_canceled`` alert (see :mod:`rpcdl.transport.handshake`):
-  :class:`~rpcdl.transport.handshake.WorkerFull` says so, once on the logger,
+  :class:`~rpcdl.errors.WorkerFull` says so, once on the logger,
   and the attempt is retried like a reset.
 * Anything else (a reset, a connect timeout) is retried until the calls
   waiting for the connection time out. Once connected, calls keep their full
@@ -47,8 +47,8 @@ import time
 from collections.abc import Callable
 
 from ..checks import environment_number
-from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerUnavailable
-from ..transport.handshake import Agreement, WorkerFull, client_negotiate, tls_refusal
+from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerFull, WorkerUnavailable
+from ..transport.handshake import Agreement, client_negotiate, tls_refusal
 from ..transport.security import Token
 
 log = logging.getLogger("rpcdl.client")

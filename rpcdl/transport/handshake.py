@@ -55,7 +55,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError
+from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, WorkerFull
 from .compression import lz4_available, negotiate, resolve_mode
 from .security import Token
 from .shm import HEADER_BYTES, ClientSegment, Offer, WorkerSegment, host_identity
@@ -82,27 +82,6 @@ _REFUSAL = struct.Struct("!6sHII")
 _VERSIONED = struct.calcsize("!6sH")  # the bytes that tell a welcome from a refusal
 # A TLS record: alert (21), TLS 1.2 (3, 3), 2 bytes long: fatal (2), user_canceled (90).
 _TLS_USER_CANCELED = bytes([21, 3, 3, 0, 2, 2, 90])
-
-
-class WorkerFull(ConnectionLost):
-    """The worker refused the connection: it holds as many connections in their handshake as it admits.
-
-    Transient (a flood, or many clients connecting at once): the connection is retried.
-
-    Attributes:
-        pending: the connections in their handshake the worker said it held
-            (``None`` with TLS, whose refusal does not say).
-        limit: the most it admits at once (``None`` with TLS).
-    """
-
-    def __init__(self, peer: str, pending: int | None = None, limit: int | None = None):
-        counts = f"{pending} of its limit of {limit}" if pending is not None else "it refused the TLS handshake"
-        super().__init__(
-            f"the worker {peer} is full of pending handshakes ({counts}: a flood of connections, or more "
-            "clients connecting at once than it admits); it will be retried"
-        )
-        self.pending = pending
-        self.limit = limit
 
 
 class Deadline:
