@@ -72,7 +72,7 @@ class WorkerFull(ConnectionLost):
     """The worker refused the connection: it holds as many connections in their handshake as it admits.
 
     Transient (a flood, or many clients connecting at once): the connection is
-    retried (see :mod:`rpcdl.rpc.dial` and SECURITY.md).
+    retried (see ``rpcdl.rpc.dial`` and SECURITY.md).
 
     Attributes:
         pending: the connections in their handshake the worker said it held

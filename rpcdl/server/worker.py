@@ -116,7 +116,7 @@ class Worker:
     A new connection has ``limits.handshake_timeout`` seconds from its accept
     (``RPCDL_HANDSHAKE_TIMEOUT``, default 10) for its whole handshake, TLS
     included; at most ``RPCDL_MAX_HANDSHAKES`` (default 256) are in their
-    handshake at once (see :mod:`rpcdl.server.admission` and SECURITY.md).
+    handshake at once (see ``rpcdl.server.admission`` and SECURITY.md).
 
     After answering a call whose caller blocks for it (:func:`rpcdl.rpc_sync`),
     a worker with nothing else to run polls for that caller's next call for up

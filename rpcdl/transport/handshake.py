@@ -32,13 +32,13 @@ of a welcome, with a refusal and close it::
     worker -> client   refusal  magic, version 0, handshakes pending u32, the worker's limit u32
 
 A client tells it apart by the version (0: no version of rpcdl speaks it) and
-raises :class:`WorkerFull`, which is retried. A client that predates refusals
+raises :class:`~rpcdl.errors.WorkerFull`, which is retried. A client that predates refusals
 reads the start of a welcome cut short: the connection lost, which it retries too.
 A worker with TLS refuses before any TLS byte: it answers the client's TLS hello
 with a fatal ``user_canceled`` alert (no TLS server sends that during a
-handshake otherwise), which :func:`tls_refusal` recognizes.
+handshake otherwise), which ``tls_refusal`` recognizes.
 
-The worker bounds its whole side of the handshake by one :class:`Deadline`
+The worker bounds its whole side of the handshake by one ``Deadline``
 counted from the accept (TLS included): each read and send waits at most for
 the time left, so a peer that drips a byte at a time is cut when it passes.
 """
