@@ -98,6 +98,32 @@ class HelloUnanswered(ConnectionLost):
     """
 
 
+class WorkerFull(ConnectionLost):
+    """The worker refused the connection: it holds as many connections in their handshake as it admits.
+
+    Transient (a flood, or many clients connecting at once): the connection is
+    retried (see ``rpcdl.rpc.dial`` and SECURITY.md).
+
+    Attributes:
+        pending: the connections in their handshake the worker said it held
+            (``None`` with TLS, whose refusal does not say).
+        limit: the most it admits at once (``None`` with TLS).
+    """
+
+    def __init__(self, peer: str, pending: int | None = None, limit: int | None = None):
+        counts = f"{pending} of its limit of {limit}" if pending is not None else "it refused the TLS handshake"
+        super().__init__(
+            f"the worker {peer} is full of pending handshakes ({counts}: a flood of connections, or more "
+            "clients connecting at once than it admits); it will be retried"
+        )
+        self.peer = peer
+        self.pending = pending
+        self.limit = limit
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.peer, self.pending, self.limit)
+
+
 class WorkerTimeout(RPCDLError, TimeoutError, RuntimeError):
     """No answer came from a worker within the call's timeout.
 

@@ -61,15 +61,21 @@ class LocalWorkers(list):
         for process in started:
             self.append(read_ready_line(process, self._startup_timeout))
         for address in self:
-            _ping(address, timeout=self._startup_timeout)
+            _ping(address, self._env, timeout=self._startup_timeout)
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to worker ``index`` (SIGKILL by default) and reap it if it exits."""
+        """Send ``sig`` to worker ``index`` (SIGKILL by default) and reap it if it exits.
+
+        This process's connections to a worker that exited are closed: a call
+        made next opens a new one (to whatever listens there then).
+        """
         process = self.processes[index]
         if process.poll() is None:
             process.send_signal(sig)
             if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
                 process.wait(timeout=60)
+        if process.poll() is not None:
+            _forget_connections(self[index], f"the worker process {process.pid} exited")
 
     def restart(self, index: int) -> str:
         """Start worker ``index`` again on its old port (after :meth:`kill`); return its address."""
@@ -86,7 +92,7 @@ class LocalWorkers(list):
                 time.sleep(0.2)  # the port may linger for a moment
         self.processes[index] = process
         self[index] = address
-        _ping(address, timeout=self._startup_timeout)
+        _ping(address, self._env, timeout=self._startup_timeout)
         return address
 
     def stop(self, grace: float = 10.0) -> None:
@@ -94,10 +100,28 @@ class LocalWorkers(list):
         stop_processes(self.processes, grace)
 
 
-def _ping(address: str, timeout: float) -> None:
+def _ping(address: str, env: dict[str, str], timeout: float) -> None:
+    """Ping a worker with the credentials it was started with, whatever this process's environment holds."""
     from .rpc.client import ping  # here: the command line imports this module without torch
 
-    ping(address, timeout=timeout)
+    ping(address, timeout=timeout, token=_token_of(env))
+
+
+def _token_of(env: dict[str, str]) -> str | bytes:
+    """The token of workers started with the environment ``env`` (``""``: none)."""
+    if env.get("RPCDL_TOKEN"):
+        return env["RPCDL_TOKEN"]
+    if env.get("RPCDL_TOKEN_FILE"):
+        from .transport.security import read_token_file
+
+        return read_token_file(env["RPCDL_TOKEN_FILE"]).secret
+    return ""
+
+
+def _forget_connections(address: str, reason: str) -> None:
+    from .rpc.pool import close_connections_to  # here: as for _ping
+
+    close_connections_to(address, reason)
 
 
 def read_ready_line(process: subprocess.Popen, timeout: float) -> str:
@@ -145,7 +169,9 @@ def local_workers(
         n: how many worker processes.
         parallel: calls each runs at once.
         timeout: the workers' network timeout.
-        token: a token for the workers; defaults to the environment's.
+        token: a token for the workers (``RPCDL_TOKEN`` in their environment); defaults to
+            ``env``'s. The workers are pinged with it, so this process's own environment
+            needs none; calls made from this process pass it (``token=``) or find it there.
         extra_args: more ``rpcdl worker`` arguments.
         env: environment of the workers (default: this process's).
         startup_timeout: seconds each worker has to become ready.

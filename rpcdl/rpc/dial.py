@@ -25,6 +25,11 @@ What happens to each kind of failure:
   times in a row: a worker without TLS) and another protocol version; a token
   mismatch or a certificate that fails verification raises
   :class:`~rpcdl.errors.AuthenticationError`.
+* **Full**: a worker that holds as many connections in their handshake as it
+  admits (a flood, say) refuses new ones with a refusal of its own, or a TLS
+  ``user_canceled`` alert (see :mod:`rpcdl.transport.handshake`):
+  :class:`~rpcdl.errors.WorkerFull` says so, once on the logger,
+  and the attempt is retried like a reset.
 * Anything else (a reset, a connect timeout) is retried until the calls
   waiting for the connection time out. Once connected, calls keep their full
   timeout: :data:`HELLO_ANSWER_TIMEOUT` bounds the handshake only.
@@ -42,8 +47,8 @@ import time
 from collections.abc import Callable
 
 from ..checks import environment_number
-from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerUnavailable
-from ..transport.handshake import Agreement, client_negotiate
+from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerFull, WorkerUnavailable
+from ..transport.handshake import Agreement, client_negotiate, tls_refusal
 from ..transport.security import Token
 
 log = logging.getLogger("rpcdl.client")
@@ -158,7 +163,11 @@ def dial(
             raise
         except OSError as exc:
             _close_quietly(sock)
-            error = exc
+            refused = tls_refusal(exc, address) if in_tls_handshake else None
+            error = refused or exc
+            in_tls_handshake = in_tls_handshake and refused is None  # a refusal is no failed TLS handshake
+        if isinstance(error, WorkerFull) and _first_warning(address):
+            log.warning("%s", error)
         closed_early = isinstance(error, HelloUnanswered) or (
             in_tls_handshake and isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError))
         )

@@ -98,6 +98,29 @@ def _forget(connection: Connection) -> None:
             _pool = {key: value for key, value in _pool.items() if value is not connection}
 
 
+def close_connections_to(address: str, reason: str) -> None:
+    """Close this process's connections to ``address``, a worker known to be gone: later calls open new ones.
+
+    A connection to a process that was just killed may not have noticed yet; a
+    call made on it would fail with :class:`~rpcdl.errors.ConnectionLost`
+    instead of reaching the worker started in its place.
+
+    Args:
+        address: the worker, ``"host:port"`` as the connections were asked for.
+        reason: why, for the calls still in flight there (they fail with ConnectionLost).
+
+    Example::
+
+        >>> close_connections_to("127.0.0.1:6543", "the worker process was killed")  # doctest: +SKIP
+    """
+    global _pool
+    with _pool_lock:
+        closing = [connection for key, connection in _pool.items() if key[0] == address]
+        _pool = {key: connection for key, connection in _pool.items() if key[0] != address}
+    for connection in closing:
+        connection.close(reason)
+
+
 def _after_fork_in_child() -> None:
     global _pool, _pool_lock
     _pool, _pool_lock = {}, threading.Lock()

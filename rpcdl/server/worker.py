@@ -2,9 +2,10 @@
 
 Threads of a worker:
 
-* the accept thread (``rpcdl-accept-ADDRESS``) takes connections and starts a
-  handshake thread (``rpcdl-peer-PEER``) for each, at most ``_MAX_HANDSHAKES``
-  at once (a semaphore); a connection that passes becomes a session;
+* the accept thread (``rpcdl-accept-ADDRESS``) takes connections, has the
+  admission (:mod:`rpcdl.server.admission`) admit or refuse each, and starts a
+  handshake thread (``rpcdl-peer-PEER``) for each admitted; a connection that
+  passes its handshake, within one deadline counted from the accept, becomes a session;
 * two service threads per session (``rpcdl-service-PEER``,
   :mod:`rpcdl.server.session`) read its frames and run its calls inline;
 * ``parallel`` executor threads (``rpcdl-executor-N``, :mod:`rpcdl.server.slots`)
@@ -20,7 +21,8 @@ Who owns what: the worker's lock (``_lock``) guards its :class:`Phase` and its
 set of sessions, for every read and write, so that a session is admitted only
 while the worker serves and a stop sees every session admitted, and the
 announcer thread once started. ``_stop_lock`` is held by the one thread that
-stops the worker (a second stop waits for it). A session owns
+stops the worker (a second stop waits for it). The admission guards its own
+table of connections in their handshake (see its module). A session owns
 its own state (its module says how); the worker reaches it through its public
 methods: :meth:`~rpcdl.server.session.ClientConnection.drain` when it stops,
 :meth:`~rpcdl.server.session.ClientConnection.offer_if_lent_before` from the
@@ -59,11 +61,12 @@ from ..rpc import client as _client  # noqa: F401  (user code here may fetch an 
 from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
 from ..transport.control import DEFAULT_LEAVING, decode_release, encode_leaving, encode_stats
-from ..transport.handshake import server_negotiate
+from ..transport.handshake import Agreement, Deadline, send_refusal, server_negotiate
 from ..transport.polling import window_from_environment
 from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
+from .admission import MAX_HANDSHAKES_ENV, Admission, Full, Pending, QuietLog, max_handshakes
 from .calls import CallRunner
 from .counters import Counters
 from .draining import ANNOUNCE_WAIT, announce_leaving, serve_until_stopped
@@ -77,7 +80,6 @@ log = logging.getLogger("rpcdl.worker")
 
 _WILDCARDS = {"", "0.0.0.0", "::"}
 _IDLE_TICK = 1.0
-_MAX_HANDSHAKES = 256  # connections in their handshake at once, each with a thread for up to handshake_timeout
 
 
 class Phase(enum.Enum):
@@ -117,6 +119,11 @@ class Worker:
         shared_memory: bytes of the shared segment offered to each client on
             this host (see :mod:`rpcdl.transport.shm`); ``0`` turns it off; default
             ``RPCDL_SHM_BYTES``, else 256 MiB.
+
+    A new connection has ``limits.handshake_timeout`` seconds from its accept
+    (``RPCDL_HANDSHAKE_TIMEOUT``, default 10) for its whole handshake, TLS
+    included; at most ``RPCDL_MAX_HANDSHAKES`` (default 256) are in their
+    handshake at once (see ``rpcdl.server.admission`` and SECURITY.md).
 
     After answering a call whose caller blocks for it (:func:`rpcdl.rpc_sync`),
     a worker with nothing else to run polls for that caller's next call for up
@@ -181,7 +188,8 @@ class Worker:
         self._connections: set[ClientConnection] = set()
         self._announcer: threading.Thread | None = None  # set with the phase DRAINING, under _lock
         self._stop_lock = threading.Lock()
-        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self._admission = Admission(max_handshakes(), self.limits.handshake_timeout)
+        self._quiet_log = QuietLog(log)  # refusals a flood repeats: one warning per 10 s, with a count
         self._threads = (
             threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True),
             threading.Thread(target=self._promote, name=f"rpcdl-promoter-{self.address}", daemon=True),
@@ -377,14 +385,26 @@ class Worker:
                 time.sleep(0.05)  # out of descriptors, say: try again shortly
                 continue
             peer = format_address(address[0], address[1])
-            if not self._handshakes.acquire(blocking=False):
-                self._refuse(sock, peer, f"more than {_MAX_HANDSHAKES} connections are in their handshake")
+            pending = self._admission.admit(sock, peer)
+            if isinstance(pending, Full):
+                self.counters.add(connections_refused=1)
+                self._quiet_log.warning(
+                    "full",
+                    "refused connection from %s: %d connections are in their handshake (%s), none for long "
+                    "enough to be evicted",
+                    peer,
+                    pending.pending,
+                    f"the limit, {MAX_HANDSHAKES_ENV}" if pending.pending >= pending.limit else "an early random drop",
+                )
+                send_refusal(sock, pending.pending, pending.limit, tls=self._ssl is not None)
                 continue
-            thread = threading.Thread(target=self._serve, args=(sock, peer), name=f"rpcdl-peer-{peer}", daemon=True)
+            thread = threading.Thread(
+                target=self._handshake, args=(pending, sock, peer), name=f"rpcdl-peer-{peer}", daemon=True
+            )
             try:
                 thread.start()
             except RuntimeError as exc:  # no more threads: refuse this one, keep accepting
-                self._handshakes.release()
+                self._admission.leave(pending)
                 self._refuse(sock, peer, str(exc))
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
@@ -392,22 +412,39 @@ class Worker:
         log.warning("refused connection from %s: %s", peer, reason)
         shutdown_socket(sock)
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        try:
-            self._handshake(sock, peer)
-        finally:
-            self._handshakes.release()
+    def _evicted(self, sock: socket.socket, peer: str) -> None:
+        self.counters.add(connections_refused=1)
+        self._quiet_log.warning(
+            "evicted", "evicted connection from %s: the oldest in its handshake, to make room for a newer one", peer
+        )
+        shutdown_socket(sock)
 
-    def _handshake(self, sock: socket.socket, peer: str) -> None:
+    def _handshake(self, pending: Pending, sock: socket.socket, peer: str) -> None:
+        """Run a handshake within its deadline from the accept, TLS included; serve the connection if it passes.
+
+        The socket is closed, or handed to a session, only once the admission let it go (it may evict it).
+        """
+        deadline = Deadline(self.limits.handshake_timeout, start=pending.accepted_at)
+        agreed = Agreement("off")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.limits.handshake_timeout)
             if self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_side=True)
-            agreed = server_negotiate(sock, self._token, peer, self.compression, self.shared_memory)
+                sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                if not self._admission.rebind(pending, sock):
+                    raise ConnectionAbortedError("evicted")
+                deadline.arm(sock)
+                sock.do_handshake()  # one call: the socket's timeout bounds it whole
+            agreed = server_negotiate(sock, self._token, peer, self.compression, self.shared_memory, deadline)
+            if not self._admission.leave(pending):  # evicted as it passed: its socket is shut down
+                raise ConnectionAbortedError("evicted")
             sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
-            self._refuse(sock, peer, str(exc) or type(exc).__name__)
+            if agreed.segment is not None:
+                agreed.segment.close()
+            if self._admission.leave(pending):
+                self._refuse(sock, peer, _why(exc))
+            else:
+                self._evicted(sock, peer)
             return
         compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
         self.serve_socket(sock, peer, compressor, agreed.segment)
@@ -476,6 +513,10 @@ class Worker:
             moment = time.monotonic() - PROMOTE_AFTER
             for connection in connections:
                 connection.offer_if_lent_before(moment)
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
 
 
 class _RunningWorkers:

@@ -25,6 +25,22 @@ Proofs are HMAC-SHA256 on the shared token, so each side learns whether the othe
 holds it without the token ever crossing the wire; without a token they are zeros.
 A peer that answers the hello with anything else is named for what it seems to be
 (an HTTP server, a TLS endpoint, silence) instead of being retried.
+
+A worker full of connections in their handshake may answer a new one, instead
+of a welcome, with a refusal and close it::
+
+    worker -> client   refusal  magic, version 0, handshakes pending u32, the worker's limit u32
+
+A client tells it apart by the version (0: no version of rpcdl speaks it) and
+raises :class:`~rpcdl.errors.WorkerFull`, which is retried. A client that predates refusals
+reads the start of a welcome cut short: the connection lost, which it retries too.
+A worker with TLS refuses before any TLS byte: it answers the client's TLS hello
+with a fatal ``user_canceled`` alert (no TLS server sends that during a
+handshake otherwise), which ``tls_refusal`` recognizes.
+
+The worker bounds its whole side of the handshake by one ``Deadline``
+counted from the accept (TLS included): each read and send waits at most for
+the time left, so a peer that drips a byte at a time is cut when it passes.
 """
 
 from __future__ import annotations
@@ -34,10 +50,12 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import struct
+import time
 from dataclasses import dataclass
 
-from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError
+from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, WorkerFull
 from .compression import lz4_available, negotiate, resolve_mode
 from .security import Token
 from .shm import HEADER_BYTES, ClientSegment, Offer, WorkerSegment, host_identity
@@ -59,6 +77,46 @@ _MODE_BITS = {"off": 0, "on": 1, "auto": 2}
 _MODE_NAMES = {bits: name for name, bits in _MODE_BITS.items()}
 _SHARED_MEMORY = 16  # hello: the client offers shared memory; welcome: the worker takes the offer
 _SEGMENT = struct.Struct("!IIQ32s")
+_REFUSED = 0  # the version field of a refusal
+_REFUSAL = struct.Struct("!6sHII")
+_VERSIONED = struct.calcsize("!6sH")  # the bytes that tell a welcome from a refusal
+# A TLS record: alert (21), TLS 1.2 (3, 3), 2 bytes long: fatal (2), user_canceled (90).
+_TLS_USER_CANCELED = bytes([21, 3, 3, 0, 2, 2, 90])
+
+
+class Deadline:
+    """One deadline for a whole handshake: each read and send waits at most for the time left.
+
+    Not a timeout per read, which a peer sending one byte at a time would renew forever.
+
+    Args:
+        seconds: how long the whole handshake may take.
+        start: when it began (``time.monotonic()``, at the accept); default now.
+
+    Example::
+
+        >>> deadline = Deadline(10.0)
+        >>> deadline.arm(sock)  # doctest: +SKIP
+    """
+
+    def __init__(self, seconds: float, start: float | None = None):
+        self.seconds = seconds
+        self.expires_at = (time.monotonic() if start is None else start) + seconds
+
+    def remaining(self) -> float:
+        """Seconds left; 0 or less once it passed."""
+        return self.expires_at - time.monotonic()
+
+    def arm(self, sock: socket.socket) -> None:
+        """Make ``sock``'s next blocking operation wait at most for the time left.
+
+        Raises:
+            TimeoutError: the deadline has passed.
+        """
+        left = self.remaining()
+        if left <= 0:
+            raise TimeoutError(f"the handshake did not finish within {self.seconds:g}s")
+        sock.settimeout(left)
 
 
 @dataclass(frozen=True)
@@ -80,14 +138,27 @@ def _mode_of(flags: int) -> str:
     return _MODE_NAMES.get((flags >> _MODE_SHIFT) & 3, "off")
 
 
-def _recv_exact(sock: socket.socket, size: int, what: str) -> bytes:
+def _recv_exact(sock: socket.socket, size: int, what: str, deadline: Deadline | None = None) -> bytes:
     data = bytearray()
     while len(data) < size:
-        chunk = sock.recv(size - len(data))
+        if deadline is not None:
+            deadline.arm(sock)
+        try:
+            chunk = sock.recv(size - len(data))
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise TimeoutError(f"the handshake did not finish within {deadline.seconds:g}s ({what})") from None
         if not chunk:
             raise ConnectionLost(f"peer closed the connection during the handshake ({what})")
         data += chunk
     return bytes(data)
+
+
+def _send(sock: socket.socket, data: bytes, deadline: Deadline | None) -> None:
+    if deadline is not None:
+        deadline.arm(sock)
+    sock.sendall(data)
 
 
 def _proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> bytes:
@@ -159,6 +230,7 @@ def client_negotiate(
         ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
             or nothing within ``answer_timeout``), or speaks another version.
         HelloUnanswered: ``peer`` closed the connection after the hello without a byte.
+        WorkerFull: the worker refused the connection for now (see :class:`WorkerFull`).
         AuthenticationError: the tokens differ, or only one side has one.
     """
     client_nonce = os.urandom(_NONCE_BYTES)
@@ -167,6 +239,14 @@ def client_negotiate(
     flags |= _SHARED_MEMORY if shared_memory else 0
     sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
     first = _first_answer(sock, peer, answer_timeout)
+    if len(first) < _VERSIONED:
+        first += _recv_exact(sock, _VERSIONED - len(first), "welcome")
+    if struct.unpack_from("!H", first, len(MAGIC))[0] == _REFUSED:
+        refusal = first[: _REFUSAL.size] + _recv_exact(sock, max(0, _REFUSAL.size - len(first)), "refusal")
+        magic, _, pending, limit = _REFUSAL.unpack(refusal)
+        if magic != MAGIC:
+            raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(refusal)})")
+        raise WorkerFull(peer, pending, limit)
     welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
     magic, version, worker_flags, worker_nonce, worker_proof = _WELCOME.unpack(welcome)
     if magic != MAGIC:
@@ -206,17 +286,23 @@ def client_negotiate(
 
 
 def server_negotiate(
-    sock: socket.socket, token: Token | None, peer: str, compression: str = "off", shared_memory: int = 0
+    sock: socket.socket,
+    token: Token | None,
+    peer: str,
+    compression: str = "off",
+    shared_memory: int = 0,
+    deadline: Deadline | None = None,
 ) -> Agreement:
     """Run the worker side of the handshake on an accepted socket.
 
     Args:
-        sock: the accepted socket (its timeout bounds each read of the handshake).
+        sock: the accepted socket (without ``deadline``, its timeout bounds each read of the handshake).
         token: the shared secret, or ``None``.
         peer: ``"host:port"`` of the client, for messages.
         compression: the worker's compression mode, resolved (see
             :func:`rpcdl.transport.compression.resolve_mode`).
         shared_memory: bytes of the segment to offer a client on this host; 0: none.
+        deadline: when the whole handshake must be over; each read and send waits at most for the time left.
 
     Returns:
         the compression mode of this connection, as the welcome told the
@@ -228,23 +314,32 @@ def server_negotiate(
     Raises:
         ProtocolError: the peer is not an rpcdl client or speaks another version.
         AuthenticationError: the peer does not prove it holds the worker's token.
+        TimeoutError: the deadline passed.
+
+    Example::
+
+        >>> agreed = server_negotiate(sock, token, "10.0.0.7:51234", deadline=Deadline(10.0))  # doctest: +SKIP
     """
-    magic = _recv_exact(sock, len(MAGIC), "hello")  # alone first: a stranger's short request is refused at once
+    magic = _recv_exact(
+        sock, len(MAGIC), "hello", deadline
+    )  # alone first: a stranger's short request is refused at once
     if magic != MAGIC:
         raise ProtocolError(f"{peer} is not an rpcdl client (bad magic bytes)")
-    _, version, client_flags, client_nonce = _HELLO.unpack(magic + _recv_exact(sock, _HELLO.size - len(MAGIC), "hello"))
+    _, version, client_flags, client_nonce = _HELLO.unpack(
+        magic + _recv_exact(sock, _HELLO.size - len(MAGIC), "hello", deadline)
+    )
     worker_nonce = os.urandom(_NONCE_BYTES)
     mode = negotiate(_mode_of(client_flags), bool(client_flags & _DECODES_LZ4), compression)
     flags = (_HAS_TOKEN if token is not None else 0) | _MODE_BITS[mode] << _MODE_SHIFT
     # compression forced on is meant to compress this connection's answers: they stay on the socket
     flags |= _SHARED_MEMORY if shared_memory and client_flags & _SHARED_MEMORY and mode != "on" else 0
     proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
-    sock.sendall(_WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
+    _send(sock, _WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof), deadline)
     if version != VERSION:
         reason = f"client {peer} speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
-        _send_verdict(sock, reason)
+        _send_verdict(sock, reason, deadline)
         raise ProtocolError(reason)
-    client_proof = _recv_exact(sock, 32, "proof")
+    client_proof = _recv_exact(sock, 32, "proof", deadline)
     client_has_token = bool(client_flags & _HAS_TOKEN)
     reason = ""
     if token is not None and not client_has_token:
@@ -253,18 +348,65 @@ def server_negotiate(
         reason = "this worker has no token but the client sent one"
     elif not hmac.compare_digest(client_proof, _proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
         reason = "token mismatch: the client holds a different token"
-    _send_verdict(sock, reason)
+    _send_verdict(sock, reason, deadline)
     if reason:
         raise AuthenticationError(f"refused {peer}: {reason}")
     if not flags & _SHARED_MEMORY:
         return Agreement(mode)
-    return Agreement(mode, _offer_segment(sock, peer, shared_memory))
+    return Agreement(mode, _offer_segment(sock, peer, shared_memory, deadline))
 
 
-def _offer_segment(sock: socket.socket, peer: str, size: int) -> WorkerSegment | None:
+def send_refusal(sock: socket.socket, pending: int, limit: int, tls: bool = False) -> None:
+    """Refuse an accepted connection, without waiting: tell the client the worker is full, then close.
+
+    The refusal fits any socket buffer: it is sent at once or not at all (the
+    client then sees the connection closed, and retries as well).
+
+    Args:
+        sock: the accepted socket, before any handshake.
+        pending: the connections in their handshake the worker holds.
+        limit: the most it admits at once.
+        tls: the worker serves TLS: refuse with a TLS alert (which carries no numbers).
+
+    Example::
+
+        >>> send_refusal(listener.accept()[0], pending=256, limit=256)  # doctest: +SKIP
+    """
+    try:
+        sock.setblocking(False)
+        sock.send(_TLS_USER_CANCELED if tls else _REFUSAL.pack(MAGIC, _REFUSED, pending, limit))
+        sock.shutdown(socket.SHUT_WR)  # the end of the stream follows the refusal
+        while sock.recv(4096):  # the hello, if here: a socket closed with unread bytes resets the connection
+            pass
+    except OSError:
+        pass
+    sock.close()
+
+
+def tls_refusal(error: BaseException, peer: str) -> WorkerFull | None:
+    """The refusal of a full worker with TLS, if ``error`` (from the client's TLS handshake) is one.
+
+    Args:
+        error: what the TLS handshake raised.
+        peer: ``"host:port"`` of the worker, for the message.
+
+    Returns:
+        a :class:`WorkerFull` to retry, or ``None``: ``error`` means something else.
+
+    Example::
+
+        >>> tls_refusal(ConnectionResetError(), "10.0.0.7:6543") is None
+        True
+    """
+    if isinstance(error, ssl.SSLError) and error.reason == "TLSV1_ALERT_USER_CANCELLED":
+        return WorkerFull(peer)
+    return None
+
+
+def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline | None) -> WorkerSegment | None:
     """Offer a client on this host a segment of ``size`` bytes; return it if the client maps it."""
     segment = None
-    if hmac.compare_digest(_recv_exact(sock, 32, "host identity"), host_identity()):
+    if hmac.compare_digest(_recv_exact(sock, 32, "host identity", deadline), host_identity()):
         try:
             segment = WorkerSegment(size)
         except OSError as exc:
@@ -272,12 +414,12 @@ def _offer_segment(sock: socket.socket, peer: str, size: int) -> WorkerSegment |
     else:
         log.debug("no shared memory for %s: another host or namespace", peer)
     if segment is None:
-        sock.sendall(_SEGMENT.pack(0, 0, 0, bytes(32)))
+        _send(sock, _SEGMENT.pack(0, 0, 0, bytes(32)), deadline)
         return None
     try:
         offer = segment.offer()
-        sock.sendall(_SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce))
-        confirmed = _recv_exact(sock, 1, "shared-memory confirmation") == b"\x01"
+        _send(sock, _SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce), deadline)
+        confirmed = _recv_exact(sock, 1, "shared-memory confirmation", deadline) == b"\x01"
     except BaseException:
         segment.close()
         raise
@@ -288,6 +430,6 @@ def _offer_segment(sock: socket.socket, peer: str, size: int) -> WorkerSegment |
     return segment
 
 
-def _send_verdict(sock: socket.socket, reason: str) -> None:
+def _send_verdict(sock: socket.socket, reason: str, deadline: Deadline | None) -> None:
     message = reason.encode()[:_MAX_VERDICT_MESSAGE]
-    sock.sendall(_VERDICT.pack(1 if reason else 0, len(message)) + message)
+    _send(sock, _VERDICT.pack(1 if reason else 0, len(message)) + message, deadline)

@@ -22,6 +22,7 @@ before anything is allocated; the sender checks its own frames first (:meth:`Lim
 from __future__ import annotations
 
 import enum
+import mmap
 import socket
 import ssl
 import struct
@@ -71,6 +72,9 @@ _KINDS = {kind.value: kind for kind in Kind}
 
 MAX_MESSAGE_BYTES_ENV = "RPCDL_MAX_MESSAGE_BYTES"
 MAX_BUFFERS_ENV = "RPCDL_MAX_BUFFERS"
+HANDSHAKE_TIMEOUT_ENV = "RPCDL_HANDSHAKE_TIMEOUT"
+#: A payload larger than this is received into memory that grows as its bytes arrive (see FrameReader).
+GROWN_PAYLOAD_BYTES = 1 << 20
 _MAX_COUNT = 2**32 - 1  # the buffer count is a u32 in the header
 
 
@@ -80,6 +84,10 @@ def _default_max_message_bytes() -> int:
 
 def _default_max_buffers() -> int:
     return environment_number(MAX_BUFFERS_ENV, 1 << 16, int, "a whole number")
+
+
+def _default_handshake_timeout() -> float:
+    return environment_number(HANDSHAKE_TIMEOUT_ENV, 10.0, float, "a number of seconds > 0")  # Limits checks it
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,9 @@ class Limits:
             ``RPCDL_MAX_MESSAGE_BYTES`` from the environment, else 16 GiB.
         max_buffers: most out-of-band buffers (tensors, arrays) in one frame;
             default ``RPCDL_MAX_BUFFERS`` from the environment, else 65,536.
-        handshake_timeout: seconds a new connection has to finish the handshake.
+        handshake_timeout: seconds a new connection has to finish the whole handshake, TLS
+            included, counted from the worker's accept; default ``RPCDL_HANDSHAKE_TIMEOUT``
+            from the environment, else 10.
 
     Example::
 
@@ -107,7 +117,7 @@ class Limits:
 
     max_message_bytes: int = field(default_factory=_default_max_message_bytes)
     max_buffers: int = field(default_factory=_default_max_buffers)
-    handshake_timeout: float = 10.0
+    handshake_timeout: float = field(default_factory=_default_handshake_timeout)
 
     def __post_init__(self):
         if self.max_message_bytes < SMALLEST_MESSAGE_LIMIT:
@@ -118,7 +128,10 @@ class Limits:
         if not 1 <= self.max_buffers <= _MAX_COUNT:
             raise ValueError(f"max_buffers ({MAX_BUFFERS_ENV}) must be in 1..{_MAX_COUNT}, got {self.max_buffers}")
         if self.handshake_timeout <= 0:
-            raise ValueError(f"handshake_timeout must be positive, got {self.handshake_timeout}")
+            raise ValueError(
+                f"handshake_timeout ({HANDSHAKE_TIMEOUT_ENV}) must be a positive number of seconds, "
+                f"got {self.handshake_timeout}"
+            )
 
     def check_outgoing(self, payload_bytes: int, buffer_sizes: Sequence[int], what: str | Callable[[], str]) -> None:
         """Raise :class:`~rpcdl.errors.LimitExceeded` if a frame to send would break a limit.
@@ -432,15 +445,39 @@ class FrameReader:
         self._read_into(memoryview(raw))
         return struct.unpack(f"!{count}Q", raw)
 
-    def _read_payload(self, size: int) -> bytes | bytearray:
+    def _read_payload(self, size: int) -> bytes | bytearray | memoryview:
         if size <= len(self._buffer) // 2:
             self._fill(size)
             payload = bytes(self._view[self._start : self._start + size])
             self._start += size
             return payload
-        payload = bytearray(size)
-        self._read_into(memoryview(payload))
-        return payload
+        if size <= GROWN_PAYLOAD_BYTES:
+            payload = bytearray(size)
+            self._read_into(memoryview(payload))
+            return payload
+        return self._read_grown(size)
+
+    def _read_grown(self, size: int) -> memoryview:
+        """A large payload, in memory that grows as its bytes arrive: a header alone costs nothing.
+
+        Private anonymous memory is zeroed by the kernel page by page as it is first written, so
+        the process's resident memory follows the bytes received; its size (what the
+        system commits) doubles each time it fills, from ``GROWN_PAYLOAD_BYTES`` up to
+        ``size``. Growing moves pages (``mremap``), never bytes: the payload is received
+        straight into its final memory, as a smaller one is.
+        """
+        memory = mmap.mmap(-1, GROWN_PAYLOAD_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        received = 0
+        while True:
+            target = memoryview(memory)
+            try:
+                self._read_into(target[received:])
+            finally:
+                target.release()  # an mmap with views exported cannot grow
+            received = len(memory)
+            if received == size:
+                return memoryview(memory)
+            memory.resize(min(size, 2 * received))
 
     def _read_into(self, target: memoryview) -> None:
         size = target.nbytes
