@@ -53,6 +53,8 @@ def _build(factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef
         length = len(dataset)
     except TypeError:
         length = None
+    items = "no length" if length is None else f"{length} items"
+    log.info("dataset %s built (%s)", getattr(factory, "__qualname__", type(dataset).__qualname__), items)
     return RRef(dataset), length
 
 
@@ -139,7 +141,6 @@ class RPCDataset(Dataset):
                 if isinstance(exc, WorkerTimeout):
                     exc = self._build_timed_out(address, exc)
                 failures[address] = exc
-                log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
                 continue
             if not self._built_any():  # the first copy built: the others must have its length
                 self._length = length
@@ -147,6 +148,8 @@ class RPCDataset(Dataset):
         if not self._built_any():
             details = "; ".join(f"{a}: {e}" for a, e in failures.items())
             raise type(next(iter(failures.values())))(f"no worker could build the dataset: {details}")
+        for address, exc in failures.items():  # only now: with no copy built, nothing would be retried
+            log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
 
     def _build_timed_out(self, address: str, exc: WorkerTimeout) -> WorkerTimeout:
         name = getattr(self.factory, "__qualname__", "dataset")

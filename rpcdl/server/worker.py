@@ -277,7 +277,7 @@ class Worker:
 
         Returns:
             calls served, failed, rejected and in flight, bytes in and out, busy
-            seconds, clients, connections, RRefs held, whether it drains, and
+            seconds, clients (``rpcdl status`` observing is not one), connections, RRefs held, whether it drains, and
             how it serves (TLS, token, compression).
 
         Example::
@@ -290,6 +290,7 @@ class Worker:
             connections = list(self._connections)
             draining = self._phase is not Phase.SERVING
         compressing = sum(connection.compressor.active for connection in connections)
+        observers = sum(connection.observer for connection in connections)
         c = self.counters.totals()
         return {
             "address": self.address,
@@ -303,7 +304,8 @@ class Worker:
             "busy_s": round(c["busy_seconds"], 6),
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
-            "clients": len(connections),
+            "clients": len(connections) - observers,
+            "observers": observers,
             "connections_total": c["connections_total"],
             "connections_refused": c["connections_refused"],
             "rrefs": len(self.store),
@@ -359,10 +361,15 @@ class Worker:
             self._refuse(sock, peer, str(exc) or type(exc).__name__)
             return
         compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
-        self.serve_socket(sock, peer, compressor, agreed.segment)
+        self.serve_socket(sock, peer, compressor, agreed.segment, observer=agreed.observer)
 
     def serve_socket(
-        self, sock: socket.socket, peer: str, compressor: Compressor | None = None, segment: WorkerSegment | None = None
+        self,
+        sock: socket.socket,
+        peer: str,
+        compressor: Compressor | None = None,
+        segment: WorkerSegment | None = None,
+        observer: bool = False,
     ) -> ClientConnection:
         """Serve a client on ``sock``, connected and past the handshake; return its session.
 
@@ -371,8 +378,9 @@ class Worker:
             peer: the client's address, for messages.
             compressor: what compresses answers on it (default: none).
             segment: the shared segment agreed with a client on this host (default: answers on the socket).
+            observer: the client only asks for counters (``rpcdl status``): not counted among the clients.
         """
-        connection = ClientConnection(self, sock, peer, compressor, segment)
+        connection = ClientConnection(self, sock, peer, compressor, segment, observer=observer)
         with self._lock:
             admitted = self._phase is Phase.SERVING
             if admitted:
@@ -381,6 +389,7 @@ class Worker:
             connection.close()
             return connection
         self.counters.add(connections_total=1)
+        log.log(logging.DEBUG if observer else logging.INFO, "client %s connected", peer)
         connection.start()
         return connection
 
@@ -391,6 +400,7 @@ class Worker:
                 return
             self._connections.discard(connection)
         self.store.release_holder(connection)
+        log.log(logging.DEBUG if connection.observer else logging.INFO, "client %s left", connection.peer)
 
     def handle_control(self, connection: ClientConnection, frame: Frame) -> None:
         """Handle a frame other than a call, just read from ``connection`` (its calls go to the slots).
@@ -527,9 +537,11 @@ def run_worker(
             if watch_pid is not None and not process_exists(watch_pid):
                 log.info("process %d is gone", watch_pid)
                 break
-        log.info("rpcdl worker %s stopping", worker.address)
+        log.info("rpcdl worker %s draining: new calls are refused, calls in flight get %gs", worker.address, grace)
     finally:
         finished = worker.stop(grace)
         stop.restore()
     if not finished:
         log.warning("rpcdl worker %s stopped with calls still running after %gs", worker.address, grace)
+    else:
+        log.info("rpcdl worker %s left", worker.address)

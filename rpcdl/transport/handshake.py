@@ -15,7 +15,8 @@ offer (see :mod:`rpcdl.transport.shm`), inside the authenticated handshake::
     client -> worker   confirm   1 if the client mapped that segment and found the nonce, else 0 (after a segment)
 
 The flags byte of the hello says whether the client has a token, whether it can
-decode lz4 and which compression mode it wants; that of the welcome says whether
+decode lz4, which compression mode it wants and whether it only observes (``rpcdl
+status``: it asks for counters and is not counted among the worker's clients); that of the welcome says whether
 the worker has a token and the compression mode the connection uses (see
 :mod:`rpcdl.transport.compression`). A peer that predates compression leaves those bits
 zero, which means off; one that predates shared memory never sets its bit,
@@ -59,6 +60,7 @@ _MODE_BITS = {"off": 0, "on": 1, "auto": 2}
 _MODE_NAMES = {bits: name for name, bits in _MODE_BITS.items()}
 _SHARED_MEMORY = 16  # hello: the client offers shared memory; welcome: the worker takes the offer
 _SEGMENT = struct.Struct("!IIQ32s")
+_OBSERVER = 32  # hello: the client only asks for counters (rpcdl status); not one of the worker's clients
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,12 @@ class Agreement:
         segment: the shared-memory segment this side uses for answers
             (a :class:`~rpcdl.transport.shm.WorkerSegment` on the worker, a
             :class:`~rpcdl.transport.shm.ClientSegment` on the client), or ``None``: the socket.
+        observer: the client said it only asks for counters (``rpcdl status``).
     """
 
     compression: str
     segment: WorkerSegment | ClientSegment | None = None
+    observer: bool = False
 
 
 def _mode_of(flags: int) -> str:
@@ -137,6 +141,7 @@ def client_negotiate(
     answer_timeout: float | None = None,
     compression: str | None = None,
     shared_memory: bool = False,
+    observer: bool = False,
 ) -> Agreement:
     """Run the client side of the handshake on a connected socket.
 
@@ -150,6 +155,8 @@ def client_negotiate(
             else ``"auto"``; see :mod:`rpcdl.transport.compression`).
         shared_memory: offer to take answers through a shared segment, used
             only if the worker is on this host and this process can map it.
+        observer: say that this connection only asks for counters, so the
+            worker does not count it among its clients (``rpcdl status``).
 
     Returns:
         what the worker chose for this connection: the compression mode and
@@ -165,6 +172,7 @@ def client_negotiate(
     flags = _HAS_TOKEN if token is not None else 0
     flags |= (_DECODES_LZ4 if lz4_available() else 0) | _MODE_BITS[resolve_mode(compression)] << _MODE_SHIFT
     flags |= _SHARED_MEMORY if shared_memory else 0
+    flags |= _OBSERVER if observer else 0
     sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
     first = _first_answer(sock, peer, answer_timeout)
     welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
@@ -256,9 +264,10 @@ def server_negotiate(
     _send_verdict(sock, reason)
     if reason:
         raise AuthenticationError(f"refused {peer}: {reason}")
+    observer = bool(client_flags & _OBSERVER)
     if not flags & _SHARED_MEMORY:
-        return Agreement(mode)
-    return Agreement(mode, _offer_segment(sock, peer, shared_memory))
+        return Agreement(mode, observer=observer)
+    return Agreement(mode, _offer_segment(sock, peer, shared_memory), observer)
 
 
 def _offer_segment(sock: socket.socket, peer: str, size: int) -> WorkerSegment | None:
