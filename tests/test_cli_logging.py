@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import RangeDataset
 
 import rpcdl
-from helpers import RangeDataset
 
 pytestmark = pytest.mark.timeout(120)
 
