@@ -29,6 +29,7 @@ from ..address import check_workers
 from ..checks import check_loader_timeout
 from ..errors import DatasetMismatch, WorkerTimeout, is_transient
 from ..rpc.client import rpc_async
+from ..rpc.invoke import named_arguments, unpicklable_part
 from ..rpc.rref import RRef, RRefNotFound
 from .probes import Revival, back_when, probe_async
 
@@ -177,7 +178,15 @@ class RPCDataset(Dataset):
 
     def build_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address``; the future gives ``(rref, length)``."""
-        return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
+        try:
+            return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
+        except TypeError:  # a dataset argument that does not pickle: named as the user wrote it
+            parts = {"the dataset class or factory": self.factory, **named_arguments(self.args, self.kwargs)}
+            culprit = unpicklable_part(address, parts)
+            if culprit is None:
+                raise
+            name = getattr(self.factory, "__qualname__", "the dataset")
+            raise TypeError(f"RPCDataset cannot send {name} and its arguments to worker {address}: {culprit}") from None
 
     def rebuild_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address`` again (it lost it, or never had it) and install it (:meth:`accept`).
