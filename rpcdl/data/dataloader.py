@@ -97,8 +97,9 @@ class RPCDataloader:
     ``multiprocessing_context`` raise a ``TypeError`` saying what replaces them
     here, except ``num_workers=0`` and ``persistent_workers=False``, which
     describe what rpcdl does (no loading processes in the trainer). Several
-    iterators of one loader run independently, each its own epoch, as torch's do, on one thread or several (each iterator advanced by
-    one thread at a time: another thread entering the same iterator's
+    iterators of one loader run independently, each its own epoch, as
+    torch's do, on one thread or several (each iterator advanced by one
+    thread at a time: another thread entering the same iterator's
     ``next()`` meanwhile gets a ``RuntimeError``). The loader runs no thread of
     its own: each ``next()`` does the work. As in
     torch, ``batch_size``, ``batch_sampler``, ``sampler``, ``drop_last`` and
