@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import RangeDataset
 
 import rpcdl
 from rpcdl.cli.probe import Reach, ask_stats
@@ -69,6 +70,14 @@ def test_a_refused_port_and_a_token_mismatch_are_named_and_the_table_keeps_its_s
         assert set(cells) == {"-"} and len(cells) == 11  # pid .. transport: each column has its cell
     good = run_status(address, "--token-file", str(right), "--json")
     assert good.returncode == 0 and json.loads(good.stdout)["workers"][0]["authenticated"] is True
+
+
+def test_the_worker_counts_the_batches_it_makes(spawn_workers):
+    (address,) = spawn_workers(1)
+    before = rpcdl.stats(address)["batches"]
+    loader = rpcdl.RPCDataloader(rpcdl.RPCDataset([address], RangeDataset, 10), batch_size=4)
+    assert len(list(loader)) == 3
+    assert rpcdl.stats(address)["batches"] - before == 3
 
 
 def test_a_refused_port_is_not_retried():
@@ -134,17 +143,18 @@ def test_watch_reports_rates_over_the_interval_and_stops_on_ctrl_c(spawn_workers
         env=environment,
     )
     try:
+        loader = rpcdl.RPCDataloader(rpcdl.RPCDataset([address], RangeDataset, 64), batch_size=4)
         readings = []
-        for _ in range(200):  # the calls below run while it watches: some interval sees them
-            for _ in range(20):
-                rpcdl.rpc_sync(address, remote_pid)
+        for _ in range(200):  # the batches below are made while it watches: some interval sees them
+            assert len(list(loader)) == 16
             (row,) = json.loads(watch.stdout.readline())["workers"]
             readings.append(row)
-            if len(readings) >= 3 and row["calls_per_second"] > 0:
+            if len(readings) >= 3 and row["batches_per_second"] > 0:
                 break
-        assert {"busy_percent", "calls_per_second", "mb_per_second", "clients"} <= set(readings[-1])
-        assert readings[-1]["calls_per_second"] > 0 and readings[-1]["mb_per_second"] > 0
-        assert readings[-1]["clients"] == 1  # this process; not the watcher
+        last = readings[-1]
+        assert {"busy_percent", "batches_per_second", "calls_per_second", "mb_per_second", "clients"} <= set(last)
+        assert last["batches_per_second"] > 0 and last["mb_per_second"] > 0 and 0 <= last["busy_percent"] <= 100
+        assert last["clients"] == 1  # this process; not the watcher
     finally:
         watch.send_signal(signal.SIGINT)
         code = watch.wait(30)

@@ -55,7 +55,7 @@ _LIVE = [
     ("worker", lambda c: c["address"]),
     ("state", lambda c: c["state"]),
     ("busy %", lambda c: f"{c['busy_percent']:.0f}"),
-    ("calls/s", lambda c: f"{c['calls_per_second']:.1f}"),
+    ("batches/s", lambda c: f"{c['batches_per_second']:.1f}"),
     ("MB/s", lambda c: f"{c['mb_per_second']:.2f}"),
     ("clients", lambda c: c["clients"]),
     ("in flight", lambda c: c["calls_in_flight"]),
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--watch",
         action="store_true",
-        help="ask again every --interval seconds and show rates over the last interval: busy %%, calls/s, "
+        help="ask again every --interval seconds and show rates over the last interval: busy %%, batches/s, "
         "MB/s; Ctrl-C stops",
     )
     parser.add_argument(
@@ -190,7 +190,7 @@ def reading(answer: Answer, before: Answer | None = None) -> dict[str, Any]:
     """One worker's row: its counters with ``address``, ``state`` and ``note``, plus rates.
 
     The rates (``busy_percent`` of its ``parallel`` slots, ``calls_per_second``,
-    ``mb_per_second`` out) are over the interval since ``before`` when it is the
+    ``batches_per_second`` made for loaders, ``mb_per_second`` out) are over the interval since ``before`` when it is the
     same worker process, else over its whole uptime.
 
     Args:
@@ -210,11 +210,12 @@ def reading(answer: Answer, before: Answer | None = None) -> dict[str, Any]:
         row["state"] = "draining"
     then = before.counters if before is not None and before.reach is Reach.UP else {}
     if then.get("pid") != now.get("pid") or then.get("uptime_s", 0) >= now["uptime_s"]:
-        then = {"uptime_s": 0.0, "busy_s": 0.0, "calls_served": 0, "calls_failed": 0, "bytes_out": 0}
+        then = {"uptime_s": 0.0, "busy_s": 0.0, "calls_served": 0, "calls_failed": 0, "bytes_out": 0, "batches": 0}
     seconds = max(now["uptime_s"] - then["uptime_s"], 1e-9)
     calls = now["calls_served"] + now["calls_failed"] - then["calls_served"] - then["calls_failed"]
     row["busy_percent"] = 100.0 * (now["busy_s"] - then["busy_s"]) / seconds / max(now.get("parallel", 1), 1)
     row["calls_per_second"] = calls / seconds
+    row["batches_per_second"] = (now.get("batches", 0) - then.get("batches", 0)) / seconds  # 0 from an older worker
     row["mb_per_second"] = (now["bytes_out"] - then["bytes_out"]) / 1e6 / seconds
     return row
 

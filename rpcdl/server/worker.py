@@ -302,6 +302,7 @@ class Worker:
             "calls_rejected": c["calls_rejected"],
             "calls_in_flight": c["outstanding"],
             "busy_s": round(c["busy_seconds"], 6),
+            "batches": c["batches"],
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
             "clients": len(connections) - observers,
