@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import os
 import signal
 import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..logs import FORMATS
 from ..logs import configure as configure_logging
@@ -128,6 +127,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 def package_version() -> str:
     """rpcdl's version: the installed distribution's, else the source tree's ``rpcdl.__version__``."""
+    import importlib.metadata  # here: only --version and bench reports need it
+
     try:
         return importlib.metadata.version("rpcdl")
     except importlib.metadata.PackageNotFoundError:
@@ -138,7 +139,19 @@ def package_version() -> str:
 
 def add_version_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--version``: print rpcdl's version and exit."""
-    parser.add_argument("--version", action="version", version=f"rpcdl {package_version()}")
+    parser.add_argument("--version", action=_Version, help="show rpcdl's version and exit")
+
+
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked for: reading the installed metadata takes tens of
+    milliseconds, of the half second ``rpcdl status`` may take."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"rpcdl {package_version()}")  # on standard output, as argparse's own version action
+        parser.exit()
 
 
 class _Mistake(Exception):

@@ -190,8 +190,9 @@ def reading(answer: Answer, before: Answer | None = None) -> dict[str, Any]:
     """One worker's row: its counters with ``address``, ``state`` and ``note``, plus rates.
 
     The rates (``busy_percent`` of its ``parallel`` slots, ``calls_per_second``,
-    ``batches_per_second`` made for loaders, ``mb_per_second`` out) are over the interval since ``before`` when it is the
-    same worker process, else over its whole uptime.
+    ``batches_per_second`` made for loaders, ``mb_per_second`` out) are over
+    the interval since ``before`` when it is the same worker process, else
+    over its whole uptime.
 
     Args:
         answer: the worker's answer now.

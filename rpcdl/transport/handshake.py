@@ -37,11 +37,14 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError
 from .compression import lz4_available, negotiate, resolve_mode
 from .security import Token
-from .shm import HEADER_BYTES, ClientSegment, Offer, WorkerSegment, host_identity
+
+if TYPE_CHECKING:
+    from .shm import ClientSegment, WorkerSegment
 
 log = logging.getLogger("rpcdl.shm")
 
@@ -205,6 +208,8 @@ def client_negotiate(
     mode = _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
     if not (shared_memory and worker_flags & _SHARED_MEMORY):
         return Agreement(mode)
+    from .shm import HEADER_BYTES, ClientSegment, Offer, host_identity  # here: numpy only where segments are
+
     sock.sendall(host_identity())
     pid, fd, size, nonce = _SEGMENT.unpack(_recv_exact(sock, _SEGMENT.size, "shared-memory segment"))
     segment = ClientSegment.open(Offer(pid, fd, size, nonce)) if size >= HEADER_BYTES else None
@@ -272,6 +277,8 @@ def server_negotiate(
 
 def _offer_segment(sock: socket.socket, peer: str, size: int) -> WorkerSegment | None:
     """Offer a client on this host a segment of ``size`` bytes; return it if the client maps it."""
+    from .shm import WorkerSegment, host_identity  # here: numpy only where segments are (rpcdl status has none)
+
     segment = None
     if hmac.compare_digest(_recv_exact(sock, 32, "host identity"), host_identity()):
         try:
