@@ -93,9 +93,9 @@ def configure(level: str = "INFO", log_format: str = "text") -> None:
 
     Example::
 
-        >>> configure("WARNING", "json")
-        >>> logging.getLogger("rpcdl").propagate
-        False
+        >>> configure("DEBUG", "json")  # doctest: +SKIP
+        >>> logging.getLogger("rpcdl.worker").info("client %s left", "10.0.0.7:51234")  # doctest: +SKIP
+        {"time": "2026-11-27T09:14:03.949Z", "level": "INFO", "logger": "rpcdl.worker", "message": "client ...", "pid": 42}
     """
     if log_format not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {log_format!r}")
