@@ -95,7 +95,7 @@ def configure(level: str = "INFO", log_format: str = "text") -> None:
 
         >>> configure("DEBUG", "json")  # doctest: +SKIP
         >>> logging.getLogger("rpcdl.worker").info("client %s left", "10.0.0.7:51234")  # doctest: +SKIP
-        {"time": "2026-11-27T09:14:03.949Z", "level": "INFO", "logger": "rpcdl.worker", "message": "client ...", "pid": 42}
+        {"time": "2026-11-27T09:14:03.949Z", "level": "INFO", "logger": "rpcdl.worker", "message": "client ...", ...}
     """
     if log_format not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {log_format!r}")
