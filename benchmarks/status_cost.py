@@ -6,7 +6,10 @@ counts. Each round runs, as fresh processes, one after the other:
 * ``status``: ``python -m rpcdl status --json WORKER`` (the torch-free probe);
 * ``stats``: ``python -c "import rpcdl; rpcdl.stats(WORKER)"``, the torch client,
   what ``rpcdl status`` did before (the baseline, run in the same rounds);
-* ``refused``: ``python -m rpcdl status --json 127.0.0.1:PORT`` with nothing on PORT.
+* ``refused``: ``python -m rpcdl status --json 127.0.0.1:PORT`` with nothing on PORT;
+* ``python``: ``python -c pass``, the interpreter's own start, the floor of any command.
+
+On a loaded machine every figure grows; the ratios, from the same rounds, hold better.
 
 It prints the medians and the ratios status / stats. Usage::
 
@@ -57,6 +60,7 @@ def main() -> int:
             "status": [sys.executable, "-m", "rpcdl", "status", "--json", worker],
             "stats": [sys.executable, "-c", f"import rpcdl; rpcdl.stats({worker!r})"],
             "refused": [sys.executable, "-m", "rpcdl", "status", "--json", refused],
+            "python": [sys.executable, "-c", "pass"],
         }
         figures: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
         for _ in range(args.rounds):
@@ -72,6 +76,8 @@ def main() -> int:
         print(f"{name:<10}{seconds:>9.3f}{megabytes:>14.1f}")
     (status_s, status_mb), (stats_s, stats_mb) = medians["status"], medians["stats"]
     print(f"status / stats: time {status_s / stats_s:.2f}x, peak RSS {status_mb / stats_mb:.2f}x")
+    floor_s = medians["python"][0]
+    print(f"status / a bare interpreter's start: time {status_s / floor_s:.2f}x ({status_s - floor_s:.3f} s more)")
     return 0
 
 
