@@ -85,11 +85,8 @@ def unpicklable_part(address: str, parts: Mapping[str, Any]) -> str | None:
             dumps_for(address, value)
         except Exception as exc:
             kind = type(value)
-            return (
-                f"{name} (a {kind.__module__}.{kind.__qualname__}): {exc}"
-                if kind.__module__ != "builtins"
-                else (f"{name} (a {kind.__qualname__}): {exc}")
-            )
+            where = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            return f"{name} (a {where}): {exc}"
     return None
 
 

@@ -276,9 +276,10 @@ class Worker:
         """The worker's counters, as :func:`rpcdl.stats` returns them.
 
         Returns:
-            calls served, failed, rejected and in flight, bytes in and out, busy
-            seconds, clients (``rpcdl status`` observing is not one), connections, RRefs held, whether it drains, and
-            how it serves (TLS, token, compression).
+            calls served, failed, rejected and in flight, batches made, bytes in
+            and out, busy seconds, clients (``rpcdl status`` is an observer, not
+            a client), connections, RRefs held, whether it drains, and how it
+            serves (TLS, token, compression).
 
         Example::
 

@@ -15,9 +15,9 @@ offer (see :mod:`rpcdl.transport.shm`), inside the authenticated handshake::
     client -> worker   confirm   1 if the client mapped that segment and found the nonce, else 0 (after a segment)
 
 The flags byte of the hello says whether the client has a token, whether it can
-decode lz4, which compression mode it wants and whether it only observes (``rpcdl
-status``: it asks for counters and is not counted among the worker's clients); that of the welcome says whether
-the worker has a token and the compression mode the connection uses (see
+decode lz4, which compression mode it wants and whether it only observes
+(``rpcdl status``: it asks for counters and is not counted among the worker's
+clients); that of the welcome says whether the worker has a token and the compression mode the connection uses (see
 :mod:`rpcdl.transport.compression`). A peer that predates compression leaves those bits
 zero, which means off; one that predates shared memory never sets its bit,
 so the connection keeps to the socket.
