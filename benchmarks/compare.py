@@ -2,7 +2,7 @@
 
 Takes the options of ``rpcdl bench`` (``--help``). Example::
 
-    python benchmarks/compare.py --local 2 --json results.json --plot results.png
+    python benchmarks/compare.py --local-workers 2 --json results.json --plot results.png
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .logs import install_fallback
+
 __version__ = "0.1.0"
+
+install_fallback()  # warnings reach stderr with time, level and logger name until the program configures logging
 
 _EXPORTS = {
     "AuthenticationError": "errors",

@@ -6,7 +6,7 @@ Example::
     node07:6543
 
 It accepts every option of ``rpcdl worker`` (see ``--help``); ``--port``
-defaults to 6543 as in rpcdataloader.
+defaults to 6543 there too, as in rpcdataloader.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run an rpcdl worker (rpcdataloader-compatible launcher). Prints HOST:PORT when ready.",
     )
     add_version_argument(parser)
-    add_worker_arguments(parser, seed_defaults=True)
+    add_worker_arguments(parser)
+    parser.set_defaults(prog=parser.prog)
     return run_worker_command(parser.parse_args(argv), argv, fail=parser.error)
 
 

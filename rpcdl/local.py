@@ -204,6 +204,8 @@ def local_workers(
         "worker",
         "--host",
         "127.0.0.1",
+        "--port",
+        "0",
         "--parallel",
         str(parallel),
         "--timeout",

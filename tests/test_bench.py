@@ -154,10 +154,10 @@ def test_a_quick_run_judges_no_target_and_shows_no_memory_ratio():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--local", "0"], "expected a positive integer"),
+        (["--local-workers", "0"], "expected a positive integer"),
         (["--workers", "not-an-address"], "malformed worker address"),
         (["--scenario", "nope"], "invalid choice"),
-        (["--local", "2", "--workers", "127.0.0.1:1"], "not allowed with argument"),
+        (["--local-workers", "2", "--workers", "127.0.0.1:1"], "not allowed with argument"),
     ],
     ids=["local", "workers", "scenario", "both"],
 )

@@ -80,7 +80,7 @@ def test_procs_and_address_file_then_status_table(tmp_path):
         table = run_cli("status", *listed)
         assert table.returncode == 0
         header, *rows = table.stdout.strip().splitlines()
-        assert header.split()[:2] == ["worker", "pid"] and len(rows) == 3
+        assert header.split()[:3] == ["worker", "state", "pid"] and len(rows) == 3
         assert all(any(address in row for row in rows) for address in listed)
     finally:
         process.send_signal(signal.SIGTERM)
@@ -97,7 +97,7 @@ def test_status_of_an_unreachable_worker_fails():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     result = run_cli("status", f"127.0.0.1:{port}", "--timeout", "1")
-    assert result.returncode == 1 and "unreachable" in result.stdout
+    assert result.returncode == 1 and "refused" in result.stdout
 
 
 def test_local_workers_stop_when_their_parent_dies():

@@ -71,18 +71,61 @@ def test_a_worker_option_mistake_is_one_error_line_and_exit_2(tmp_path, command,
 
 
 @pytest.mark.parametrize("command", list(WORKER_COMMANDS))
-def test_a_port_in_use_is_named_with_the_reason(command):
+def test_a_port_in_use_is_one_line_and_exit_1_not_a_usage_error(command):
     with socket.create_server(("127.0.0.1", 0)) as holder:
         port = holder.getsockname()[1]
-        result = run([*WORKER_COMMANDS[command], "--port", str(port)])
-    assert_clean_mistake(result, f"cannot listen on 127.0.0.1:{port}", "Address already in use")
+        result = run([*WORKER_COMMANDS[command], "--port", str(port), "--log-level", "warning"])
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()  # no usage block, no traceback
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in line
+
+
+@pytest.mark.parametrize("command", list(WORKER_COMMANDS))
+def test_the_worker_port_defaults_to_the_seeds_6543(command):
+    from rpcdl.cli import build_parser
+    from rpcdl.launch import main as launch_main
+
+    if command == "launch":
+        result = run(["-m", "rpcdl.launch", "--help"])
+        assert "default: 6543" in result.stdout
+        assert launch_main.__module__ == "rpcdl.launch"
+    else:
+        assert build_parser().parse_args(["worker"]).port == 6543
+
+
+def test_renamed_options_still_work_and_say_their_new_spelling(capsys):
+    from rpcdl.cli import build_parser
+
+    parser = build_parser()
+    bench = parser.parse_args(["bench", "--local", "3"])
+    assert bench.local_workers == 3
+    assert "rpcdl bench: warning: --local is deprecated; use --local-workers" in capsys.readouterr().err
+    demo = parser.parse_args(["demo", "--summary-json", "summary.json"])
+    assert demo.json == "summary.json"
+    assert "rpcdl demo: warning: --summary-json is deprecated; use --json" in capsys.readouterr().err
+    assert parser.parse_args(["bench", "--local-workers", "3"]).local_workers == 3
+    assert capsys.readouterr().err == ""
+
+
+def test_workers_take_the_same_forms_in_every_command(tmp_path):
+    from rpcdl.cli import build_parser
+
+    listed = tmp_path / "workers"
+    listed.write_text("c:3\n")
+    parser = build_parser()
+    forms = ["--workers", "a:1", "b:2,dns://workers.example", str(listed)]
+    expected = ["a:1", "b:2", "dns://workers.example", "c:3"]
+    for command in ("demo", "bench", "status"):
+        assert parser.parse_args([command, *forms]).workers == expected, command
+    assert parser.parse_args(["status", "a:1,b:2", str(listed)]).addresses == [["a:1", "b:2"], ["c:3"]]
 
 
 @pytest.mark.parametrize(
     ("args", "phrases"),
     [
         (["demo", "--config", "{tmp}/missing.yaml"], ("--config", "no such file")),
-        (["demo", "--summary-json", "{tmp}/missing/summary.json"], ("--summary-json", "does not exist")),
+        (["demo", "--json", "{tmp}/missing/summary.json"], ("--json", "does not exist")),
         (["bench", "--json", "{tmp}/missing/bench.json"], ("--json", "does not exist")),
         (["bench", "--plot", "{tmp}/missing/bench.png"], ("--plot", "does not exist")),
     ],

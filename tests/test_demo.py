@@ -31,7 +31,7 @@ OPTIONS = (
     "--seed",
     "--config",
     "--no-progress",
-    "--summary-json",
+    "--json",
 )
 
 
@@ -49,7 +49,7 @@ def test_short_demo_with_its_own_workers_learns(tmp_path, monkeypatch, capsys):
     """`rpcdl demo` as the README runs it (local workers), 2 short epochs: accuracy far above chance (0.1)."""
     monkeypatch.chdir(tmp_path)
     summary_file = tmp_path / "summary.json"
-    code = main(["demo", "--max-epochs", "2", "--limit", "30", "--no-progress", "--summary-json", str(summary_file)])
+    code = main(["demo", "--max-epochs", "2", "--limit", "30", "--no-progress", "--json", str(summary_file)])
     assert code == 0
     out = capsys.readouterr().out
     summary = json.loads(summary_file.read_text())
@@ -82,7 +82,7 @@ def test_demo_uses_the_workers_it_is_given(two_workers, tmp_path, capsys):
             "--no-progress",
             "--seed",
             "5",
-            "--summary-json",
+            "--json",
             str(summary_file),
         ]
     )

@@ -50,6 +50,7 @@ DOCTEST_MODULES = [
     "rpcdl.checks",
     "rpcdl.errors",
     "rpcdl.local",
+    "rpcdl.logs",
     "rpcdl.processes",
     "rpcdl.seeding",
     "rpcdl.transport.compression",
@@ -63,7 +64,9 @@ DOCTEST_MODULES = [
     "rpcdl.serialization.pickling",
     "rpcdl.serialization.user_code",
     "rpcdl.rpc.client",
+    "rpcdl.rpc.invoke",
     "rpcdl.rpc.rref",
+    "rpcdl.server.counters",
     "rpcdl.server.worker",
     "rpcdl.data.cache.cached",
     "rpcdl.data.dataloader",
@@ -79,6 +82,8 @@ DOCTEST_MODULES = [
     "rpcdl.data.scheduling_policy",
     "rpcdl.integrations.lightning",
     "rpcdl.integrations.torchdata",
+    "rpcdl.cli.args",
+    "rpcdl.cli.status",
 ]
 
 

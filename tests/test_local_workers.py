@@ -60,7 +60,7 @@ def test_local_workers_print_warnings_but_no_info_lines_by_default():
 def test_local_workers_log_level_shows_their_info_lines():
     result = run_script({"log_level": "info"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "ready (pid" in result.stderr and "stopping" in result.stderr
+    assert "ready (pid" in result.stderr and "draining" in result.stderr and "left" in result.stderr
 
 
 def test_local_workers_refuse_an_unknown_log_level_before_starting_anything():

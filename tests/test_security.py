@@ -294,7 +294,7 @@ def test_token_never_appears_in_logs_errors_or_status(pki, tmp_path, caplog, cap
         monkeypatch.setenv("RPCDL_TOKEN", wrong)
         assert rpcdl_main(["status", address]) == 1
         status = capsys.readouterr()
-        assert address in status.out and "unreachable" in status.out
+        assert address in status.out and "token mismatch" in status.out  # named, not "unreachable"
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import threading
+from typing import Any
 
 from ..address import parse_address
 from ..local import LOG_LEVELS
@@ -77,11 +79,107 @@ def worker_addresses(text: str) -> list[str]:
     return [worker_address(part.strip()) for part in text.split(",") if part.strip()]
 
 
+def is_source(entry: str) -> bool:
+    """Whether ``entry`` of a worker list names a source (``dns://...``, ``redis://...``), not an address."""
+    return "://" in entry
+
+
+def worker_list(text: str) -> list[str]:
+    """One value of ``--workers``: addresses and sources, comma-separated.
+
+    Each part is ``HOST:PORT``; a file listing addresses (whitespace-separated, ``#``
+    comments; what ``rpcdl worker --address-file`` writes), read now; or a source
+    (``dns://...``, ``redis://...``), passed on unchanged for the data layer to resolve.
+
+    Example::
+
+        >>> worker_list("a:1,b:2")
+        ['a:1', 'b:2']
+    """
+    entries: list[str] = []
+    for part in (part.strip() for part in text.split(",")):
+        if not part:
+            continue
+        if is_source(part):
+            entries.append(part)
+            continue
+        try:
+            parse_address(part)
+        except ValueError as exc:
+            if not os.path.isfile(part):
+                raise argparse.ArgumentTypeError(f"{exc} (nor is {part!r} a file of addresses)") from None
+            entries.extend(_addresses_in_file(part))
+            continue
+        entries.append(part)
+    return entries
+
+
+def _addresses_in_file(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except (OSError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the worker list {path!r}: {exc}") from None
+    words = [word for line in lines for word in line.split("#", 1)[0].split()]
+    for word in words:
+        try:
+            parse_address(word)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+    return words
+
+
+def add_workers_argument(parser: Any, help: str) -> None:
+    """Add ``--workers``, spelt the same in every command: ``--workers A B``, ``--workers A,B``, files, sources.
+
+    Args:
+        parser: a parser, or a group of one.
+        help: what the workers are for, the first words of the help text.
+
+    The parsed value is one flat list (see :func:`worker_list` for the forms of each entry).
+    """
+    parser.add_argument(
+        "--workers",
+        nargs="+",
+        type=worker_list,
+        action=_Extend,
+        metavar="WORKERS",
+        help=f"{help}: HOST:PORT entries, space- or comma-separated, files listing them, or sources (dns://, redis://)",
+    )
+
+
+class _Extend(argparse.Action):
+    """Add each value's entries (each value is a list) to one flat list, across repeated options."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        entries = list(getattr(namespace, self.dest, None) or [])
+        for value in values:
+            entries.extend(value)
+        setattr(namespace, self.dest, entries)
+
+
+class Deprecated(argparse.Action):
+    """An old spelling of an option: stores into the new one's destination and warns on standard error.
+
+    Use with ``help=argparse.SUPPRESS`` and ``dest`` set to the new option's; pass ``new="--name"``.
+    """
+
+    def __init__(self, option_strings, dest, new: str, **kwargs) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def silent_worker(addresses: list[str], timeout: float) -> str | None:
     """Ping each worker; return a line naming the first that does not answer, or ``None``."""
     from ..rpc.client import ping  # here: the commands' parsers load without torch
 
     for address in addresses:
+        if is_source(address):  # resolved by the data layer, later
+            continue
         try:
             ping(address, timeout=timeout)
         except Exception as exc:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import importlib.util
-import logging
 import os
 import signal
 import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from ..logs import FORMATS
+from ..logs import configure as configure_logging
 from ..transport.compression import COMPRESSION_ENV, MODES, resolve_mode
 from ..transport.security import (
     TLS_CERT_ENV,
@@ -36,15 +36,18 @@ from .args import (
     positive_float,
     positive_int,
     registry_url,
-    worker_address,
 )
 
 # Modules with HELP, DESCRIPTION, add_arguments(parser) and run(args) -> int; they
 # import their heavy dependencies inside run().
-_PLUGGED_COMMANDS: list[str] = ["demo", "bench"]
+_PLUGGED_COMMANDS: list[str] = ["status", "demo", "bench"]
+
+#: The port a worker listens on unless told otherwise, the seed's (rpcdataloader's) and the one the
+#: deployment recipes open: a fixed port is one a firewall rule and a worker list can name.
+DEFAULT_PORT = 6543
 
 
-def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool = False) -> None:
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl worker`` (shared with ``python -m rpcdl.launch``)."""
     parser.add_argument(
         "--host",
@@ -54,8 +57,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
     parser.add_argument(
         "--port",
         type=port,
-        default=6543 if seed_defaults else 0,
-        help="port to listen on; 0 picks a free port (default: %(default)s)",
+        default=DEFAULT_PORT,
+        help="port to listen on; 0 picks a free port (default: %(default)s; with --procs N, N ports from it)",
     )
     parser.add_argument(
         "--timeout",
@@ -129,7 +132,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
         "--log-level",
         type=log_level,
         default="INFO",
-        help="logging level on standard error: DEBUG, INFO, WARNING, ERROR or CRITICAL (default: %(default)s)",
+        help="level of rpcdl's own log on standard error (other libraries' stay at warnings): DEBUG, INFO, "
+        "WARNING, ERROR or CRITICAL (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="text: time, level, logger and message; json: one object per line, for log collectors "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -143,6 +154,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, seed_defaults: bool
 
 def package_version() -> str:
     """rpcdl's version: the installed distribution's, else the source tree's ``rpcdl.__version__``."""
+    import importlib.metadata  # here: only --version and bench reports need it
+
     try:
         return importlib.metadata.version("rpcdl")
     except importlib.metadata.PackageNotFoundError:
@@ -153,7 +166,19 @@ def package_version() -> str:
 
 def add_version_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--version``: print rpcdl's version and exit."""
-    parser.add_argument("--version", action="version", version=f"rpcdl {package_version()}")
+    parser.add_argument("--version", action=_Version, help="show rpcdl's version and exit")
+
+
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked for: reading the installed metadata takes tens of
+    milliseconds, of the half second ``rpcdl status`` may take."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"rpcdl {package_version()}")  # on standard output, as argparse's own version action
+        parser.exit()
 
 
 class _Mistake(Exception):
@@ -202,7 +227,7 @@ def run_worker_command(
         0 once stopped by SIGTERM or SIGINT (``--procs`` restarts a process that dies, and says why).
     """
     fail = fail or getattr(args, "fail", None) or _print_mistake
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level, args.log_format)
     problem = host_problem(args.host) if args.host else None
     if problem:
         fail(f"--host {problem}")
@@ -239,11 +264,17 @@ def run_worker_command(
         )
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
-            fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
+            # not a usage mistake: one line, exit 1 (a supervisor may retry; another port is the user's choice)
+            print(f"{_prog(args)}: error: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+            return 1
         fail(str(exc))  # a refusal that explains itself (no token for a non-loopback address, say)
     for signum in (signal.SIGTERM, signal.SIGINT):  # stopped gracefully: a repeated signal changes nothing now
         signal.signal(signum, signal.SIG_IGN)
     return 0
+
+
+def _prog(args: argparse.Namespace) -> str:
+    return getattr(args, "prog", None) or "rpcdl worker"
 
 
 def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -289,52 +320,6 @@ def _without_option(argv: list[str], option: str) -> list[str]:
     return result
 
 
-def _status(args: argparse.Namespace) -> int:
-    from ..rpc.client import stats
-
-    columns = [
-        ("worker", "address"),
-        ("pid", "pid"),
-        ("up s", "uptime_s"),
-        ("clients", "clients"),
-        ("served", "calls_served"),
-        ("failed", "calls_failed"),
-        ("in flight", "calls_in_flight"),
-        ("busy s", "busy_s"),
-        ("MB in", "bytes_in"),
-        ("MB out", "bytes_out"),
-        ("rrefs", "rrefs"),
-        ("transport", "transport"),
-    ]
-    rows, failures = [], 0
-    for address in args.workers:
-        try:
-            counters = stats(address, timeout=args.timeout)
-        except Exception as exc:
-            failures += 1
-            rows.append([address, f"unreachable: {exc}"])
-            continue
-        counters["address"] = address
-        row = []
-        for _, key in columns:
-            value = counters.get(key, "")
-            if key.startswith("bytes_"):
-                value = f"{value / 1e6:.1f}"
-            elif isinstance(value, float):
-                value = f"{value:.1f}"
-            row.append(str(value))
-        rows.append(row)
-    headers = [name for name, _ in columns]
-    widths = [max([len(h), *(len(r[i]) for r in rows if len(r) == len(headers))]) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    for row in rows:
-        if len(row) == len(headers):
-            print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
-        else:
-            print("  ".join(row))
-    return 1 if failures else 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rpcdl",
@@ -350,19 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGTERM or SIGINT stop it after the calls in flight finish.",
     )
     add_worker_arguments(worker)
-    worker.set_defaults(fail=worker.error)
-
-    status = commands.add_parser(
-        "status", help="show the counters of running workers", description="Print a table of the workers' counters."
-    )
-    status.add_argument("workers", nargs="+", type=worker_address, metavar="HOST:PORT", help="workers to ask")
-    status.add_argument("--timeout", type=positive_float, default=10.0, help="seconds to wait for each worker")
+    worker.set_defaults(fail=worker.error, prog=worker.prog)
 
     for name in _PLUGGED_COMMANDS:
         module = importlib.import_module(f"rpcdl.cli.{name}")
         sub = commands.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
         module.add_arguments(sub)
-        sub.set_defaults(handler=module.run)
+        sub.set_defaults(handler=module.run, fail=sub.error)
     return parser
 
 
@@ -373,8 +352,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         return run_worker_command(args, argv[argv.index("worker") + 1 :])
-    if args.command == "status":
-        return _status(args)
     return args.handler(args)
 
 

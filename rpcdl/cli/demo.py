@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .args import existing_file, new_file, positive_int, silent_worker, worker_address
+from .args import Deprecated, add_workers_argument, existing_file, new_file, positive_int, silent_worker
 
 HELP = "train a small CNN on scikit-learn's digits through local (or given) workers"
 DESCRIPTION = (
@@ -40,13 +40,7 @@ def _limit(text: str) -> int | float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl demo``."""
-    parser.add_argument(
-        "--workers",
-        nargs="+",
-        type=worker_address,
-        metavar="HOST:PORT",
-        help="use these running workers (rpcdl worker) instead of starting local ones",
-    )
+    add_workers_argument(parser, "use these running workers (rpcdl worker) instead of starting local ones")
     parser.add_argument(
         "--local-workers",
         type=positive_int,
@@ -72,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="LightningCLI config to train (default: the packaged configs/digits.yaml)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
-    parser.add_argument("--summary-json", metavar="FILE", type=new_file, help="also write the summary to FILE as JSON")
+    parser.add_argument("--json", metavar="FILE", type=new_file, help="also write the summary to FILE as JSON")
+    parser.add_argument(
+        "--summary-json", type=new_file, dest="json", action=Deprecated, new="--json", help=argparse.SUPPRESS
+    )
 
 
 @contextlib.contextmanager
@@ -287,6 +284,6 @@ def _run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - started
     summary["total_s"] = round(total, 3)
     _print_summary(summary, total)
-    if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return 0

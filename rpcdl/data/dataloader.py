@@ -102,9 +102,11 @@ class RPCDataloader:
 
     torch's ``num_workers``, ``persistent_workers``, ``worker_init_fn`` and
     ``multiprocessing_context`` raise a ``TypeError`` saying what replaces them
-    here. Several iterators of one loader run independently, each its own
-    epoch, as torch's do, on one thread or several (each iterator advanced by
-    one thread at a time: another thread entering the same iterator's
+    here, except ``num_workers=0`` and ``persistent_workers=False``, which
+    describe what rpcdl does (no loading processes in the trainer). Several
+    iterators of one loader run independently, each its own epoch, as
+    torch's do, on one thread or several (each iterator advanced by one
+    thread at a time: another thread entering the same iterator's
     ``next()`` meanwhile gets a ``RuntimeError``). The loader runs no thread of
     its own: each ``next()`` does the work. As in
     torch, ``batch_size``, ``batch_sampler``, ``sampler``, ``drop_last`` and

@@ -29,6 +29,7 @@ from ..address import check_workers
 from ..checks import check_loader_timeout
 from ..errors import DatasetMismatch, WorkerTimeout, is_transient
 from ..rpc.client import rpc_async
+from ..rpc.invoke import named_arguments, unpicklable_part
 from ..rpc.rref import RRef, RRefNotFound
 from .probes import Revival, back_when, probe_async
 
@@ -53,6 +54,8 @@ def _build(factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef
         length = len(dataset)
     except TypeError:
         length = None
+    items = "no length" if length is None else f"{length} items"
+    log.info("dataset %s built (%s)", getattr(factory, "__qualname__", type(dataset).__qualname__), items)
     return RRef(dataset), length
 
 
@@ -139,7 +142,6 @@ class RPCDataset(Dataset):
                 if isinstance(exc, WorkerTimeout):
                     exc = self._build_timed_out(address, exc)
                 failures[address] = exc
-                log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
                 continue
             if not self._built_any():  # the first copy built: the others must have its length
                 self._length = length
@@ -147,6 +149,8 @@ class RPCDataset(Dataset):
         if not self._built_any():
             details = "; ".join(f"{a}: {e}" for a, e in failures.items())
             raise type(next(iter(failures.values())))(f"no worker could build the dataset: {details}")
+        for address, exc in failures.items():  # only now: with no copy built, nothing would be retried
+            log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
 
     def _build_timed_out(self, address: str, exc: WorkerTimeout) -> WorkerTimeout:
         name = getattr(self.factory, "__qualname__", "dataset")
@@ -174,7 +178,15 @@ class RPCDataset(Dataset):
 
     def build_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address``; the future gives ``(rref, length)``."""
-        return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
+        try:
+            return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
+        except TypeError:  # a dataset argument that does not pickle: named as the user wrote it
+            parts = {"the dataset class or factory": self.factory, **named_arguments(self.args, self.kwargs)}
+            culprit = unpicklable_part(address, parts)
+            if culprit is None:
+                raise
+            name = getattr(self.factory, "__qualname__", "the dataset")
+            raise TypeError(f"RPCDataset cannot send {name} and its arguments to worker {address}: {culprit}") from None
 
     def rebuild_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address`` again (it lost it, or never had it) and install it (:meth:`accept`).

@@ -38,6 +38,7 @@ from torch.utils.data._utils.collate import (
 from ..rpc.rref import resolve_here
 from ..seeding import set_random_seeds
 from ..serialization.stacked import StackedSamples
+from ..server.counters import count_batches
 from ..transport import shm
 from ..transport.context import SEGMENT, thread_context
 from .chunks import run_chunk
@@ -71,6 +72,12 @@ def fetch_batch(dataset: Any, indices: Sequence[Any], collate_fn: Callable, seed
     # As torch's _MapDatasetFetcher: a dataset's own batched read when it defines one.
     getitems = getattr(dataset, "__getitems__", None)
     samples = getitems(indices) if getitems else [dataset[i] for i in indices]
+    batch = _collated(samples, collate_fn)
+    count_batches()  # the worker's batches/s (rpcdl status --watch)
+    return batch
+
+
+def _collated(samples: Any, collate_fn: Callable) -> Any:
     if collate_fn is not default_collate:
         return collate_fn(samples)
     if type(samples) is list and samples and type(samples[0]) is torch.Tensor:  # default_collate's own dispatch

@@ -25,9 +25,20 @@ TORCH_ONLY = {
 }
 
 
+#: torch DataLoader arguments accepted with the one value that describes what rpcdl does anyway (configs
+#: written for torch's DataLoader pass them): no loading processes in the trainer, workers that persist.
+ACCEPTED = {"num_workers": 0, "persistent_workers": False}
+
+
 def refuse_torch_only(options: dict[str, Any]) -> None:
-    """Raise ``TypeError`` for the first of ``options``: what replaces it here when torch's DataLoader takes it."""
-    for name in options:
+    """Raise ``TypeError`` for the first of ``options``: what replaces it here when torch's DataLoader takes it.
+
+    ``num_workers=0`` and ``persistent_workers=False`` pass (see :data:`ACCEPTED`); other values do not.
+    """
+    for name, value in options.items():
+        if name in ACCEPTED and type(value) is type(ACCEPTED[name]) and value == ACCEPTED[name]:
+            continue
         if name in TORCH_ONLY:
-            raise TypeError(f"RPCDataloader does not take torch's {name}=: {TORCH_ONLY[name]}")
+            accepted = f" (only {name}={ACCEPTED[name]!r} is accepted)" if name in ACCEPTED else ""
+            raise TypeError(f"RPCDataloader does not take torch's {name}={value!r}{accepted}: {TORCH_ONLY[name]}")
         raise TypeError(f"RPCDataloader.__init__() got an unexpected keyword argument {name!r}")

@@ -110,6 +110,36 @@ class CallFuture(torch.futures.Future):
     def value(self) -> Any:
         return self._outcome() if self.done() else super().value()
 
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+        """As torch's ``then``, but an error ``callback`` raises is the new future's error as it is.
+
+        torch's own wraps it in a ``RuntimeError`` ("Got the following error
+        when running the callback: ...", with torch's frames in the text).
+
+        Args:
+            callback: called with this future once it is done, on the thread that completes it.
+
+        Returns:
+            a future of what ``callback`` returns, or of its error.
+
+        Example::
+
+            >>> rpcdl.rpc_async(worker, len, ([1, 2],)).then(lambda f: f.value() * 10).wait()  # doctest: +SKIP
+            20
+        """
+        following: torch.futures.Future = torch.futures.Future()
+
+        def run(done: torch.futures.Future) -> None:
+            try:
+                result = callback(done)
+            except Exception as exc:
+                following.set_exception(_copy(exc, None))  # no traceback kept by torch's future (see raisable)
+                return
+            following.set_result(result)
+
+        self.add_done_callback(run)
+        return following
+
     def _outcome(self) -> Any:
         result = self._result
         if result is not _NO_RESULT:

@@ -61,6 +61,35 @@ def _outgoing_limits() -> Limits:
     return _limits_for(os.environ.get(MAX_MESSAGE_BYTES_ENV), os.environ.get(MAX_BUFFERS_ENV))
 
 
+def named_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` and ``kwargs`` by the names messages give them: ``"argument 0"``, ``"keyword argument 'k'"``."""
+    return {
+        **{f"argument {i}": v for i, v in enumerate(args)},
+        **{f"keyword argument {k!r}": v for k, v in kwargs.items()},
+    }
+
+
+def unpicklable_part(address: str, parts: Mapping[str, Any]) -> str | None:
+    """Which of ``parts`` (name: value) does not pickle for ``address``, with its type and why; ``None`` if all do.
+
+    Only called once sending failed: each part is pickled again on its own.
+
+    Example::
+
+        >>> import threading
+        >>> unpicklable_part("h:1", {"argument 0": 1, "argument 1": threading.Lock()})
+        "argument 1 (a _thread.lock): cannot pickle '_thread.lock' object"
+    """
+    for name, value in parts.items():
+        try:
+            dumps_for(address, value)
+        except Exception as exc:
+            kind = type(value)
+            where = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            return f"{name} (a {where}): {exc}"
+    return None
+
+
 def prepare(host: Any, func: Callable, args: Any, kwargs: Any, timeout: Any) -> tuple[str, float, bytes, list]:
     """Check a call's arguments and pickle it.
 
@@ -89,7 +118,9 @@ def prepare(host: Any, func: Callable, args: Any, kwargs: Any, timeout: Any) -> 
     try:
         payload, buffers = dumps_for(address, (func, tuple(args), dict(kwargs)))
     except Exception as exc:
-        raise TypeError(f"cannot send {describe(func)} and its arguments to worker {address}: {exc}") from exc
+        parts = {"the function itself": func, **named_arguments(args, kwargs)}
+        culprit = unpicklable_part(address, parts) or f"it: {exc}"
+        raise TypeError(f"cannot send {describe(func)} to worker {address}: cannot pickle {culprit}") from exc
     if buffers or len(payload) > SMALLEST_MESSAGE_LIMIT:
         sizes = [b.nbytes for b in buffers]
         _outgoing_limits().check_outgoing(len(payload), sizes, lambda: f"the call of {describe(func)}")

@@ -321,6 +321,81 @@ def _user_traceback(exc: BaseException):
     return tb
 
 
+def _rebuilt_traceback(frames: dict[str, Any]) -> types.TracebackType | None:
+    """A traceback of the remote frames ``frames`` describe (``tblib``'s dict), as ``tblib`` rebuilds
+    them, but from a stub whose code has no column positions: the local source line of a remote
+    frame would otherwise get carets (``^^^^``) under the columns of the stub's own instruction."""
+    stub = _without_columns(compile("raise __rpcdl_remote_frame", "<string>", "exec"))
+    current = tblib.Traceback.from_dict(frames)
+    top = last = None
+    while current:
+        code = current.tb_frame.f_code
+        stand_in = stub.replace(co_firstlineno=current.tb_lineno, co_filename=code.co_filename, co_name=code.co_name)
+        try:
+            exec(stand_in, dict(current.tb_frame.f_globals), {})  # raises NameError: a frame at that line
+        except NameError:
+            made = sys.exc_info()[2].tb_next
+            if last is None:
+                top = made
+            else:
+                last.tb_next = made
+            last = made
+            del made
+        current = current.tb_next
+    return top
+
+
+def _without_columns(code: types.CodeType) -> types.CodeType:
+    """``code`` with the same lines and no column positions (Python 3.11+ location table; before, none)."""
+    if sys.version_info < (3, 11):
+        return code
+    table, out, at = code.co_linetable, bytearray(), 0
+    while at < len(table):
+        first = table[at]
+        at += 1
+        kind = (first >> 3) & 15
+        if kind == 15:  # no location at all
+            out.append(first)
+            continue
+        if kind < 10:  # short form: same line, one byte of columns
+            delta, at = 0, at + 1
+        elif kind < 13:  # one-line form: line delta in the kind, two bytes of columns
+            delta, at = kind - 10, at + 2
+        else:  # 13: no columns, 14: long form; both start with the line delta
+            delta, at = _read_signed(table, at)
+            for _ in range(3 if kind == 14 else 0):  # end line, column, end column
+                _, at = _read_unsigned(table, at)
+        out.append(0x80 | 13 << 3 | (first & 7))
+        out += _signed(delta)
+    return code.replace(co_linetable=bytes(out))
+
+
+def _read_unsigned(table: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = table[at]
+        at += 1
+        value |= (byte & 63) << shift
+        shift += 6
+        if not byte & 64:
+            return value, at
+
+
+def _read_signed(table: bytes, at: int) -> tuple[int, int]:
+    value, at = _read_unsigned(table, at)
+    return (-(value >> 1) if value & 1 else value >> 1), at
+
+
+def _signed(value: int) -> bytes:
+    unsigned = (-value << 1) | 1 if value < 0 else value << 1
+    out = bytearray()
+    while unsigned >= 64:
+        out.append(64 | (unsigned & 63))
+        unsigned >>= 6
+    out.append(unsigned)
+    return bytes(out)
+
+
 def dump_exception(exc: BaseException) -> bytes:
     """Serialize ``exc`` as a report that :func:`load_exception` turns back into it."""
     tb = _user_traceback(exc)
@@ -367,7 +442,7 @@ def load_exception(payload: bytes | bytearray, worker: str) -> BaseException:
     note = f"raised on rpcdl worker {worker}"
     if report["frames"] is not None:
         try:
-            exc = exc.with_traceback(tblib.Traceback.from_dict(report["frames"]).as_traceback())
+            exc = exc.with_traceback(_rebuilt_traceback(report["frames"]))
         except Exception:
             note += "; remote traceback:\n" + report["traceback"]
     exc.add_note(note)

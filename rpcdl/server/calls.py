@@ -4,6 +4,7 @@ Threading: :meth:`CallRunner.run` runs in whichever thread holds the call's slot
 (see :mod:`rpcdl.server.slots`). A runner has no state that changes; it
 reaches the RRef store and the counters, each guarded by its own lock, and sets
 the calling thread's own context (:data:`rpcdl.transport.context.thread_context`)
+and the counters its batches count into (:func:`rpcdl.server.counters.running_for`)
 for the call.
 """
 
@@ -19,7 +20,7 @@ from ..rpc.rref import RRefStore
 from ..serialization.pickling import dump_exception, dumps_answer, loads
 from ..transport.context import thread_context
 from ..transport.wire import MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Frame, Kind, Limits
-from .counters import Counters
+from .counters import Counters, running_for
 
 log = logging.getLogger("rpcdl.worker")
 _RESULT = Kind.RESULT  # read on every call: see rpcdl.server.session for what the class lookup costs
@@ -61,6 +62,7 @@ class CallRunner:
         started = time.perf_counter()
         context = thread_context  # the session's peer and segment, for this call in this thread
         previous, context.value = context.value, session.call_context
+        counting_before = running_for(self.counters)  # batches made by the call count here
         try:
             try:
                 func, args, kwargs = loads(frame.payload, frame.buffers)
@@ -77,6 +79,7 @@ class CallRunner:
                     self.limits.check_outgoing(len(payload), sizes, lambda: f"the result of {describe(func)}")
             finally:
                 context.value = previous
+                running_for(counting_before)
         except BaseException as exc:
             if frame.ref:
                 self.store.complete(frame.ref, error=exc)

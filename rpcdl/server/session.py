@@ -133,6 +133,7 @@ class ClientConnection:
         peer: the client's address, for messages.
         compressor: what compresses answers on this connection (default: none).
         segment: the shared segment agreed with a client on this host (default: none).
+        observer: the client only asks for counters (``rpcdl status``).
     """
 
     def __init__(
@@ -142,8 +143,10 @@ class ClientConnection:
         peer: str,
         compressor: Compressor | None = None,
         segment: WorkerSegment | None = None,
+        observer: bool = False,
     ):
         self.worker = worker
+        self.observer = observer
         self.segment = segment
         self.sock = sock
         self.peer = peer

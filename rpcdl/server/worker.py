@@ -335,9 +335,10 @@ class Worker:
         """The worker's counters, as :func:`rpcdl.stats` returns them.
 
         Returns:
-            calls served, failed, rejected and in flight, bytes in and out, busy
-            seconds, clients, connections, RRefs held, whether it drains, and
-            how it serves (TLS, token, compression).
+            calls served, failed, rejected and in flight, batches made, bytes in
+            and out, busy seconds, clients (``rpcdl status`` is an observer, not
+            a client), connections, RRefs held, whether it drains, and how it
+            serves (TLS, token, compression).
 
         Example::
 
@@ -349,6 +350,7 @@ class Worker:
             connections = list(self._connections)
             draining = self._phase is not Phase.SERVING
         compressing = sum(connection.compressor.active for connection in connections)
+        observers = sum(connection.observer for connection in connections)
         c = self.counters.totals()
         return {
             "address": self.address,
@@ -360,9 +362,11 @@ class Worker:
             "calls_rejected": c["calls_rejected"],
             "calls_in_flight": c["outstanding"],
             "busy_s": round(c["busy_seconds"], 6),
+            "batches": c["batches"],
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
-            "clients": len(connections),
+            "clients": len(connections) - observers,
+            "observers": observers,
             "connections_total": c["connections_total"],
             "connections_refused": c["connections_refused"],
             "rrefs": len(self.store),
@@ -447,10 +451,15 @@ class Worker:
                 self._evicted(sock, peer)
             return
         compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
-        self.serve_socket(sock, peer, compressor, agreed.segment)
+        self.serve_socket(sock, peer, compressor, agreed.segment, observer=agreed.observer)
 
     def serve_socket(
-        self, sock: socket.socket, peer: str, compressor: Compressor | None = None, segment: WorkerSegment | None = None
+        self,
+        sock: socket.socket,
+        peer: str,
+        compressor: Compressor | None = None,
+        segment: WorkerSegment | None = None,
+        observer: bool = False,
     ) -> ClientConnection:
         """Serve a client on ``sock``, connected and past the handshake; return its session.
 
@@ -459,8 +468,9 @@ class Worker:
             peer: the client's address, for messages.
             compressor: what compresses answers on it (default: none).
             segment: the shared segment agreed with a client on this host (default: answers on the socket).
+            observer: the client only asks for counters (``rpcdl status``): not counted among the clients.
         """
-        connection = ClientConnection(self, sock, peer, compressor, segment)
+        connection = ClientConnection(self, sock, peer, compressor, segment, observer=observer)
         with self._lock:
             admitted = self._phase is Phase.SERVING
             if admitted:
@@ -469,6 +479,7 @@ class Worker:
             connection.close()
             return connection
         self.counters.add(connections_total=1)
+        log.log(logging.DEBUG if observer else logging.INFO, "client %s connected", peer)
         connection.start()
         return connection
 
@@ -479,6 +490,7 @@ class Worker:
                 return
             self._connections.discard(connection)
         self.store.release_holder(connection)
+        log.log(logging.DEBUG if connection.observer else logging.INFO, "client %s left", connection.peer)
 
     def handle_control(self, connection: ClientConnection, frame: Frame) -> None:
         """Handle a frame other than a call, just read from ``connection`` (its calls go to the slots).

@@ -15,8 +15,9 @@ offer (see :mod:`rpcdl.transport.shm`), inside the authenticated handshake::
     client -> worker   confirm   1 if the client mapped that segment and found the nonce, else 0 (after a segment)
 
 The flags byte of the hello says whether the client has a token, whether it can
-decode lz4 and which compression mode it wants; that of the welcome says whether
-the worker has a token and the compression mode the connection uses (see
+decode lz4, which compression mode it wants and whether it only observes
+(``rpcdl status``: it asks for counters and is not counted among the worker's
+clients); that of the welcome says whether the worker has a token and the compression mode the connection uses (see
 :mod:`rpcdl.transport.compression`). A peer that predates compression leaves those bits
 zero, which means off; one that predates shared memory never sets its bit,
 so the connection keeps to the socket.
@@ -54,11 +55,14 @@ import ssl
 import struct
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, WorkerFull
 from .compression import lz4_available, negotiate, resolve_mode
 from .security import Token
-from .shm import HEADER_BYTES, ClientSegment, Offer, WorkerSegment, host_identity
+
+if TYPE_CHECKING:
+    from .shm import ClientSegment, WorkerSegment
 
 log = logging.getLogger("rpcdl.shm")
 
@@ -119,6 +123,9 @@ class Deadline:
         sock.settimeout(left)
 
 
+_OBSERVER = 32  # hello: the client only asks for counters (rpcdl status); not one of the worker's clients
+
+
 @dataclass(frozen=True)
 class Agreement:
     """What one connection's handshake settled.
@@ -128,10 +135,12 @@ class Agreement:
         segment: the shared-memory segment this side uses for answers
             (a :class:`~rpcdl.transport.shm.WorkerSegment` on the worker, a
             :class:`~rpcdl.transport.shm.ClientSegment` on the client), or ``None``: the socket.
+        observer: the client said it only asks for counters (``rpcdl status``).
     """
 
     compression: str
     segment: WorkerSegment | ClientSegment | None = None
+    observer: bool = False
 
 
 def _mode_of(flags: int) -> str:
@@ -208,6 +217,7 @@ def client_negotiate(
     answer_timeout: float | None = None,
     compression: str | None = None,
     shared_memory: bool = False,
+    observer: bool = False,
 ) -> Agreement:
     """Run the client side of the handshake on a connected socket.
 
@@ -221,6 +231,8 @@ def client_negotiate(
             else ``"auto"``; see :mod:`rpcdl.transport.compression`).
         shared_memory: offer to take answers through a shared segment, used
             only if the worker is on this host and this process can map it.
+        observer: say that this connection only asks for counters, so the
+            worker does not count it among its clients (``rpcdl status``).
 
     Returns:
         what the worker chose for this connection: the compression mode and
@@ -237,6 +249,7 @@ def client_negotiate(
     flags = _HAS_TOKEN if token is not None else 0
     flags |= (_DECODES_LZ4 if lz4_available() else 0) | _MODE_BITS[resolve_mode(compression)] << _MODE_SHIFT
     flags |= _SHARED_MEMORY if shared_memory else 0
+    flags |= _OBSERVER if observer else 0
     sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
     first = _first_answer(sock, peer, answer_timeout)
     if len(first) < _VERSIONED:
@@ -277,6 +290,8 @@ def client_negotiate(
     mode = _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
     if not (shared_memory and worker_flags & _SHARED_MEMORY):
         return Agreement(mode)
+    from .shm import HEADER_BYTES, ClientSegment, Offer, host_identity  # here: numpy only where segments are
+
     sock.sendall(host_identity())
     pid, fd, size, nonce = _SEGMENT.unpack(_recv_exact(sock, _SEGMENT.size, "shared-memory segment"))
     segment = ClientSegment.open(Offer(pid, fd, size, nonce)) if size >= HEADER_BYTES else None
@@ -351,9 +366,10 @@ def server_negotiate(
     _send_verdict(sock, reason, deadline)
     if reason:
         raise AuthenticationError(f"refused {peer}: {reason}")
+    observer = bool(client_flags & _OBSERVER)
     if not flags & _SHARED_MEMORY:
-        return Agreement(mode)
-    return Agreement(mode, _offer_segment(sock, peer, shared_memory, deadline))
+        return Agreement(mode, observer=observer)
+    return Agreement(mode, _offer_segment(sock, peer, shared_memory, deadline), observer)
 
 
 def send_refusal(sock: socket.socket, pending: int, limit: int, tls: bool = False) -> None:
@@ -405,6 +421,8 @@ def tls_refusal(error: BaseException, peer: str) -> WorkerFull | None:
 
 def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline | None) -> WorkerSegment | None:
     """Offer a client on this host a segment of ``size`` bytes; return it if the client maps it."""
+    from .shm import WorkerSegment, host_identity  # here: numpy only where segments are (rpcdl status has none)
+
     segment = None
     if hmac.compare_digest(_recv_exact(sock, 32, "host identity", deadline), host_identity()):
         try:

@@ -33,9 +33,18 @@ import logging
 import os
 import sys
 import time
+from argparse import SUPPRESS
 from collections.abc import Sequence
 
-from ..args import existing_file, new_file, positive_float, positive_int, silent_worker, worker_addresses
+from ..args import (
+    Deprecated,
+    add_workers_argument,
+    existing_file,
+    new_file,
+    positive_float,
+    positive_int,
+    silent_worker,
+)
 from .floors import FramedPickleSystem, ParallelMapperSystem
 from .report import evaluate_targets, format_table, format_targets, machine_info, plot
 from .scenarios import Bench, Sizes
@@ -44,7 +53,7 @@ from .workloads import SCENARIOS
 
 HELP = "measure rpcdl side by side with torch's DataLoader, torchdata's ParallelMapper and transport floors"
 DESCRIPTION = (
-    "Run benchmark scenarios against local worker processes (--local N, the default being 2) or running "
+    "Run benchmark scenarios against local worker processes (--local-workers N, the default being 2) or running "
     "workers (--workers HOST:PORT ...), each figure beside torch's DataLoader with as many local processes "
     "(and torchdata's ParallelMapper), a raw loopback socket and a minimal framed-pickle RPC where meaningful, "
     "interleaved over several rounds. Prints a table of medians "
@@ -59,18 +68,17 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rpcdl bench``."""
     where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--workers",
-        nargs="+",
-        type=worker_addresses,
-        metavar="HOST:PORT[,HOST:PORT...]",
-        help="benchmark these running workers (rpcdl worker); the local baselines use as many processes",
+    add_workers_argument(
+        where, "benchmark these running workers (rpcdl worker); the local baselines use as many processes"
     )
     where.add_argument(
-        "--local",
+        "--local-workers",
         type=positive_int,
         metavar="N",
         help="start N local worker processes (default: 2; the io scenario starts up to 8)",
+    )
+    where.add_argument(
+        "--local", type=positive_int, dest="local_workers", action=Deprecated, new="--local-workers", help=SUPPRESS
     )
     parser.add_argument(
         "--scenario",
@@ -123,8 +131,6 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     """Run ``rpcdl bench`` with parsed arguments; return the exit code."""
     # Its loops take batches and do nothing else: that they wait for data is what they measure, not news.
     logging.getLogger("rpcdl.dataloader.wait").setLevel(logging.ERROR)
-    if args.workers:
-        args.workers = [address for listed in args.workers for address in listed]
     sizes = Sizes.quick() if args.quick else Sizes()
     if args.rounds:
         sizes.rounds = args.rounds
@@ -140,7 +146,7 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
         from .link_command import run_link
 
         return run_link(args)
-    local = args.local or 2
+    local = args.local_workers or 2
     problem = silent_worker(args.workers, timeout=10.0) if args.workers else None
     if problem:
         print(f"rpcdl bench: {problem}", file=sys.stderr)

@@ -1,0 +1,163 @@
+"""``rpcdl status``: JSON, the table's shape, the states it names, --watch, and no torch on its path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from helpers import RangeDataset
+
+import rpcdl
+from rpcdl.cli.probe import Reach, ask_stats
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run_status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "rpcdl", "status", *args], capture_output=True, text=True, timeout=60, env=environment
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def remote_pid() -> int:
+    return os.getpid()
+
+
+def test_json_parses_and_status_is_not_one_of_the_clients(spawn_workers):
+    (address,) = spawn_workers(1)
+    assert rpcdl.rpc_sync(address, remote_pid) != os.getpid()  # this process: one client
+    result = run_status("--json", address)
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)["workers"]
+    assert (row["address"], row["state"], row["clients"], row["observers"]) == (address, "up", 1, 1)
+    assert row["calls_served"] >= 1 and row["pid"] != os.getpid()
+    assert rpcdl.stats(address)["clients"] == 1  # a trainer asking on its own connection still counts
+
+
+def test_a_refused_port_and_a_token_mismatch_are_named_and_the_table_keeps_its_shape(
+    spawn_workers, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("RPCDL_TOKEN", "right-token")  # this process pings the workers it starts
+    (address,) = spawn_workers(1, token="right-token")
+    wrong, right = tmp_path / "wrong", tmp_path / "right"
+    wrong.write_text("wrong-token\n")
+    right.write_text("right-token\n")
+    refused = f"127.0.0.1:{free_port()}"
+    result = run_status(address, refused, "--token-file", str(wrong), "--timeout", "30")
+    assert result.returncode == 1
+    header, *rows = result.stdout.splitlines()
+    assert len(rows) == 2
+    note_at = header.index("note")
+    assert header.split()[:2] == ["worker", "state"]
+    for row, (where, state, reason) in zip(
+        rows, [(address, "token mismatch", "token"), (refused, "refused", "connection refused")], strict=True
+    ):
+        assert row.startswith(where) and row[header.index("state") : header.index("pid")].strip() == state
+        assert reason in row[note_at:]  # every row has every column: the note starts under its header
+        cells = row[header.index("pid") : note_at].split()
+        assert set(cells) == {"-"} and len(cells) == 11  # pid .. transport: each column has its cell
+    good = run_status(address, "--token-file", str(right), "--json")
+    assert good.returncode == 0 and json.loads(good.stdout)["workers"][0]["authenticated"] is True
+
+
+def test_the_worker_counts_the_batches_it_makes(spawn_workers):
+    (address,) = spawn_workers(1)
+    before = rpcdl.stats(address)["batches"]
+    loader = rpcdl.RPCDataloader(rpcdl.RPCDataset([address], RangeDataset, 10), batch_size=4)
+    assert len(list(loader)) == 3
+    assert rpcdl.stats(address)["batches"] - before == 3
+
+
+def test_a_refused_port_is_not_retried():
+    answer = ask_stats(f"127.0.0.1:{free_port()}", None, timeout=30.0)
+    assert (answer.reach, answer.reason) == (Reach.REFUSED, "connection refused")
+
+
+def test_something_else_on_the_port_is_not_rpcdl():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+
+        def answer_http() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(64)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        import threading
+
+        thread = threading.Thread(target=answer_http, name="test-http", daemon=True)
+        thread.start()
+        answer = ask_stats(address, None, timeout=10.0)
+        thread.join(10)
+    assert answer.reach is Reach.NOT_RPCDL and "HTTP server" in answer.reason
+
+
+def test_the_status_path_imports_no_torch(spawn_workers):
+    (address,) = spawn_workers(1)
+    code = (
+        "import sys\nfrom rpcdl.cli import main\n"
+        f"code = main(['status', '--json', {address!r}])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "import rpcdl\nassert rpcdl.RPCDataset.__name__ == 'RPCDataset'\nsys.exit(code)\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["workers"][0]["state"] == "up"
+
+
+def test_workers_come_as_lists_files_and_the_option(spawn_workers, tmp_path):
+    first, second = spawn_workers(2)
+    listed = tmp_path / "workers.txt"
+    listed.write_text(f"# written by rpcdl worker --address-file\n{second}\n")
+    for args in ([f"{first},{second}"], [first, str(listed)], ["--workers", first, second], ["--workers", str(listed)]):
+        result = run_status("--json", *args)
+        assert result.returncode == 0, (args, result.stderr)
+        addresses = [row["address"] for row in json.loads(result.stdout)["workers"]]
+        assert set(addresses) <= {first, second} and second in addresses, args
+    result = run_status("no-such-file")
+    assert result.returncode == 2 and "nor is 'no-such-file' a file of addresses" in result.stderr
+    assert run_status().returncode == 2
+
+
+def test_watch_reports_rates_over_the_interval_and_stops_on_ctrl_c(spawn_workers):
+    (address,) = spawn_workers(1)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "rpcdl", "status", "--watch", "--interval", "0.3", "--json", address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+    )
+    try:
+        loader = rpcdl.RPCDataloader(rpcdl.RPCDataset([address], RangeDataset, 64), batch_size=4)
+        readings = []
+        for _ in range(200):  # the batches below are made while it watches: some interval sees them
+            assert len(list(loader)) == 16
+            (row,) = json.loads(watch.stdout.readline())["workers"]
+            readings.append(row)
+            if len(readings) >= 3 and row["batches_per_second"] > 0:
+                break
+        last = readings[-1]
+        assert {"busy_percent", "batches_per_second", "calls_per_second", "mb_per_second", "clients"} <= set(last)
+        assert last["batches_per_second"] > 0 and last["mb_per_second"] > 0 and 0 <= last["busy_percent"] <= 100
+        assert last["clients"] == 1  # this process; not the watcher
+    finally:
+        watch.send_signal(signal.SIGINT)
+        code = watch.wait(30)
+        watch.stdout.close()
+        watch.stderr.close()
+    assert code == 0
