@@ -6,7 +6,7 @@ This measures what the rates hide: the CPU seconds per item of the client
 process (every thread) and of its worker processes, and the calls that
 carried the items (how many, how many items each).
 
-The calls matter: a call's own cost (about 120-450 µs of worker CPU, as
+The calls matter: a call's own cost (about 150-600 µs of worker CPU, as
 measured on a loaded 2-core machine) is shared by the items of its chunk,
 and a chunk holds what the client pulled from the source within
 ``rpcdl.data.chunks.FILL_SECONDS`` (1 ms) of wall time, about 115 items here
