@@ -191,3 +191,4 @@ def serve_until_stopped(
             registration.leave()
         worker.stop(0.0 if drained else grace)
         stop.restore()
+    log.info("rpcdl worker %s left", worker.address)
