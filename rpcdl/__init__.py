@@ -35,6 +35,7 @@ _EXPORTS = {
     "RPCDataset": "data.dataset",
     "RPCDataloader": "data.dataloader",
     "NoWorkersLeft": "data.scheduler",
+    "WorkerSource": "data.sources",
     "local_workers": "local",
     "set_random_seeds": "seeding",
     "CacheLoader": "data.cache.cached",
@@ -63,6 +64,7 @@ __all__ = [
     "RRefNotFound",
     "RemoteError",
     "Worker",
+    "WorkerSource",
     "WorkerTimeout",
     "WorkerUnavailable",
     "local_workers",
@@ -97,6 +99,7 @@ if TYPE_CHECKING:
     from .data.dataloader import RPCDataloader
     from .data.dataset import RPCDataset
     from .data.scheduler import NoWorkersLeft
+    from .data.sources import WorkerSource
     from .errors import (
         AuthenticationError,
         CacheUnavailable,

@@ -56,6 +56,11 @@ class WorkerUnavailable(RPCDLError, ConnectionError):
     """The worker could not be reached, or refused new calls while shutting down."""
 
 
+class UnknownHost(RPCDLError, LookupError):
+    """A worker's host name does not resolve: a typo or a name not made yet; never retried as a worker not
+    started yet (a source such as ``dns://NAME:PORT`` waits for its name instead)."""
+
+
 class ConnectionLost(RPCDLError, ConnectionError):
     """The connection to a worker broke while a call was in flight."""
 

@@ -190,7 +190,7 @@ class RPCDataloader:
         self.seed = seed
         setup = DatasetSetup(dataset, min(call_timeout, PROBE_TIMEOUT))
         self._pool = WorkerPool(
-            dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(), setup=setup
+            dataset.fleet, prefetch_factor=prefetch_factor, timeout=self._revival_wait(), setup=setup
         )
         self._batches_served = ServedCounts(dataset.workers)
         random_sampler = sampler if batch_sampler is None else getattr(batch_sampler, "sampler", sampler)
@@ -240,7 +240,8 @@ class RPCDataloader:
         self._chunk_sizer.max_chunk_size = check_max_batches_per_call(value)
 
     def worker_states(self) -> dict[str, str]:
-        """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
+        """Each worker's state: ``active``, ``down``, ``probing``, ``excluded``, ``standby`` (another rank's,
+        used once this rank's own are gone) or ``left`` (its source no longer lists it)."""
         return self._pool.states()
 
     def worker_windows(self) -> dict[str, dict[str, Any]]:

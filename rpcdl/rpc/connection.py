@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..address import parse_address
-from ..errors import AuthenticationError, ConnectionLost, FrameTooLarge, ProtocolError, WorkerUnavailable
+from ..errors import AuthenticationError, ConnectionLost, FrameTooLarge, ProtocolError, UnknownHost, WorkerUnavailable
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.handshake import Agreement
@@ -479,7 +479,7 @@ class Connection:
                 compression=self._asked_compression,
                 shared_memory=self._offers_shm,
             )
-        except (AuthenticationError, ProtocolError) as exc:
+        except (AuthenticationError, ProtocolError, UnknownHost) as exc:
             self.close(str(exc), type(exc))
             return None
         except WorkerUnavailable as exc:
