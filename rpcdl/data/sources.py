@@ -126,7 +126,7 @@ class AddressList(WorkerSource):
     changing = False
 
     def __init__(self, addresses: Sequence[str]):
-        self._addresses = check_workers(list(addresses))
+        self._addresses = check_workers(addresses)
 
     def addresses(self) -> list[str]:
         """The list given."""
@@ -306,11 +306,12 @@ class RedisRegistry(WorkerSource):
 
 
 def worker_source(workers: Any) -> WorkerSource:
-    """The source ``workers`` names: a list of ``HOST:PORT``, ``"HOST:PORT,HOST:PORT"``, a file path,
-    ``"dns://NAME:PORT"``, ``"redis://..."``, or any object with ``addresses()`` (returned as it is).
+    """The source ``workers`` names: a list of ``HOST:PORT``, the path of a file (an existing one, a string
+    with a ``/``, or any ``os.PathLike``), ``"dns://NAME:PORT"``, ``"redis://..."``, or any object with
+    ``addresses()`` (returned as it is).
 
     Raises:
-        TypeError: ``workers`` is none of those.
+        TypeError: ``workers`` is none of those (a bare ``"HOST:PORT"`` string included: give a list).
         ValueError: an address or a URL is malformed.
 
     Example::
@@ -330,9 +331,9 @@ def worker_source(workers: Any) -> WorkerSource:
         if text.startswith("redis://"):
             return RedisRegistry(text)
         path = os.path.expandvars(os.path.expanduser(text))
-        if os.path.exists(path) or os.sep in path:
+        if os.path.isfile(path) or os.sep in path:  # a path, perhaps of a file not written yet
             return FileSource(path)
-        return AddressList(_split(text))
+        # A bare "HOST:PORT" string is the classic mistake for [address]: check_workers says so.
     return AddressList(workers)
 
 
@@ -421,7 +422,10 @@ class Fleet:
     def membership(self) -> Membership:
         """The latest list (and, for a changing source, the watch started in this process)."""
         with self._lock:
-            if self.changing and (self._watching is _Watching.NOT_STARTED or self._pid != os.getpid()):
+            watching = self._watching
+            if self.changing and (
+                watching is _Watching.NOT_STARTED or (watching is _Watching.RUNNING and self._pid != os.getpid())
+            ):
                 self._start_watch()
             return self._membership
 
