@@ -327,10 +327,9 @@ class SchedulingPolicy:
         return found
 
     def call_on_standby(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
-        """When none of this client's own workers is active or coming back (probing), the others' held in
-        reserve are set up now (they are ``DOWN`` with a probe due from now on)."""
-        if any(slot.preferred and slot.state in (WorkerState.ACTIVE, WorkerState.PROBING) for slot in slots):
-            return []
+        """When no worker is active (this client's own are gone or hung), the others' held in reserve are
+        set up now (they are ``DOWN`` with a probe due from now on). Not only once the own workers' probes
+        failed: a probe of a worker that died may wait for its connection's grace."""
         if any(slot.state is WorkerState.ACTIVE for slot in slots):
             return []
         called = [slot for slot in slots if slot.state is WorkerState.STANDBY]
