@@ -38,6 +38,7 @@ PUBLIC_NAMES = {
     "rpcdl": [
         "RPCDataset", "RPCDataloader", "rpc_async", "rpc_sync", "remote", "RRef", "run_worker", "Worker",
         "shutdown", "ping", "stats", "set_random_seeds", "local_workers", "CachedDataset", "CacheLoader",
+        "WorkerSource",
     ],
     "rpcdl.samplers": ["LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler"],
     "rpcdl.distributed": ["shard_workers", "distributed_loader"],
@@ -74,6 +75,7 @@ DOCTEST_MODULES = [
     "rpcdl.data.pool",
     "rpcdl.data.records",
     "rpcdl.data.scheduling_policy",
+    "rpcdl.data.sources",
     "rpcdl.integrations.lightning",
     "rpcdl.integrations.torchdata",
 ]

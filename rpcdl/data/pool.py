@@ -166,6 +166,7 @@ class PoolState:
             slot.preferred = own
             if own and slot.state is WorkerState.STANDBY:
                 slot.state, slot.probe_at = WorkerState.DOWN, now
+        self._to_probe.extend(self.policy.probes_due(self.slots, now))  # those that joined: set up now
         for slot in self.slots:
             if slot.address not in listed and slot.state not in (WorkerState.LEFT, WorkerState.EXCLUDED):
                 slot.state = WorkerState.LEFT

@@ -234,6 +234,7 @@ class Dispatch(Iterator[Task]):
 
     def _send_ready(self, shared: PoolState) -> int:
         """Send a copy of the head if it is late, then what waits; how many tasks the pass may pull now."""
+        shared.follow_fleet()  # a worker that joined is set up at once, one that left given nothing more
         if self.in_order and self._outstanding:
             head = self._head()
             slot = shared.hedge(head)

@@ -97,9 +97,11 @@ class WorkerSource:
 
     Example::
 
-        >>> class Two(rpcdl.WorkerSource):
+        >>> class Two(WorkerSource):  # rpcdl.WorkerSource
         ...     def addresses(self):
         ...         return ["127.0.0.1:6543", "127.0.0.1:6544"]
+        >>> Two().addresses()
+        ['127.0.0.1:6543', '127.0.0.1:6544']
         >>> rpcdl.RPCDataset(Two(), MyDataset)  # doctest: +SKIP
     """
 
