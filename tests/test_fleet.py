@@ -22,7 +22,7 @@ import torch
 
 import rpcdl
 from rpcdl.data.records import Attempt, WorkerSlot, WorkerState
-from rpcdl.data.scheduling_policy import HUNG_FLOOR, SchedulingPolicy, WorkerHung
+from rpcdl.data.scheduling_policy import HUNG_ALONE_FLOOR, HUNG_FLOOR, SchedulingPolicy, WorkerHung
 from rpcdl.data.sources import DnsSource, FileSource, Fleet, RedisRegistry, own_share, worker_source
 from rpcdl.errors import UnknownHost
 
@@ -94,6 +94,20 @@ def test_a_worker_silent_while_the_others_answer_is_hung_and_not_before():
     policy.observe(quiet, Attempt(0, 0, 1, 5.0, torch.futures.Future()), now=5.6, answers=14)
     assert policy.hung([quiet, busy], now=6.0, answers=20) == []
     assert issubclass(WorkerHung, rpcdl.WorkerTimeout)  # taken out as a timeout is: probed with a queued call
+
+
+def test_a_ranks_only_worker_is_judged_alone_when_others_wait_in_reserve():
+    policy = SchedulingPolicy(prefetch_factor=2, timeout=120.0)
+    only = _slot("a:1", 0, 0.01)
+    _send(policy, only, at=0.0, answers=5)
+    assert policy.hung([only], now=HUNG_ALONE_FLOOR + 1, answers=5) == []  # nowhere to go: the timeout decides
+    reserve = WorkerSlot("b:2", 1, preferred=False, state=WorkerState.STANDBY)
+    assert policy.hung([only, reserve], now=HUNG_ALONE_FLOOR - 1, answers=5) == []
+    [(slot, why)] = policy.hung([only, reserve], now=HUNG_ALONE_FLOOR + 1, answers=5)
+    assert slot is only and "reserve" in why
+    unmeasured = _slot("c:3", 2)
+    _send(policy, unmeasured, at=0.0, answers=5)
+    assert policy.hung([unmeasured, reserve], now=60.0, answers=5) == []  # its first call: nothing to judge by
 
 
 def test_own_workers_first_the_others_in_reserve_once_none_of_the_own_is_left():

@@ -45,6 +45,9 @@ holds the pool's lock):
    time (at least :data:`HUNG_FLOOR` seconds), while the others answered
    :data:`HUNG_ANSWERS` calls meanwhile, is hung: it is taken out like a
    worker whose call timed out (:class:`WorkerHung`), long before ``timeout``.
+   The only active worker of a client with others' workers in reserve is
+   judged against its own measured service time alone (at least
+   :data:`HUNG_ALONE_FLOOR` seconds); a client's only worker is not judged.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from .records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, TaskState, 
 
 __all__ = [
     "HEDGE_FACTOR",
+    "HUNG_ALONE_FLOOR",
     "HUNG_ANSWERS",
     "HUNG_FACTOR",
     "HUNG_FLOOR",
@@ -82,6 +86,7 @@ MAX_WINDOW_FACTOR = 4  # the adaptive window grows to at most this times prefetc
 HUNG_FACTOR = 10.0  # silent for this many service times (its own or the best, the longer) while others answer: hung
 HUNG_FLOOR = 1.0  # seconds of silence never taken for a hang, however fast the workers
 HUNG_ANSWERS = 3  # answers the other workers gave during that silence (they are not all waiting on the client)
+HUNG_ALONE_FLOOR = 5.0  # seconds of silence of a rank's only active worker before the reserve takes over
 _SERVICE_WEIGHT = 0.5  # weight of a new sample in the service-time average (it follows changes fast)
 _GROW_BELOW = 0.5  # calls waiting at a worker whose window was full: fewer, and the window grows by one
 _LEAVE_FLOOR_BELOW = 0.25  # the same, to grow past prefetch_factor: round trips on loopback are noisy
@@ -307,23 +312,33 @@ class SchedulingPolicy:
         """
         found = []
         default = self.default_service_time(slots)
-        for slot in slots:
-            if slot.state is not WorkerState.ACTIVE or not slot.in_flight or answers - slot.quiet_mark < HUNG_ANSWERS:
+        active_now = [slot for slot in slots if slot.state is WorkerState.ACTIVE]
+        reserve = any(slot.state is WorkerState.STANDBY for slot in slots)
+        for slot in active_now:
+            if not slot.in_flight:
+                continue
+            others_answered = answers - slot.quiet_mark >= HUNG_ANSWERS
+            # The only active worker, with others' in reserve: judged against its own measured service time.
+            alone = len(active_now) == 1 and reserve and slot.service_time is not None
+            if not (others_answered or alone):
                 continue
             oldest = min(attempt.sent_at for attempt in slot.in_flight)
             silence = now - max(oldest, slot.last_done)
             expected = max(slot.service_time or default, default)
-            limit = max(HUNG_FACTOR * expected, HUNG_FLOOR)
-            if silence >= limit:
-                own = "not measured" if slot.service_time is None else f"{slot.service_time:.3g}s"
-                found.append(
-                    (
-                        slot,
-                        f"it did not answer for {silence:.1f}s while the other workers answered "
-                        f"{answers - slot.quiet_mark} calls (its service time {own}, the best {default:.3g}s): "
-                        "its calls go elsewhere, and it is probed until it answers again",
-                    )
-                )
+            limit = max(HUNG_FACTOR * expected, HUNG_FLOOR if others_answered else HUNG_ALONE_FLOOR)
+            if silence < limit:
+                continue
+            own = "not measured" if slot.service_time is None else f"{slot.service_time:.3g}s"
+            meanwhile = (
+                f"the other workers answered {answers - slot.quiet_mark} calls"
+                if others_answered
+                else "other ranks' workers wait in reserve"
+            )
+            why = (
+                f"it did not answer for {silence:.1f}s while {meanwhile} (its service time {own}, the best "
+                f"{default:.3g}s): its calls go elsewhere, and it is probed until it answers again"
+            )
+            found.append((slot, why))
         return found
 
     def call_on_standby(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
