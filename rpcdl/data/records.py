@@ -33,8 +33,8 @@ class WorkerState(enum.Enum):
     DOWN = "down"  #: failed; revived when its probe is due
     PROBING = "probing"  #: a revival is in flight
     EXCLUDED = "excluded"  #: cannot serve, its dataset differs say; never used again
-    STANDBY = "standby"  #: another rank's worker, in reserve: set up and used once this rank's own are gone
-    LEFT = "left"  #: its source no longer lists it: given no tasks; its calls in flight finish (drained)
+    STANDBY = "standby"  #: another rank's worker in reserve, set up and used once this rank's own are gone
+    LEFT = "left"  #: no longer listed by its source; given no tasks while its calls in flight finish
 
 
 class WorkerSlot:

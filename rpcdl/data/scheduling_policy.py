@@ -41,13 +41,13 @@ holds the pool's lock):
    own workers are given new tasks; the others' (``STANDBY`` until first
    needed) take tasks, and copies of late ones, when none of its own is.
 9. An active worker with calls in flight that has not answered for
-   :data:`HUNG_FACTOR` times the longer of its own and the best service
-   time (at least :data:`HUNG_FLOOR` seconds), while the others answered
-   :data:`HUNG_ANSWERS` calls meanwhile, is hung: it is taken out like a
-   worker whose call timed out (:class:`WorkerHung`), long before ``timeout``.
+   ``HUNG_FACTOR`` times the longer of its own and the best service
+   time (at least ``HUNG_FLOOR`` seconds), while the others answered
+   ``HUNG_ANSWERS`` calls meanwhile, is hung: it is taken out like a
+   worker whose call timed out (:class:`~rpcdl.data.scheduling_policy.WorkerHung`), long before ``timeout``.
    The only active worker of a client with others' workers in reserve is
    judged against its own measured service time alone (at least
-   :data:`HUNG_ALONE_FLOOR` seconds); a client's only worker is not judged.
+   ``HUNG_ALONE_FLOOR`` seconds); a client's only worker is not judged.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def start_timeout(given: float | None = None) -> float:
 
 
 class WorkerSource:
-    """Where the workers are: subclass it and define :meth:`addresses` (``rpcdl.WorkerSource``).
+    """Where the workers are (``rpcdl.WorkerSource``): subclass it and define ``addresses()``.
 
     Any object with an ``addresses()`` method is accepted wherever workers are
     (it need not subclass this); this class adds a name for log lines and the
