@@ -80,6 +80,11 @@ class WorkerTimeout(RPCDLError, TimeoutError, RuntimeError):
     """
 
 
+class WorkerHung(WorkerTimeout):
+    """A worker stopped answering while the others went on (stopped, hung): a loader takes it out and sends
+    its calls elsewhere before their timeout, and probes it until it answers again."""
+
+
 class LimitExceeded(RPCDLError, ValueError):
     """A message would break a frame limit (:class:`rpcdl.transport.wire.Limits`).
 

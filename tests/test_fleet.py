@@ -22,9 +22,9 @@ import torch
 
 import rpcdl
 from rpcdl.data.records import Attempt, WorkerSlot, WorkerState
-from rpcdl.data.scheduling_policy import HUNG_ALONE_FLOOR, HUNG_FLOOR, SchedulingPolicy, WorkerHung
+from rpcdl.data.scheduling_policy import HUNG_ALONE_FLOOR, HUNG_FLOOR, SchedulingPolicy
 from rpcdl.data.sources import DnsSource, FileSource, Fleet, RedisRegistry, own_share, worker_source
-from rpcdl.errors import UnknownHost
+from rpcdl.errors import UnknownHost, WorkerHung
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,11 +42,12 @@ from typing import Any
 
 import torch
 
+from ..errors import WorkerHung
 from ..rpc.client import read_in_background
 from .events import WAKE, Orphaned, post_probe_end
 from .probes import PROBE_TIMEOUT, PingSetup, Revival, WorkerSetup
 from .records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
-from .scheduling_policy import SchedulingPolicy, WorkerHung, active
+from .scheduling_policy import SchedulingPolicy, active
 from .sources import Fleet
 
 __all__ = ["PassRecord", "PoolState", "Registration", "WorkerPool"]

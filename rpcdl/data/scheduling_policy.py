@@ -44,7 +44,7 @@ holds the pool's lock):
    ``HUNG_FACTOR`` times the longer of its own and the best service
    time (at least ``HUNG_FLOOR`` seconds), while the others answered
    ``HUNG_ANSWERS`` calls meanwhile, is hung: it is taken out like a
-   worker whose call timed out (:class:`~rpcdl.data.scheduling_policy.WorkerHung`), long before ``timeout``.
+   worker whose call timed out (:class:`~rpcdl.errors.WorkerHung`), long before ``timeout``.
    The only active worker of a client with others' workers in reserve is
    judged against its own measured service time alone (at least
    ``HUNG_ALONE_FLOOR`` seconds); a client's only worker is not judged.
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import WorkerTimeout, is_transient
+from ..errors import is_transient
 from ..rpc.rref import RRefNotFound
 from .probes import Revival
 from .records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, TaskState, WorkerSlot, WorkerState
@@ -70,7 +70,6 @@ __all__ = [
     "SLOW_FACTOR",
     "AllDownWatch",
     "SchedulingPolicy",
-    "WorkerHung",
     "active",
     "any_active",
     "is_worker_failure",
@@ -96,10 +95,6 @@ _SHRINK_ABOVE = 1.5  # more, and it shrinks by one
 def is_worker_failure(exc: BaseException) -> bool:
     """Whether ``exc`` says the worker failed (it is taken out) rather than the user's code (the task's result)."""
     return is_transient(exc) or isinstance(exc, RRefNotFound)
-
-
-class WorkerHung(WorkerTimeout):
-    """A worker stopped answering while the others went on: its calls go elsewhere, before their timeout."""
 
 
 def _average(previous: float | None, sample: float, weight: float) -> float:
