@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import rpcdl
+import rpcdl.data.pool
 from rpcdl.data.records import Attempt, WorkerSlot, WorkerState
 from rpcdl.data.scheduling_policy import HUNG_ALONE_FLOOR, HUNG_FLOOR, SchedulingPolicy
 from rpcdl.data.sources import DnsSource, FileSource, Fleet, RedisRegistry, own_share, worker_source
@@ -127,6 +128,40 @@ def test_own_workers_first_the_others_in_reserve_once_none_of_the_own_is_left():
     other.state = WorkerState.DOWN
     assert policy.call_on_standby(slots, now=2.0) == [reserve]  # nothing active: the reserve is set up
     assert reserve.state is WorkerState.DOWN and reserve.probe_at == 2.0
+
+
+class _Listed(rpcdl.WorkerSource):
+    """A source the test changes by hand."""
+
+    def __init__(self, *addresses: str):
+        self.listed = list(addresses)
+
+    def addresses(self) -> list[str]:
+        return list(self.listed)
+
+
+class _NeverAnswers:
+    """A setup whose revivals never end: the test sees the states they leave."""
+
+    def revive_async(self, address: str, failure: BaseException | None) -> torch.futures.Future:
+        return torch.futures.Future()
+
+
+def test_the_pool_follows_its_fleet_joins_leaves_and_returns():
+    source = _Listed("a:1", "b:2")
+    fleet = Fleet(source, interval=3600.0)  # refreshed by hand below
+    pool = rpcdl.data.pool.WorkerPool(fleet, prefetch_factor=2, timeout=30.0, setup=_NeverAnswers())
+    assert pool.states() == {"a:1": "active", "b:2": "active"}
+    source.listed = ["a:1", "b:2", "c:3"]
+    fleet.refresh()
+    assert pool.states() == {"a:1": "active", "b:2": "active", "c:3": "probing"}  # set up before it serves
+    source.listed = ["a:1", "c:3"]
+    fleet.refresh()
+    assert pool.states()["b:2"] == "left"
+    source.listed = ["a:1", "b:2", "c:3"]
+    fleet.refresh()
+    assert pool.states()["b:2"] == "probing"  # listed again: set up again
+    fleet.close()
 
 
 def test_worker_sources_from_what_users_write(tmp_path):

@@ -8,16 +8,26 @@ and the revivals in flight. The decisions are the
 (:class:`~rpcdl.data.scheduler.Dispatch`) asks for them through
 :meth:`WorkerPool.locked`.
 
+The workers come from a :class:`~rpcdl.data.sources.Fleet`: a fixed list, or
+a source that changes. At each step a pass takes in the fleet's changes
+(:meth:`PoolState.follow_fleet`): a worker that joins is set up (a revival)
+and then given tasks, one that leaves is given none while its calls in flight
+finish; the other ranks' workers wait in reserve (``STANDBY``) until none of
+this client's own is active.
+
 Threading: the pool runs no thread of its own. Its state (:class:`PoolState`:
 the workers' records, the state of every call in flight, the registry of
-passes) is guarded by ONE lock, which every access holds: the threads
+passes, the fleet version it follows and its count of answers) is guarded by
+ONE lock, which every access holds: the threads
 advancing its passes (several at once, one per pass) take it for each step,
 and readers (:meth:`WorkerPool.states`, :meth:`WorkerPool.windows`) to copy
 what they show. Nothing waits while holding it: a pass reads answers and pulls
 from its source outside it, and what must not run under it (handing dropped
 calls' answers to the connections' threads, starting revivals, logging) is
 done by the thread leaving it, after it lets go (:meth:`PoolState.__exit__`).
-Other threads reach the pool through queues only: a revival's future puts a
+The fleet's own lock is a leaf taken under the pool's, for a copy of its
+latest list (its thread never takes the pool's). Other threads reach the pool
+through queues only: a revival's future puts a
 :class:`~rpcdl.data.events.ProbeEnded` on the pool's probe queue, handled by
 the next pass that takes the lock; a pass's calls answer on its own queue.
 
@@ -99,10 +109,12 @@ class PoolState:
         self.answers = 0  # answers from all the workers so far (see SchedulingPolicy.hung)
         membership = fleet.membership()
         self._version = membership.version
-        self.slots = [
-            WorkerSlot(address, index, address in membership.own, self._first_state(address in membership.own))
-            for index, address in enumerate(membership.addresses)
-        ]
+        # The workers listed now are set up by their dataset before the pool begins (those that failed to build
+        # it are revived at their first call); the others' wait in reserve until this client's own are gone.
+        self.slots: list[WorkerSlot] = []
+        for index, address in enumerate(membership.addresses):
+            own = address in membership.own
+            self.slots.append(WorkerSlot(address, index, own, WorkerState.ACTIVE if own else WorkerState.STANDBY))
         self._by_address = {slot.address: slot for slot in self.slots}
         self._setup = setup
         self._lock = threading.Lock()
@@ -135,13 +147,6 @@ class PoolState:
             self._start_probe(slot, address, failure, waiting)
 
     # ------------------------------------------------------------------ the fleet
-
-    def _first_state(self, own: bool) -> WorkerState:
-        # A fixed list's workers are set up by their dataset before the pool begins; workers found later are
-        # set up by a revival first, and the others' wait in reserve until this client's own are gone.
-        if not own:
-            return WorkerState.STANDBY
-        return WorkerState.ACTIVE
 
     def follow_fleet(self) -> None:
         """Take in the fleet's changes since the last look: a worker that joined is set up and then given
@@ -302,7 +307,7 @@ class PoolState:
         """
         if slot.state is WorkerState.EXCLUDED:
             return []
-        if slot.state is WorkerState.ACTIVE and isinstance(failure, WorkerHung):
+        if slot.state in (WorkerState.ACTIVE, WorkerState.LEFT) and isinstance(failure, WorkerHung):
             self._notes.append((logging.WARNING, "routing around worker %s: %s", (slot.address, failure)))
         elif slot.state is WorkerState.ACTIVE:
             self._notes.append((logging.WARNING, "worker %s left: %s", (slot.address, failure)))

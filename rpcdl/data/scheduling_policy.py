@@ -309,12 +309,12 @@ class SchedulingPolicy:
         default = self.default_service_time(slots)
         active_now = [slot for slot in slots if slot.state is WorkerState.ACTIVE]
         reserve = any(slot.state is WorkerState.STANDBY for slot in slots)
-        for slot in active_now:
-            if not slot.in_flight:
+        for slot in slots:  # those that left finish their calls in flight: they are judged too
+            if slot.state not in (WorkerState.ACTIVE, WorkerState.LEFT) or not slot.in_flight:
                 continue
             others_answered = answers - slot.quiet_mark >= HUNG_ANSWERS
             # The only active worker, with others' in reserve: judged against its own measured service time.
-            alone = len(active_now) == 1 and reserve and slot.service_time is not None
+            alone = active_now == [slot] and reserve and slot.service_time is not None
             if not (others_answered or alone):
                 continue
             oldest = min(attempt.sent_at for attempt in slot.in_flight)
