@@ -365,6 +365,8 @@ class RPCDataModule(pl.LightningDataModule):
             if recipe is not None and split not in self.datasets:
                 factory, kwargs = recipe
                 self.datasets[split] = RPCDataset(self.fleet, factory, **kwargs)
+        if self._local_context is None:  # a changing source may have come up meanwhile
+            self._note_membership()
 
     def train_dataloader(self) -> RPCDataloader:
         """The training loader: this rank's shard, reshuffled and reseeded every epoch."""
@@ -454,13 +456,17 @@ class RPCDataModule(pl.LightningDataModule):
             log.info("started %d local workers: %s", len(self.workers), ", ".join(self.workers))
             return
         self.fleet = Fleet(source, self.rank, self.world_size)
-        membership = self.fleet.membership()
-        if not self.fleet.changing and len(membership.addresses) < self.world_size:
+        count = len(self.fleet.membership().addresses)
+        if not self.fleet.changing and count < self.world_size:
             warnings.warn(
-                f"{len(membership.addresses)} workers for {self.world_size} ranks: ranks share workers; start at "
-                "least one per rank",
+                f"{count} workers for {self.world_size} ranks: ranks share workers; start at least one per rank",
                 stacklevel=3,
             )
+        self._note_membership()
+
+    def _note_membership(self) -> None:
+        """Record the fleet's workers now, and this rank's share of them."""
+        membership = self.fleet.membership()
         self.all_workers = list(membership.addresses)
         self.workers = [address for address in membership.addresses if address in membership.own]
 

@@ -11,10 +11,12 @@ between ranks).
 
 Threading: a fleet over a changing source runs one daemon thread,
 ``rpcdl-fleet-SOURCE``, that asks the source every ``interval`` seconds (the
-source's I/O: a file's stat, a DNS lookup, a Redis query never runs on a
-training thread). It owns the source's I/O; the latest :class:`Membership` is
-guarded by the fleet's lock, which readers (the pools, under their own lock:
-the fleet's is a leaf, held for a copy) take to read it. The thread holds
+source's I/O: a file's read, a DNS lookup, a Redis query never runs on a
+training step). A dataset waiting for its fleet to come up asks too; the
+fleet's asking lock lets one thread at a time ask the source (its I/O and its
+own fields, such as ``last_error``). The latest :class:`Membership` is
+guarded by the fleet's lock, a leaf never held while asking, which readers
+(the pools, under their own lock) take for a copy. The thread holds
 only a weak reference to its fleet (no callback) and ends at its next tick
 once the fleet is gone, or at :meth:`Fleet.close`. A process forked from one
 with a fleet starts its own thread on its first read.
@@ -217,7 +219,7 @@ class DnsSource(WorkerSource):
     def __init__(self, name: str, port: int, resolver: Resolver | None = None):
         self.name, self.port = name, port
         self._resolver = resolver or _resolve
-        self.last_error: str | None = None  # the fleet's thread's: why the name gave nothing, for log lines
+        self.last_error: str | None = None  # why the name gave nothing, for log lines (asked by one thread at a time)
 
     def addresses(self) -> list[str]:
         """The addresses the name resolves to now."""
@@ -275,8 +277,8 @@ class RedisRegistry(WorkerSource):
         self.host, self.port, self.database = parts.hostname, port, database
         self.key = query.get("key", ["rpcdl:workers"])[0]
         self.ttl = ttl
-        self.last_error: str | None = None  # the fleet's thread's
-        self._client: Any = None  # the fleet's thread's, made on first use
+        self.last_error: str | None = None  # (its fleet asks it from one thread at a time)
+        self._client: Any = None  # made on first use
 
     def addresses(self) -> list[str]:
         """The live members now (none while the registry cannot be reached, which is said)."""
@@ -402,7 +404,8 @@ class Fleet:
         self.source = worker_source(source)
         self.rank, self.world_size, self.interval = rank, world_size, interval
         self.changing = bool(getattr(self.source, "changing", True))
-        self._lock = threading.Lock()  # guards what follows
+        self._asking = threading.Lock()  # one thread at a time asks the source (its I/O, its own fields)
+        self._lock = threading.Lock()  # guards what follows; a leaf, never held while asking
         self._membership = Membership(0, (), frozenset())
         self._watching = _Watching.NOT_STARTED
         self._pid = os.getpid()
@@ -419,7 +422,8 @@ class Fleet:
 
     def why_empty(self) -> str | None:
         """Why the source lists nothing, when it knows (a name that does not resolve, a registry not reachable)."""
-        return getattr(self.source, "last_error", None)
+        with self._asking:
+            return getattr(self.source, "last_error", None)
 
     def membership(self) -> Membership:
         """The latest list (and, for a changing source, the watch started in this process)."""
@@ -448,7 +452,8 @@ class Fleet:
 
     def _ask(self) -> tuple[str, ...] | None:
         try:
-            found = self.source.addresses()
+            with self._asking:
+                found = self.source.addresses()
         except Exception as exc:  # a user's source: say it, keep the last list
             log.warning("the worker source %s failed: %s; keeping the last list", self.describe(), exc)
             return None
