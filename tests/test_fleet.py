@@ -448,9 +448,8 @@ def test_a_remote_map_follows_a_file_source(spawn_workers, tmp_path):
 
 
 def test_a_worker_sent_sigterm_mid_epoch_is_given_nothing_more(spawn_workers, caplog):
-    """The worker's side (a LEAVING notice, then WorkerLeaving for new calls) comes with issue 27's worker
-    half (rpcdl.rpc.leaving); until it is there, this test is skipped."""
-    pytest.importorskip("rpcdl.rpc.leaving", reason="the worker side of leaving (branch i27w) is not merged yet")
+    """The worker tells its clients it is leaving (a LEAVING notice, then WorkerLeaving for new calls): its
+    batches go to the other worker at once, none waits for a timeout, and it exits 0 once drained."""
     caplog.set_level(logging.WARNING, logger="rpcdl")
     workers = spawn_workers(2)
     n = 320
