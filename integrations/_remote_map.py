@@ -27,6 +27,7 @@ from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ServedCounts
 from rpcdl.data.chunks import ChunkSizer, run_chunk
 from rpcdl.data.pool import WorkerPool
 from rpcdl.data.records import Task
+from rpcdl.data.sources import Fleet, WorkerSource, start_timeout, worker_source
 
 #: The default bound of items in one chunk.
 DEFAULT_MAX_CHUNK_SIZE = 256
@@ -36,6 +37,18 @@ def check_fn(fn: Any) -> None:
     """Validate the function sent to the workers."""
     if not callable(fn):
         raise TypeError(f"fn must be callable (it is sent to the workers), got {type(fn).__name__}: {fn!r}")
+
+
+def workers_or_source(workers: Any) -> list[str] | WorkerSource:
+    """A remote map's ``workers``: a list of addresses (checked), or a worker source (a file, ``dns://``,
+    ``redis://``, an object with ``addresses()``: see :mod:`rpcdl.data.sources`)."""
+    source = worker_source(workers)
+    return source.addresses() if not getattr(source, "changing", True) else source
+
+
+def listed(workers: list[str] | WorkerSource) -> list[str]:
+    """The addresses ``workers`` lists now (for counters before the first pass)."""
+    return list(workers) if isinstance(workers, list) else []
 
 
 def check_options(prefetch_factor: Any, timeout: Any, max_chunk_size: Any = 1) -> None:
@@ -68,7 +81,8 @@ class RemoteMap:
     """``fn`` on a pool of workers, their health and the chunk size kept across passes over sources.
 
     Args:
-        workers: worker addresses.
+        workers: worker addresses, or a worker source (waited for as it begins, up to
+            :func:`~rpcdl.data.sources.start_timeout`).
         fn: the function applied to each item, on a worker (sent with each call).
         prefetch_factor: calls (chunks) in flight per worker.
         timeout: seconds a call (a chunk) may take before it goes to another
@@ -79,7 +93,7 @@ class RemoteMap:
 
     def __init__(
         self,
-        workers: Sequence[str],
+        workers: Sequence[str] | WorkerSource,
         fn: Callable,
         *,
         prefetch_factor: int,
@@ -91,9 +105,11 @@ class RemoteMap:
         self.timeout = float(timeout)
         self.pin_memory = pin_memory
         self.pid = os.getpid()
-        self.pool = WorkerPool(workers, prefetch_factor=prefetch_factor, timeout=timeout)
+        fleet = Fleet(workers)
+        membership = fleet.wait_for_workers(start_timeout()) if fleet.changing else fleet.membership()
+        self.pool = WorkerPool(fleet, prefetch_factor=prefetch_factor, timeout=timeout)
         self.sizer = ChunkSizer(max_chunk_size, self.timeout)
-        self.items_served = ServedCounts(workers)
+        self.items_served = ServedCounts(membership.addresses)
         self._call = MapCall(fn, pin_memory=pin_memory, timeout=self.timeout)
 
     def start(self, items: Iterator[tuple[Any, Any]]) -> ChunkedPass:

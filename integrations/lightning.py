@@ -28,11 +28,11 @@ from rpcdl.address import check_workers, parse_address
 from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
 from rpcdl.data.dataloader import RPCDataloader, check_max_batches_per_call
 from rpcdl.data.dataset import RPCDataset
-from rpcdl.data.distributed import shard_workers
 from rpcdl.data.elastic import WHOLE_EPOCH, ElasticDistributedSampler, share_batches
 from rpcdl.data.flow import FlowSnapshot
 from rpcdl.data.global_state import next_epoch_state
 from rpcdl.data.metrics import serve_metrics_from_environment
+from rpcdl.data.sources import AddressList, FileSource, Fleet, WorkerSource, worker_source
 from rpcdl.integrations._recipes import dataset_recipe, import_object
 from rpcdl.local import LocalWorkers, local_workers
 from rpcdl.seeding import derive_seed
@@ -100,6 +100,38 @@ def read_workers_file(path: str | os.PathLike) -> list[str]:
         return check_workers(addresses)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def _source(workers: Any) -> WorkerSource | None:
+    """The worker source ``workers`` (RPCDataModule's argument) names; ``None``: start local workers.
+
+    A file is watched (an empty one is waited for); ``dns://`` and ``redis://``
+    URLs, here or in ``$RPCDL_WORKERS``, are sources; addresses are a fixed list.
+    """
+    if hasattr(workers, "addresses"):
+        return workers
+    text = os.environ.get(WORKERS_ENV, "") if workers is None else workers
+    if isinstance(text, str) and text.strip().startswith(("dns://", "redis://")):
+        return worker_source(text.strip())
+    if isinstance(workers, (str, os.PathLike)):
+        path = os.path.expandvars(os.path.expanduser(os.fspath(workers)))
+        if Path(path).is_file():
+            _check_lines(path)  # a malformed line is an error now, not a warning later
+            return FileSource(path)
+    addresses = resolve_workers(workers)
+    return None if addresses is None else AddressList(addresses)
+
+
+def _check_lines(path: str) -> None:
+    """Raise ``ValueError`` for a malformed line of the workers file ``path`` (an empty file is waited for)."""
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            entry = line.split("#", 1)[0].strip()
+            if entry:
+                try:
+                    parse_address(entry)
+                except ValueError as exc:
+                    raise ValueError(f"{path}, line {number}: {exc}") from None
 
 
 def resolve_workers(workers: Sequence[str] | str | os.PathLike | None) -> list[str] | None:
@@ -253,8 +285,11 @@ class RPCDataModule(pl.LightningDataModule):
 
     Each dataset is given as a recipe, built on every worker of this rank
     (nothing is loaded in the training process). In a distributed run, rank
-    ``r`` of ``W`` uses ``workers[r::W]`` and reads a disjoint shard of the
-    indices (DistributedSampler semantics, the same shuffle on every rank).
+    ``r`` of ``W`` uses ``workers[r::W]`` first (for a changing source, a share
+    that joins disturb little) and the other ranks' workers when its own are
+    all gone or hung: no rank fails while any worker serves. Each rank reads a
+    disjoint shard of the indices (DistributedSampler semantics, the same
+    shuffle on every rank).
     Every training epoch the shard is reshuffled for that epoch and the workers
     are reseeded, so random augmentations differ between epochs and workers and
     the same ``seed`` draws them again. ``teardown`` frees the remote datasets
@@ -272,10 +307,15 @@ class RPCDataModule(pl.LightningDataModule):
     Args:
         workers: where the workers are: a list of ``HOST:PORT``; a path to a file
             listing them, one per line (``~`` and ``$VARIABLES`` expanded), as
-            ``rpcdl worker --address-file`` writes it; or ``None``: the addresses
-            in ``$RPCDL_WORKERS`` (commas or whitespace between them), else
-            ``num_local_workers`` worker processes on loopback that the module
-            starts (each rank its own) and stops.
+            ``rpcdl worker --address-file`` writes it, watched (a line added
+            joins, a line removed drains); ``"dns://NAME:PORT"`` (every address
+            of a headless Service, resolved again every few seconds);
+            ``"redis://HOST:PORT[/DB]?key=KEY"`` (the registry workers join with
+            ``rpcdl worker --register``); an :class:`rpcdl.WorkerSource`; or
+            ``None``: ``$RPCDL_WORKERS`` (addresses, or one of those sources),
+            else ``num_local_workers`` worker processes on loopback that the
+            module starts (each rank its own) and stops. ``setup()`` waits for
+            the fleet to come up, up to ``$RPCDL_START_TIMEOUT`` seconds (600).
         train_dataset, val_dataset, test_dataset, predict_dataset: how to build
             each dataset on the workers: ``{"class_path": "pkg.mod.Dataset",
             "init_args": {...}}``, a class path string, or (from Python) a class
@@ -314,7 +354,7 @@ class RPCDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        workers: list[str] | str | None = None,
+        workers: list[str] | str | WorkerSource | None = None,
         train_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
         val_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
         test_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
@@ -343,7 +383,7 @@ class RPCDataModule(pl.LightningDataModule):
             collate_fn = import_object(collate_fn)
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be a function (or its dotted path), got {collate_fn!r}")
-        if workers is not None and not isinstance(workers, (str, os.PathLike)):
+        if workers is not None and not isinstance(workers, (str, os.PathLike)) and not hasattr(workers, "addresses"):
             resolve_workers(workers)  # a list: check it now; files and the environment are read in setup()
         self.workers_argument = workers
         specs = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
@@ -377,6 +417,8 @@ class RPCDataModule(pl.LightningDataModule):
         self.loaders: dict[str, RPCDataloader] = {}
         """The last loader handed to the trainer, by split (kept after teardown for their counters)."""
         self.rank, self.world_size = 0, 1
+        self.fleet: Fleet | None = None
+        """The workers this module follows, once set up (every rank's, with this rank's share)."""
         self.started_workers: LocalWorkers | None = None
         """The worker processes this module started (when given no workers), until teardown."""
         self._local_context: contextlib.AbstractContextManager | None = None
@@ -395,14 +437,16 @@ class RPCDataModule(pl.LightningDataModule):
                 trainer.callbacks.append(DataFlowLogger(self))
         if self._base_seed is None:
             self._base_seed = self._default_seed()
-        if not self.workers:
+        if self.fleet is None:
             self._connect()
         splits = _STAGE_SPLITS.get(stage, _SPLITS) if stage is not None else _SPLITS
         for split in splits:
             recipe = self.recipes[split]
             if recipe is not None and split not in self.datasets:
                 factory, kwargs = recipe
-                self.datasets[split] = RPCDataset(self.workers, factory, **kwargs)
+                self.datasets[split] = RPCDataset(self.fleet, factory, **kwargs)
+        if self._local_context is None:  # a changing source may have come up meanwhile
+            self._note_membership()
 
     def train_dataloader(self) -> RPCDataloader:
         """The training loader: this rank's shard, reshuffled and reseeded every epoch."""
@@ -429,6 +473,9 @@ class RPCDataModule(pl.LightningDataModule):
         for dataset in self.datasets.values():
             dataset.release()
         self.datasets.clear()
+        if self.fleet is not None:  # the next setup() follows the source again
+            self.fleet.close()
+            self.fleet = None
         if self._local_context is not None:
             context, self._local_context, self.started_workers = self._local_context, None, None
             self.workers, self.all_workers = [], []
@@ -481,16 +528,29 @@ class RPCDataModule(pl.LightningDataModule):
         return 0
 
     def _connect(self) -> None:
-        addresses = resolve_workers(self.workers_argument)
-        if addresses is None:
+        source = _source(self.workers_argument)
+        if source is None:
             self._local_context = local_workers(self.num_local_workers)
             self.started_workers = self._local_context.__enter__()
+            self.fleet = Fleet(list(self.started_workers))  # each rank its own workers: all its own
             self.all_workers = list(self.started_workers)
             self.workers = list(self.all_workers)
             log.info("started %d local workers: %s", len(self.workers), ", ".join(self.workers))
             return
-        self.all_workers = addresses
-        self.workers = shard_workers(addresses, self.rank, self.world_size)
+        self.fleet = Fleet(source, self.rank, self.world_size)
+        count = len(self.fleet.membership().addresses)
+        if not self.fleet.changing and count < self.world_size:
+            warnings.warn(
+                f"{count} workers for {self.world_size} ranks: ranks share workers; start at least one per rank",
+                stacklevel=3,
+            )
+        self._note_membership()
+
+    def _note_membership(self) -> None:
+        """Record the fleet's workers now, and this rank's share of them."""
+        membership = self.fleet.membership()
+        self.all_workers = list(membership.addresses)
+        self.workers = [address for address in membership.addresses if address in membership.own]
 
     def _current_epoch(self) -> int | None:
         trainer = self.trainer

@@ -28,15 +28,15 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("rpcdl.integrations.torchdata needs torchdata>=0.9: pip install 'rpcdl[torchdata]'") from exc
 
-from rpcdl.address import check_workers
 from rpcdl.checks import check_int, check_positive_int
 from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ChunkedPassState
 from rpcdl.data.dataloader import RPCDataloader
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.distributed import rank_and_world_size
 from rpcdl.data.guard import EntryGuard
+from rpcdl.data.sources import WorkerSource
 
-from ._remote_map import DEFAULT_MAX_CHUNK_SIZE, RemoteMap, check_fn, check_options
+from ._remote_map import DEFAULT_MAX_CHUNK_SIZE, RemoteMap, check_fn, check_options, listed, workers_or_source
 
 __all__ = ["RPCIterableDataset", "RPCMapper", "RPCMapperIterDataPipe"]
 
@@ -47,7 +47,7 @@ T = TypeVar("T")
 class _RemoteMapOwner:
     """Gives each process its own :class:`RemoteMap` (a forked child never shares its parent's)."""
 
-    workers: list[str]
+    workers: list[str] | WorkerSource
     fn: Callable
     prefetch_factor: int
     timeout: float
@@ -68,13 +68,13 @@ class _RemoteMapOwner:
     def items_served(self) -> dict[str, int]:
         """How many items each worker mapped (and this process accepted) so far."""
         if self._remote_map is None or self._remote_map.pid != os.getpid():
-            return dict.fromkeys(self.workers, 0)
+            return dict.fromkeys(listed(self.workers), 0)
         return self._remote_map.items_served.snapshot()
 
     def worker_states(self) -> dict[str, str]:
         """Each worker's state in this process: ``active``, ``down`` or ``probing``."""
         if self._remote_map is None or self._remote_map.pid != os.getpid():
-            return dict.fromkeys(self.workers, "active")
+            return dict.fromkeys(listed(self.workers), "active")
         return self._remote_map.pool.states()
 
 
@@ -126,7 +126,8 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
 
     Args:
         source: the node whose items are mapped.
-        workers: worker addresses, ``"host:port"``.
+        workers: worker addresses, ``"host:port"``; or a worker source (a file, ``"dns://NAME:PORT"``,
+            ``"redis://..."``, an :class:`rpcdl.WorkerSource`): workers that join take items mid-pass.
         fn: applied to each item on a worker; anything cloudpickle can send
             (lambdas and closures too). It is sent with every call (chunk):
             keep what it captures small and build heavy objects on the workers.
@@ -176,7 +177,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
                 f"source must be a torchdata.nodes.BaseNode, got {type(source).__name__}; wrap an iterable in "
                 "torchdata.nodes.IterableWrapper or a sampler in torchdata.nodes.SamplerWrapper"
             )
-        self.workers = check_workers(workers)
+        self.workers = workers_or_source(workers)
         check_fn(fn)
         check_options(prefetch_factor, timeout, max_chunk_size)
         check_int(
@@ -293,7 +294,8 @@ class RPCMapperIterDataPipe(_RemoteMapOwner, IterDataPipe):
 
     Args:
         source_datapipe: the DataPipe whose items are mapped.
-        workers: worker addresses, ``"host:port"``.
+        workers: worker addresses, ``"host:port"``; or a worker source (a file, ``"dns://NAME:PORT"``,
+            ``"redis://..."``, an :class:`rpcdl.WorkerSource`): workers that join take items mid-pass.
         fn: applied to each item on a worker (lambdas and closures too).
         prefetch_factor: calls (chunks of items, as :class:`RPCMapper`) in flight per worker.
         timeout: seconds a worker has to map a chunk before it goes to another.
@@ -323,7 +325,7 @@ class RPCMapperIterDataPipe(_RemoteMapOwner, IterDataPipe):
         super().__init__()
         if not isinstance(source_datapipe, IterDataPipe):
             raise TypeError(f"source_datapipe must be an IterDataPipe, got {type(source_datapipe).__name__}")
-        self.workers = check_workers(workers)
+        self.workers = workers_or_source(workers)
         check_fn(fn)
         check_options(prefetch_factor, timeout, max_chunk_size)
         self.source_datapipe = source_datapipe

@@ -40,6 +40,7 @@ _EXPORTS = {
     "RPCDataset": "data.dataset",
     "RPCDataloader": "data.dataloader",
     "NoWorkersLeft": "data.scheduler",
+    "WorkerSource": "data.sources",
     "local_workers": "local",
     "set_random_seeds": "seeding",
     "serve_metrics": "data.metrics",
@@ -70,6 +71,7 @@ __all__ = [
     "RemoteError",
     "Worker",
     "WorkerLeaving",
+    "WorkerSource",
     "WorkerTimeout",
     "WorkerUnavailable",
     "local_workers",
@@ -106,6 +108,7 @@ if TYPE_CHECKING:
     from .data.dataset import RPCDataset
     from .data.metrics import serve_metrics
     from .data.scheduler import NoWorkersLeft
+    from .data.sources import WorkerSource
     from .errors import (
         AuthenticationError,
         CacheUnavailable,

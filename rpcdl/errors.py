@@ -86,6 +86,11 @@ class WorkerLeaving(WorkerUnavailable):
         return type(self), (str(self), self.address)
 
 
+class UnknownHost(RPCDLError, LookupError):
+    """A worker's host name does not resolve: a typo or a name not made yet; never retried as a worker not
+    started yet (a source such as ``dns://NAME:PORT`` waits for its name instead)."""
+
+
 class ConnectionLost(RPCDLError, ConnectionError):
     """The connection to a worker broke while a call was in flight."""
 
@@ -129,6 +134,11 @@ class WorkerTimeout(RPCDLError, TimeoutError, RuntimeError):
 
     Also a :class:`RuntimeError`, as the error of torch's DataLoader when a batch times out.
     """
+
+
+class WorkerHung(WorkerTimeout):
+    """A worker stopped answering while the others went on (stopped, hung): a loader takes it out and sends
+    its calls elsewhere before their timeout, and probes it until it answers again."""
 
 
 class LimitExceeded(RPCDLError, ValueError):

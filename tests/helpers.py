@@ -130,3 +130,15 @@ class ArrayDataset(RangeDataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return torch.full((self.size // 8,), index, dtype=torch.int64)
+
+
+class SlowBuildDataset(RangeDataset):
+    """A :class:`RangeDataset` whose build, while the file ``slow_flag`` exists, first writes the file
+    ``building`` (the test then knows a build is under way) and sleeps ``build_delay`` seconds."""
+
+    def __init__(self, n: int, delay: float, slow_flag: str, building: str, build_delay: float):
+        if os.path.exists(slow_flag):
+            with open(building, "a") as marker:
+                marker.write(f"{os.getpid()}\n")
+            time.sleep(build_delay)
+        super().__init__(n, delay)

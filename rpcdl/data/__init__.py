@@ -1,6 +1,7 @@
 """Datasets and loaders on workers: RPCDataset, RPCDataloader, the scheduler, samplers, cache, distributed helpers.
 
-Threading: the data layer runs no thread of its own. The threads that advance
+Threading: the data layer runs no thread of its own, but for one per fleet
+over a changing worker source (:mod:`rpcdl.data.sources`). The threads that advance
 loaders' and remote maps' iterators do the work; each module says what it
 keeps, who owns it and how the others reach it. In short: a pool's workers and
 calls are guarded by the pool's lock (:mod:`rpcdl.data.pool`); a pass belongs

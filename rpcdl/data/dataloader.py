@@ -199,7 +199,7 @@ class RPCDataloader:
         self.seed = seed
         setup = DatasetSetup(dataset, min(call_timeout, PROBE_TIMEOUT))
         self._pool = WorkerPool(
-            dataset.workers, prefetch_factor=prefetch_factor, timeout=self._revival_wait(), setup=setup
+            dataset.fleet, prefetch_factor=prefetch_factor, timeout=self._revival_wait(), setup=setup
         )
         LIVE_POOLS.add(self._pool)
         serve_metrics_from_environment()  # when RPCDL_METRICS_PORT asks for it, once per process
@@ -266,7 +266,8 @@ class RPCDataloader:
         return self._flow.snapshot()
 
     def worker_states(self) -> dict[str, str]:
-        """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
+        """Each worker's state: ``active``, ``down``, ``probing``, ``excluded``, ``standby`` (another rank's,
+        used once this rank's own are gone) or ``left`` (its source no longer lists it)."""
         return self._pool.states()
 
     def worker_windows(self) -> dict[str, dict[str, Any]]:

@@ -7,6 +7,14 @@ restarted) fails with :class:`~rpcdl.errors.RRefNotFound`, which takes the
 worker out of the pool; the pool then revives it through the loader's
 :class:`DatasetSetup`, which builds the dataset there again.
 
+The workers come from a :class:`~rpcdl.data.sources.Fleet` (a list, a file,
+a DNS name, a registry, any ``addresses()``): the dataset is built on this
+client's own share of the fleet as it is made, waiting for the fleet to come
+up (up to :func:`~rpcdl.data.sources.start_timeout`, saying every 10 s what it
+waits for); a worker that joins later, or another rank's worker called on when
+this rank's own are gone, is given the dataset by its loader's pool (a revival
+through :class:`DatasetSetup`) before it serves.
+
 Threading: the references change on the thread that builds the dataset, on the
 threads of a loader's passes (a revival drops a reference) and on the threads
 completing rebuilds; the dataset's lock guards every access to them. The
@@ -18,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,13 +34,13 @@ import cloudpickle
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ..address import check_workers
 from ..checks import check_loader_timeout
 from ..errors import DatasetMismatch, WorkerTimeout, is_transient
 from ..rpc.client import rpc_async
 from ..rpc.invoke import named_arguments, unpicklable_part
 from ..rpc.rref import RRef, RRefNotFound
 from .probes import Revival, back_when, probe_async
+from .sources import WAIT_LOG_EVERY, Fleet, start_timeout
 
 log = logging.getLogger("rpcdl.dataset")
 
@@ -75,7 +84,10 @@ class RPCDataset(Dataset):
     again, and its length is checked against the others'.
 
     Args:
-        workers: worker addresses, ``"host:port"``.
+        workers: worker addresses, ``"host:port"``; or a worker source: a file
+            listing them (watched), ``"dns://NAME:PORT"``, ``"redis://HOST:PORT[/DB]?key=KEY"``,
+            any object with ``addresses()`` (:class:`rpcdl.WorkerSource`), or a
+            :class:`~rpcdl.data.sources.Fleet` (a source with this rank's share).
         dataset: a dataset class, or any callable returning a map-style
             dataset (lambdas included).
         args: positional arguments for ``dataset``.
@@ -89,15 +101,17 @@ class RPCDataset(Dataset):
 
     Raises:
         DatasetMismatch: workers built datasets of different lengths.
-        WorkerUnavailable: no worker could build it.
+        WorkerUnavailable: no worker could build it within ``rpcdl_start_timeout``.
         WorkerTimeout: no worker finished building it within ``rpcdl_timeout``
             (the message names the workers and how to allow more).
         TypeError: ``dataset`` is (or built) an ``IterableDataset``.
         Exception: whatever ``dataset(...)`` raised on a worker, with its traceback.
 
     .. note::
-        In a distributed job, give each trainer its own workers
-        (``workers[rank::world_size]``, see :func:`rpcdl.distributed.shard_workers`).
+        In a distributed job, give each rank a
+        ``Fleet(workers, rank, world_size)``: it builds the dataset on its own
+        share (``workers[rank::world_size]``) and calls on the others' when its
+        own are gone (``RPCDataModule`` does this).
 
     Example::
 
@@ -115,42 +129,87 @@ class RPCDataset(Dataset):
         dataset: Callable[..., Dataset],
         *args: Any,
         rpcdl_timeout: float = 120.0,
+        rpcdl_start_timeout: float | None = None,
         **kwargs: Any,
     ):
-        workers = check_workers(workers)
+        self.fleet = workers if isinstance(workers, Fleet) else Fleet(workers)
         if not callable(dataset):
             raise TypeError(f"dataset must be a dataset class or a callable returning one, got {dataset!r}")
         if isinstance(dataset, type) and issubclass(dataset, IterableDataset):
             raise _iterable_dataset_error(dataset.__qualname__)
         self.timeout = check_loader_timeout(rpcdl_timeout, "rpcdl_timeout")
         self._timeout_given = float(rpcdl_timeout)
-        self.workers: list[str] = workers
         self.factory = dataset
         self.args = args
         self.kwargs = kwargs
         self._lock = threading.Lock()
-        self._rrefs: dict[str, RRef | None] = dict.fromkeys(self.workers)
+        self._rrefs: dict[str, RRef | None] = {}
         self._length: int | None = None  # the first build's, fixed from then on
-        futures = {address: self.build_async(address) for address in self.workers}
-        failures: dict[str, BaseException] = {}
-        for address, future in futures.items():
-            try:
-                rref, length = future.wait()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                if isinstance(exc, WorkerTimeout):
-                    exc = self._build_timed_out(address, exc)
-                failures[address] = exc
-                continue
-            if not self._built_any():  # the first copy built: the others must have its length
-                self._length = length
-            self.accept(address, rref, length)
-        if not self._built_any():
+        self._build_first(start_timeout(rpcdl_start_timeout))
+
+    def _build_first(self, timeout: float) -> None:
+        """Build the dataset on this client's own share of the fleet, waiting for the fleet to come up."""
+        started = time.monotonic()
+        said = started
+        membership = self.fleet.wait_for_workers(timeout) if self.fleet.changing else self.fleet.membership()
+        while True:
+            own = [address for address in membership.addresses if address in membership.own]
+            with self._lock:
+                for address in membership.addresses:
+                    self._rrefs.setdefault(address, None)
+            futures = {address: self.build_async(address) for address in own}
+            failures: dict[str, BaseException] = {}
+            for address, future in futures.items():
+                while not _done_within(future, max(0.0, said + WAIT_LOG_EVERY - time.monotonic())):
+                    said = time.monotonic()
+                    log.warning(
+                        "waiting for rpcdl workers (%.0fs of %gs): %s lists %d, building the dataset on %s",
+                        said - started,
+                        timeout,
+                        self.fleet.describe(),
+                        len(membership.addresses),
+                        ", ".join(own),
+                    )
+                try:
+                    rref, length = future.wait()
+                except Exception as exc:
+                    if not is_transient(exc):
+                        raise
+                    if isinstance(exc, WorkerTimeout):
+                        exc = self._build_timed_out(address, exc)
+                    failures[address] = exc
+                    continue
+                if not self._built_any():  # the first copy built: the others must have its length
+                    self._length = length
+                self.accept(address, rref, length)
+            if self._built_any():
+                for address, exc in failures.items():
+                    log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
+                return
+            now = time.monotonic()
             details = "; ".join(f"{a}: {e}" for a, e in failures.items())
-            raise type(next(iter(failures.values())))(f"no worker could build the dataset: {details}")
-        for address, exc in failures.items():  # only now: with no copy built, nothing would be retried
-            log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
+            if now - started >= timeout or isinstance(next(iter(failures.values())), WorkerTimeout):
+                raise type(next(iter(failures.values())))(
+                    f"no worker could build the dataset (waited {now - started:.0f}s of {timeout:g}s, set "
+                    f"RPCDL_START_TIMEOUT or rpcdl_start_timeout= to wait longer): {details}"
+                )
+            if now - said >= WAIT_LOG_EVERY:
+                said = now
+                log.warning(
+                    "waiting for rpcdl workers (%.0fs of %gs): %s: none could build the dataset yet: %s",
+                    now - started,
+                    timeout,
+                    self.fleet.describe(),
+                    details,
+                )
+            time.sleep(1.0)
+            membership = self.fleet.refresh() if self.fleet.changing else membership
+
+    @property
+    def workers(self) -> list[str]:
+        """The workers this dataset knows of: where it is built, or may be built (its fleet's, so far)."""
+        with self._lock:
+            return list(self._rrefs)
 
     def _build_timed_out(self, address: str, exc: WorkerTimeout) -> WorkerTimeout:
         name = getattr(self.factory, "__qualname__", "dataset")
@@ -169,7 +228,7 @@ class RPCDataset(Dataset):
     def rrefs(self) -> list[RRef | None]:
         """The remote references, one per worker (``None`` where not built)."""
         with self._lock:
-            return [self._rrefs[address] for address in self.workers]
+            return list(self._rrefs.values())
 
     def rref(self, address: str) -> RRef | None:
         """The reference to the dataset on ``address``, or ``None`` if it is not built there."""
@@ -227,7 +286,7 @@ class RPCDataset(Dataset):
     def release(self) -> None:
         """Free the copies on every worker now rather than when this object is collected."""
         with self._lock:
-            self._rrefs = dict.fromkeys(self.workers)
+            self._rrefs = dict.fromkeys(self._rrefs)
 
     def __getstate__(self) -> dict[str, Any]:
         with self._lock:
@@ -251,7 +310,9 @@ class RPCDataset(Dataset):
 
     def __getitem__(self, index: Any) -> Any:
         """Fetch one sample from the first worker holding the dataset (for inspection)."""
-        for address, rref in zip(self.workers, self.rrefs, strict=True):
+        with self._lock:
+            built = list(self._rrefs.items())
+        for address, rref in built:
             if rref is not None:
                 return rpc_async(address, _get_item, (rref, index), timeout=self.timeout).wait()
         raise RuntimeError("no worker holds this dataset")
@@ -259,6 +320,15 @@ class RPCDataset(Dataset):
     def __repr__(self) -> str:
         name = getattr(self.factory, "__qualname__", repr(self.factory))
         return f"RPCDataset({name}, workers={self.workers}, length={self._length})"
+
+
+def _done_within(future: torch.futures.Future, seconds: float) -> bool:
+    """Whether ``future`` is done within ``seconds`` (it is not waited on beyond)."""
+    if future.done():
+        return True
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done.wait(seconds)
 
 
 class DatasetSetup:

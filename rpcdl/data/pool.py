@@ -8,16 +8,26 @@ and the revivals in flight. The decisions are the
 (:class:`~rpcdl.data.scheduler.Dispatch`) asks for them through
 :meth:`WorkerPool.locked`.
 
+The workers come from a :class:`~rpcdl.data.sources.Fleet`: a fixed list, or
+a source that changes. At each step a pass takes in the fleet's changes
+(:meth:`PoolState.follow_fleet`): a worker that joins is set up (a revival)
+and then given tasks, one that leaves is given none while its calls in flight
+finish; the other ranks' workers wait in reserve (``STANDBY``) until none of
+this client's own is active.
+
 Threading: the pool runs no thread of its own. Its state (:class:`PoolState`:
 the workers' records, the state of every call in flight, the registry of
-passes) is guarded by ONE lock, which every access holds: the threads
+passes, the fleet version it follows and its count of answers) is guarded by
+ONE lock, which every access holds: the threads
 advancing its passes (several at once, one per pass) take it for each step,
 and readers (:meth:`WorkerPool.states`, :meth:`WorkerPool.windows`) to copy
 what they show. Nothing waits while holding it: a pass reads answers and pulls
 from its source outside it, and what must not run under it (handing dropped
 calls' answers to the connections' threads, starting revivals, logging) is
 done by the thread leaving it, after it lets go (:meth:`PoolState.__exit__`).
-Other threads reach the pool through queues only: a revival's future puts a
+The fleet's own lock is a leaf taken under the pool's, for a copy of its
+latest list (its thread never takes the pool's). Other threads reach the pool
+through queues only: a revival's future puts a
 :class:`~rpcdl.data.events.ProbeEnded` on the pool's probe queue, handled by
 the next pass that takes the lock; a pass's calls answer on its own queue.
 
@@ -42,12 +52,14 @@ from typing import Any
 
 import torch
 
+from ..errors import WorkerHung
 from ..rpc.client import read_in_background
 from .events import WAKE, Orphaned, post_probe_end
 from .flow import CALL_SECONDS
 from .probes import PROBE_TIMEOUT, PingSetup, Revival, WorkerSetup
 from .records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
 from .scheduling_policy import SchedulingPolicy, active
+from .sources import Fleet
 
 __all__ = ["PassRecord", "PoolState", "Registration", "WorkerPool"]
 
@@ -91,12 +103,20 @@ class PoolState:
         clock: the time in seconds, monotonic.
     """
 
-    def __init__(
-        self, workers: Sequence[str], policy: SchedulingPolicy, clock: Callable[[], float], setup: WorkerSetup
-    ):
-        self.slots = [WorkerSlot(address, index) for index, address in enumerate(workers)]
+    def __init__(self, fleet: Fleet, policy: SchedulingPolicy, clock: Callable[[], float], setup: WorkerSetup):
         self.policy = policy
         self.clock = clock
+        self.fleet = fleet
+        self.answers = 0  # answers from all the workers so far (see SchedulingPolicy.hung)
+        membership = fleet.membership()
+        self._version = membership.version
+        # The workers listed now are set up by their dataset before the pool begins (those that failed to build
+        # it are revived at their first call); the others' wait in reserve until this client's own are gone.
+        self.slots: list[WorkerSlot] = []
+        for index, address in enumerate(membership.addresses):
+            own = address in membership.own
+            self.slots.append(WorkerSlot(address, index, own, WorkerState.ACTIVE if own else WorkerState.STANDBY))
+        self._by_address = {slot.address: slot for slot in self.slots}
         self._setup = setup
         self._lock = threading.Lock()
         self._passes: dict[int, PassRecord] = {}
@@ -127,12 +147,57 @@ class PoolState:
         for slot, address, failure in starts:
             self._start_probe(slot, address, failure, waiting)
 
+    # ------------------------------------------------------------------ the fleet
+
+    def follow_fleet(self) -> None:
+        """Take in the fleet's changes since the last look: a worker that joined is set up and then given
+        tasks; one that left is given none (its calls in flight finish); shares are updated."""
+        membership = self.fleet.membership()  # the fleet's lock is a leaf: held for a copy
+        if membership.version == self._version:
+            return
+        self._version = membership.version
+        listed = set(membership.addresses)
+        now = self.clock()
+        for address in membership.addresses:
+            slot = self._by_address.get(address)
+            own = address in membership.own
+            if slot is None:
+                slot = WorkerSlot(address, len(self.slots), own, WorkerState.DOWN if own else WorkerState.STANDBY)
+                slot.probe_at = now
+                self.slots.append(slot)
+                self._by_address[address] = slot
+                self._notes.append((logging.WARNING, "worker %s joined (from %s)", (address, self.fleet.describe())))
+            elif slot.state is WorkerState.LEFT:
+                slot.state, slot.probe_at, slot.failure = WorkerState.DOWN, now, None
+                self._notes.append((logging.WARNING, "worker %s is listed again", (address,)))
+            slot.preferred = own
+            if own and slot.state is WorkerState.STANDBY:
+                slot.state, slot.probe_at = WorkerState.DOWN, now
+        self._to_probe.extend(self.policy.probes_due(self.slots, now))  # those that joined: set up now
+        for slot in self.slots:
+            if slot.address not in listed and slot.state not in (WorkerState.LEFT, WorkerState.EXCLUDED):
+                slot.state = WorkerState.LEFT
+                slot.preferred = False
+                message = "worker %s left %s: it is given no more calls (%d in flight finish)"
+                self._notes.append(
+                    (logging.WARNING, message, (slot.address, self.fleet.describe(), len(slot.in_flight)))
+                )
+
+    def hung(self) -> list[tuple[WorkerSlot, WorkerHung]]:
+        """The active workers that stopped answering while the others went on, each with the error that
+        takes it out (see :meth:`SchedulingPolicy.hung`)."""
+        return [
+            (slot, WorkerHung(f"worker {slot.address}: {why}"))
+            for slot, why in self.policy.hung(self.slots, self.clock(), self.answers)
+        ]
+
     # ------------------------------------------------------------------ passes
 
     def open_pass(self, owner: object, events: queue.SimpleQueue) -> PassRecord:
         """Register a new pass ``owner`` whose calls answer on ``events``; the workers that are down are
         probed at once."""
         self.reclaim_dropped()
+        self.follow_fleet()
         self.policy.probe_all_down_now(self.slots, self.clock())
         record = PassRecord(next(self._numbers), owner, events)
         self._passes[record.number] = record
@@ -184,7 +249,7 @@ class PoolState:
 
     def sent(self, attempt: Attempt) -> None:
         """Count ``attempt``, a call just made, against its worker."""
-        self.policy.sent(self.slots[attempt.worker], attempt)
+        self.policy.sent(self.slots[attempt.worker], attempt, self.answers)
 
     def in_flight(self) -> list[torch.futures.Future]:
         """The futures of every call in flight, of every pass."""
@@ -226,9 +291,11 @@ class PoolState:
     def observe(self, attempt: Attempt, measure_link: bool) -> None:
         """Learn from the answer of ``attempt``, seen now (see :meth:`SchedulingPolicy.observe`); count its
         duration in :data:`~rpcdl.data.flow.CALL_SECONDS`."""
+        self.answers += 1
         now = self.clock()
         CALL_SECONDS.observe(now - attempt.sent_at)
-        self.policy.observe(self.slots[attempt.worker], attempt, now, measure_link=measure_link)
+        slot = self.slots[attempt.worker]
+        self.policy.observe(slot, attempt, now, answers=self.answers, measure_link=measure_link)
 
     def gives_up(self, task: Task) -> bool:
         """Whether ``task`` timed out on as many workers as could serve it."""
@@ -244,7 +311,9 @@ class PoolState:
         """
         if slot.state is WorkerState.EXCLUDED:
             return []
-        if slot.state is WorkerState.ACTIVE:
+        if slot.state in (WorkerState.ACTIVE, WorkerState.LEFT) and isinstance(failure, WorkerHung):
+            self._notes.append((logging.WARNING, "routing around worker %s: %s", (slot.address, failure)))
+        elif slot.state is WorkerState.ACTIVE:
             self._notes.append((logging.WARNING, "worker %s left: %s", (slot.address, failure)))
         own = []
         for attempt in self.policy.take_down(slot, failure, self.clock()):
@@ -260,7 +329,12 @@ class PoolState:
     # ------------------------------------------------------------------ revival
 
     def start_due_probes(self) -> None:
-        """Revive the workers whose probe is due (they are ``PROBING`` from now on)."""
+        """Revive the workers whose probe is due (they are ``PROBING`` from now on); when none of this
+        client's own workers is left, the others' in reserve are set up first."""
+        called = self.policy.call_on_standby(self.slots, self.clock())
+        if called:
+            names = ", ".join(slot.address for slot in called)
+            self._notes.append((logging.WARNING, "none of this rank's own workers is left: using %s", (names,)))
         self._to_probe.extend(self.policy.probes_due(self.slots, self.clock()))
 
     def handle_probe_ends(self) -> None:
@@ -301,7 +375,7 @@ class WorkerPool:
     """The workers of one loader or mapper, and their health, across passes (see the module).
 
     Args:
-        workers: worker addresses.
+        workers: worker addresses, or the :class:`~rpcdl.data.sources.Fleet` to follow.
         prefetch_factor: calls in flight per worker at least (and tasks not
             handed out yet per active worker); a worker whose link needs more
             to stay busy gets more, up to ``max_window``
@@ -322,7 +396,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        workers: Sequence[str],
+        workers: Sequence[str] | Fleet,
         *,
         prefetch_factor: int,
         timeout: float,
@@ -330,21 +404,29 @@ class WorkerPool:
         max_window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.workers = list(workers)
+        self.fleet = workers if isinstance(workers, Fleet) else Fleet(list(workers))
         self.prefetch_factor = prefetch_factor
         self.timeout = float(timeout)
         policy = SchedulingPolicy(prefetch_factor=prefetch_factor, timeout=self.timeout, max_window=max_window)
         setup = setup if setup is not None else PingSetup(min(self.timeout, PROBE_TIMEOUT))
-        self._state = PoolState(self.workers, policy, clock, setup)
+        self._state = PoolState(self.fleet, policy, clock, setup)
+
+    @property
+    def workers(self) -> list[str]:
+        """Every worker the pool knows of, those that left included, in the order it learnt of them."""
+        with self._state as state:
+            return [slot.address for slot in state.slots]
 
     def locked(self) -> PoolState:
         """The pool's state, to enter (``with pool.locked() as state:``): entering takes the pool's lock."""
         return self._state
 
     def states(self) -> dict[str, str]:
-        """Each worker's state: ``active``, ``down``, ``probing`` or ``excluded``."""
+        """Each worker's state: ``active``, ``down``, ``probing``, ``excluded``, ``standby`` (another rank's,
+        in reserve) or ``left`` (its source no longer lists it)."""
         with self._state as state:
             state.reclaim_dropped()
+            state.follow_fleet()
             return {slot.address: slot.state.value for slot in state.slots}
 
     def active(self) -> list[tuple[int, str]]:

@@ -33,6 +33,8 @@ class WorkerState(enum.Enum):
     DOWN = "down"  #: failed; revived when its probe is due
     PROBING = "probing"  #: a revival is in flight
     EXCLUDED = "excluded"  #: cannot serve, its dataset differs say; never used again
+    STANDBY = "standby"  #: another rank's worker in reserve, set up and used once this rank's own are gone
+    LEFT = "left"  #: no longer listed by its source; given no tasks while its calls in flight finish
 
 
 class WorkerSlot:
@@ -46,10 +48,15 @@ class WorkerSlot:
     flight (``None``: ``prefetch_factor``), adapted by
     :meth:`rpcdl.data.scheduling_policy.SchedulingPolicy.observe`.
     ``failure``: what took it out last (``None`` while it never failed).
+    ``preferred``: whether it is in this client's own share of the fleet
+    (a rank's ``workers[rank::world_size]``); the others are used only when
+    none of the own ones is active.
 
     Args:
         address: the worker's ``host:port``.
         index: its place in the pool.
+        preferred: whether it is in this client's own share.
+        state: its state to begin with.
     """
 
     __slots__ = (
@@ -61,9 +68,11 @@ class WorkerSlot:
         "index",
         "last_done",
         "last_sent",
+        "preferred",
         "probe_at",
         "probe_delay",
         "probes",
+        "quiet_mark",
         "round_trip",
         "round_trips",
         "rtt",
@@ -73,10 +82,11 @@ class WorkerSlot:
         "window_filled",
     )
 
-    def __init__(self, address: str, index: int):
+    def __init__(self, address: str, index: int, preferred: bool = True, state: WorkerState = WorkerState.ACTIVE):
         self.address = address
         self.index = index
-        self.state = WorkerState.ACTIVE
+        self.preferred = preferred
+        self.state = state
         self.in_flight: set[Attempt] = set()  # calls sent and not answered, of every pass
         self.service_time: float | None = None
         self.rtt: float | None = None
@@ -92,6 +102,7 @@ class WorkerSlot:
         self.probes = 0  # probes ended, whatever they found
         self.downs = 0  # times it was taken out
         self.failure: BaseException | None = None
+        self.quiet_mark = 0  # the pool's count of answers when it last answered, or was sent a call idle
 
     def expected_done(self, default: float) -> float:
         """When a new call sent now would finish, in service times from now.

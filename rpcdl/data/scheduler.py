@@ -12,6 +12,11 @@ over a :class:`~rpcdl.data.pool.WorkerPool`:
 - finished tasks are handed out in source order (or as they complete); when
   the task the consumer waits for is late, a copy goes to another worker and
   the first answer wins;
+- a worker that stops answering while the others go on (stopped, hung) is
+  taken out as soon as that is clear, long before ``timeout``
+  (:meth:`~rpcdl.data.scheduling_policy.SchedulingPolicy.hung`); a worker
+  that joins the pool's fleet is set up and given tasks mid-pass, one that
+  leaves it is given no more;
 - an infrastructure failure (:func:`rpcdl.errors.is_transient`, or a worker
   that lost its state) takes the worker out: its tasks go to the others, it is
   revived in the background and rejoins (see :mod:`rpcdl.data.probes`); a task
@@ -113,7 +118,7 @@ class Dispatch(Iterator[Task]):
         self._outstanding: dict[int, Task] = {}  # pulled, not handed out, in source order
         self._waiting: collections.deque[Task] = collections.deque()  # to (re)send, oldest first
         self._finished: collections.deque[Task] = collections.deque()  # in completion order
-        self._all_down = AllDownWatch(pool.timeout)
+        self._all_down = AllDownWatch(pool.timeout, joins=pool.fleet.changing)
         self._entry = EntryGuard("this pass")
         self._events: queue.SimpleQueue[PassEvent] = queue.SimpleQueue()  # its calls' answers, from any thread
         with pool.locked() as shared:
@@ -199,6 +204,7 @@ class Dispatch(Iterator[Task]):
             with self.pool.locked() as shared:
                 self._check_open()
                 shared.reclaim_dropped()  # what dropped passes hold may be what this one waits for
+                shared.follow_fleet()
                 shared.start_due_probes()
                 in_flight = shared.in_flight()  # every pass's: an answer to another frees a worker for this one
                 timeout = shared.wait_time(self.in_order and bool(self._outstanding))
@@ -228,6 +234,7 @@ class Dispatch(Iterator[Task]):
 
     def _send_ready(self, shared: PoolState) -> int:
         """Send a copy of the head if it is late, then what waits; how many tasks the pass may pull now."""
+        shared.follow_fleet()  # a worker that joined is set up at once, one that left given nothing more
         if self.in_order and self._outstanding:
             head = self._head()
             slot = shared.hedge(head)
@@ -287,6 +294,8 @@ class Dispatch(Iterator[Task]):
                     self._sort_waiting()
         shared.handle_probe_ends()
         shared.release_answered(self._record)
+        for slot, failure in shared.hung():  # after the answers that came: their workers are not silent
+            self._take_down(shared, slot, failure)
         return self._all_down.check(shared.slots, shared.clock())
 
     def _take_events(self, timeout: float) -> list[PassEvent]:

@@ -37,6 +37,17 @@ holds the pool's lock):
    probed (a worker alive but still running calls that timed out stays
    ``PROBING`` until they end), and either none can come back or ``timeout``
    seconds have passed since one was active.
+8. While one of this client's own workers (``preferred``) is active, only
+   own workers are given new tasks; the others' (``STANDBY`` until first
+   needed) take tasks, and copies of late ones, when none of its own is.
+9. An active worker with calls in flight that has not answered for
+   ``HUNG_FACTOR`` times the longer of its own and the best service
+   time (at least ``HUNG_FLOOR`` seconds), while the others answered
+   ``HUNG_ANSWERS`` calls meanwhile, is hung: it is taken out like a
+   worker whose call timed out (:class:`~rpcdl.errors.WorkerHung`), long before ``timeout``.
+   The only active worker of a client with others' workers in reserve is
+   judged against its own measured service time alone (at least
+   ``HUNG_ALONE_FLOOR`` seconds); a client's only worker is not judged.
 """
 
 from __future__ import annotations
@@ -50,6 +61,10 @@ from .records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, TaskState, 
 
 __all__ = [
     "HEDGE_FACTOR",
+    "HUNG_ALONE_FLOOR",
+    "HUNG_ANSWERS",
+    "HUNG_FACTOR",
+    "HUNG_FLOOR",
     "MAX_PROBE_DELAY",
     "MAX_WINDOW_FACTOR",
     "SLOW_FACTOR",
@@ -58,6 +73,7 @@ __all__ = [
     "active",
     "any_active",
     "is_worker_failure",
+    "own_active",
 ]
 
 HEDGE_FACTOR = 3.0  # a head task older than this many service times gets a copy elsewhere
@@ -66,6 +82,10 @@ MIN_HEDGE_AGE = 0.05
 MAX_PROBE_DELAY = 5.0
 IDLE_WAIT = 0.5
 MAX_WINDOW_FACTOR = 4  # the adaptive window grows to at most this times prefetch_factor
+HUNG_FACTOR = 10.0  # silent for this many service times (its own or the best, the longer) while others answer: hung
+HUNG_FLOOR = 1.0  # seconds of silence never taken for a hang, however fast the workers
+HUNG_ANSWERS = 3  # answers the other workers gave during that silence (they are not all waiting on the client)
+HUNG_ALONE_FLOOR = 5.0  # seconds of silence of a rank's only active worker before the reserve takes over
 _SERVICE_WEIGHT = 0.5  # weight of a new sample in the service-time average (it follows changes fast)
 _GROW_BELOW = 0.5  # calls waiting at a worker whose window was full: fewer, and the window grows by one
 _LEAVE_FLOOR_BELOW = 0.25  # the same, to grow past prefetch_factor: round trips on loopback are noisy
@@ -123,19 +143,24 @@ class SchedulingPolicy:
     def pass_window(self, slots: Sequence[WorkerSlot]) -> int:
         """How many tasks a pass may hold pulled and not handed out: the active workers' windows together."""
         total = 0
+        own = own_active(slots)
         for slot in slots:
-            if slot.state is WorkerState.ACTIVE:
+            if slot.state is WorkerState.ACTIVE and (slot.preferred or not own):
                 total += self.window(slot)
         return total or self.prefetch_factor
 
-    def sent(self, slot: WorkerSlot, attempt: Attempt) -> None:
-        """Record a call sent to ``slot``."""
+    def sent(self, slot: WorkerSlot, attempt: Attempt, answers: int = 0) -> None:
+        """Record a call sent to ``slot``; ``answers``: how many the pool has had from all its workers so far."""
+        if not slot.in_flight:  # it was idle: its silence starts now
+            slot.quiet_mark = answers
         slot.in_flight.add(attempt)
         slot.last_sent = attempt.sent_at
         if len(slot.in_flight) >= self.window(slot):
             slot.window_filled = True
 
-    def observe(self, slot: WorkerSlot, attempt: Attempt, now: float, *, measure_link: bool = True) -> None:
+    def observe(
+        self, slot: WorkerSlot, attempt: Attempt, now: float, *, answers: int = 0, measure_link: bool = True
+    ) -> None:
         """Learn from an answer to ``attempt`` seen at ``now``: the service time, and the window.
 
         The window follows the bandwidth-delay product of the worker and its
@@ -154,6 +179,7 @@ class SchedulingPolicy:
         that slows down makes calls wait: its window shrinks back.
 
         Args:
+            answers: how many answers the pool has had from all its workers, this one included.
             measure_link: whether ``now`` is when the answer arrived. An answer
                 that waited for a busy consumer says nothing of the link: it
                 updates the service time only. The first answer since the
@@ -163,6 +189,7 @@ class SchedulingPolicy:
         first = slot.service_time is None
         service = now - max(attempt.sent_at, slot.last_done)
         slot.last_done = now
+        slot.quiet_mark = answers
         slot.service_time = _average(slot.service_time, service, _SERVICE_WEIGHT)
         if not measure_link or first:
             return
@@ -198,15 +225,18 @@ class SchedulingPolicy:
         """An idle worker passed over as slow gets a task again after idling one service time."""
         return not slot.in_flight and now - max(slot.last_done, slot.last_sent) > (slot.service_time or 0.0)
 
-    def pick(self, slots: Sequence[WorkerSlot], now: float, exclude: WorkerSlot | None = None) -> WorkerSlot | None:
+    def pick(
+        self, slots: Sequence[WorkerSlot], now: float, exclude: WorkerSlot | None = None, anyone: bool = False
+    ) -> WorkerSlot | None:
         """The active worker expected to finish a new task first, with room in its window; ``None`` when
         none has room, or when the one with room is much slower than the best could be (better wait),
-        unless it is due for a trial."""
+        unless it is due for a trial. Only this client's own workers while one is active, unless ``anyone``."""
         default = self.default_service_time(slots)
         best_possible = float("inf")
         chosen, chosen_key = None, None
+        own_only = not anyone and own_active(slots)
         for slot in slots:  # one pass: the best any candidate could do, and the best one with room
-            if slot.state is not WorkerState.ACTIVE or slot is exclude:
+            if slot.state is not WorkerState.ACTIVE or slot is exclude or (own_only and not slot.preferred):
                 continue
             calls = len(slot.in_flight)
             done = slot.expected_done(default)
@@ -238,7 +268,7 @@ class SchedulingPolicy:
         remaining_here = (here.service_time or default) - age
         if not late and remaining_here <= SLOW_FACTOR * default:
             return None
-        slot = self.pick(slots, now, exclude=here)
+        slot = self.pick(slots, now, exclude=here, anyone=True)
         if slot is not None and (late or remaining_here > SLOW_FACTOR * slot.expected_done(default)):
             return slot
         return None
@@ -254,10 +284,11 @@ class SchedulingPolicy:
         """
         if slot.state == WorkerState.EXCLUDED:
             return []
-        slot.state = WorkerState.DOWN
         slot.failure = failure
-        slot.downs += 1
-        self._schedule_probe(slot, now)
+        if slot.state is not WorkerState.LEFT:  # one that left is not revived
+            slot.state = WorkerState.DOWN
+            slot.downs += 1
+            self._schedule_probe(slot, now)
         orphans = list(slot.in_flight)
         for attempt in orphans:
             attempt.state = AttemptState.ORPHANED
@@ -266,7 +297,56 @@ class SchedulingPolicy:
 
     def gives_up(self, task: Task, slots: Sequence[WorkerSlot]) -> bool:
         """Whether ``task`` timed out on as many workers as could serve it: its timeout is its result."""
-        return task.timeouts >= sum(slot.state != WorkerState.EXCLUDED for slot in slots)
+        return task.timeouts >= sum(slot.state not in (WorkerState.EXCLUDED, WorkerState.LEFT) for slot in slots)
+
+    def hung(self, slots: Sequence[WorkerSlot], now: float, answers: int) -> list[tuple[WorkerSlot, str]]:
+        """The active workers that stopped answering while the others went on (invariant 9), each with why.
+
+        Args:
+            answers: how many answers the pool has had from all its workers so far.
+        """
+        found = []
+        default = self.default_service_time(slots)
+        active_now = [slot for slot in slots if slot.state is WorkerState.ACTIVE]
+        reserve = any(slot.state is WorkerState.STANDBY for slot in slots)
+        for slot in slots:  # those that left finish their calls in flight: they are judged too
+            if slot.state not in (WorkerState.ACTIVE, WorkerState.LEFT) or not slot.in_flight:
+                continue
+            others_answered = answers - slot.quiet_mark >= HUNG_ANSWERS
+            # The only active worker, with others' in reserve: judged against its own measured service time.
+            alone = active_now == [slot] and reserve and slot.service_time is not None
+            if not (others_answered or alone):
+                continue
+            oldest = min(attempt.sent_at for attempt in slot.in_flight)
+            silence = now - max(oldest, slot.last_done)
+            expected = max(slot.service_time or default, default)
+            limit = max(HUNG_FACTOR * expected, HUNG_FLOOR if others_answered else HUNG_ALONE_FLOOR)
+            if silence < limit:
+                continue
+            own = "not measured" if slot.service_time is None else f"{slot.service_time:.3g}s"
+            meanwhile = (
+                f"the other workers answered {answers - slot.quiet_mark} calls"
+                if others_answered
+                else "other ranks' workers wait in reserve"
+            )
+            why = (
+                f"it did not answer for {silence:.1f}s while {meanwhile} (its service time {own}, the best "
+                f"{default:.3g}s): its calls go elsewhere, and it is probed until it answers again"
+            )
+            found.append((slot, why))
+        return found
+
+    def call_on_standby(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
+        """When no worker is active (this client's own are gone or hung), the others' held in reserve are
+        set up now (they are ``DOWN`` with a probe due from now on). Not only once the own workers' probes
+        failed: a probe of a worker that died may wait for its connection's grace."""
+        if any(slot.state is WorkerState.ACTIVE for slot in slots):
+            return []
+        called = [slot for slot in slots if slot.state is WorkerState.STANDBY]
+        for slot in called:
+            slot.state = WorkerState.DOWN
+            slot.probe_at = now
+        return called
 
     def probe_all_down_now(self, slots: Sequence[WorkerSlot], now: float) -> None:
         """A new pass begins: the workers that are down are probed at once."""
@@ -338,10 +418,13 @@ class AllDownWatch:
 
     Args:
         timeout: seconds to wait for a worker to come back once none is active.
+        joins: whether workers may join (a changing source): then the pass waits
+            ``timeout`` even when none of those it knows can come back.
     """
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, joins: bool = False):
         self.timeout = timeout
+        self.joins = joins
         self.all_down_since: float | None = None
         self._counts_then: dict[str, tuple[int, int]] = {}  # each worker's (probes, downs) when the wait began
 
@@ -357,9 +440,9 @@ class AllDownWatch:
             self._counts_then = then = {slot.address: (slot.probes, slot.downs) for slot in slots}
         if any(slot.state is WorkerState.PROBING for slot in slots):
             return None  # a probe that ends in failure has its own timeout
-        recoverable = [slot for slot in slots if slot.state != WorkerState.EXCLUDED]
+        recoverable = [slot for slot in slots if slot.state not in (WorkerState.EXCLUDED, WorkerState.LEFT)]
         unasked = any(slot.probes == then.get(slot.address, (0, 0))[0] for slot in recoverable)
-        if recoverable and (now - self.all_down_since < self.timeout or unasked):
+        if (recoverable or self.joins) and (now - self.all_down_since < self.timeout or unasked):
             return None
         details = "; ".join(f"{slot.address} ({slot.state.value}: {slot.failure})" for slot in slots)
         return f"no worker is left (waited {self.timeout:g}s for one to come back): {details}"
@@ -373,3 +456,8 @@ def active(slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
 def any_active(slots: Sequence[WorkerSlot]) -> bool:
     """Whether a worker may be given tasks."""
     return any(slot.state is WorkerState.ACTIVE for slot in slots)
+
+
+def own_active(slots: Sequence[WorkerSlot]) -> bool:
+    """Whether one of this client's own workers may be given tasks."""
+    return any(slot.preferred and slot.state is WorkerState.ACTIVE for slot in slots)

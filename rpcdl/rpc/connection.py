@@ -78,7 +78,15 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..address import parse_address
-from ..errors import AuthenticationError, ConnectionLost, FrameTooLarge, ProtocolError, WorkerLeaving, WorkerUnavailable
+from ..errors import (
+    AuthenticationError,
+    ConnectionLost,
+    FrameTooLarge,
+    ProtocolError,
+    UnknownHost,
+    WorkerLeaving,
+    WorkerUnavailable,
+)
 from ..transport import buffers, shm
 from ..transport.compression import resolve_mode
 from ..transport.control import decode_leaving
@@ -489,7 +497,7 @@ class Connection:
                 compression=self._asked_compression,
                 shared_memory=self._offers_shm,
             )
-        except (AuthenticationError, ProtocolError) as exc:
+        except (AuthenticationError, ProtocolError, UnknownHost) as exc:
             self.close(str(exc), type(exc))
             return None
         except WorkerUnavailable as exc:

@@ -8,8 +8,12 @@ guarded by ``_warned_lock``.
 
 What happens to each kind of failure:
 
-* **Refused** (connection refused, no route to the host, a host name that does
-  not resolve yet): the worker may simply not be started yet, so the attempt is
+* **A host name that does not resolve** (no such name): raises
+  :class:`~rpcdl.errors.UnknownHost` at once, saying so; it is a typo, or a
+  name not made yet, never a worker not started yet. (A name the resolver
+  cannot answer for now, ``EAI_AGAIN``, is retried as a refusal.)
+* **Refused** (connection refused, no route to the host, a name the resolver
+  cannot answer for now): the worker may simply not be started yet, so the attempt is
   retried for a grace period, ``RPCDL_CONNECT_GRACE`` seconds (default
   :data:`DEFAULT_CONNECT_GRACE`). After :data:`WARN_AFTER` seconds a warning on
   the ``rpcdl.rpc.client`` logger says which worker is awaited and why (it reaches
@@ -47,7 +51,7 @@ import time
 from collections.abc import Callable
 
 from ..checks import environment_number
-from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, WorkerFull, WorkerUnavailable
+from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, UnknownHost, WorkerFull, WorkerUnavailable
 from ..transport.handshake import Agreement, client_negotiate, tls_refusal
 from ..transport.security import Token
 
@@ -64,6 +68,7 @@ _MAX_UNANSWERED = 3
 _MAX_RETRY_DELAY = 1.0
 _warned: set[str] = set()  # addresses awaited with a warning since they last accepted (revival probes repeat)
 _warned_lock = threading.Lock()
+_NO_SUCH_NAME = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name)}
 _REFUSALS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 
 
@@ -189,6 +194,11 @@ def dial(
                 f"answering, {unanswered} times in a row: an rpcdataloader worker does that, and an rpcdl worker "
                 "with TLS when the client has none (then set RPCDL_TLS_CA))"
             )
+        if isinstance(error, socket.gaierror) and error.errno in _NO_SUCH_NAME:
+            raise UnknownHost(
+                f"the host name of rpcdl worker {address} does not resolve ({error.strerror or error}): check "
+                "the name (a Kubernetes Service's workers: dns://SERVICE:PORT waits until its name resolves)"
+            ) from None
         deadline = failed(error)
         now = time.monotonic()
         why = refusal(error)
