@@ -62,8 +62,8 @@ def test_then_still_chains_results(embedded_worker):
 def test_no_retry_is_promised_when_no_worker_built_the_dataset(monkeypatch, caplog, embedded_worker):
     monkeypatch.setenv("RPCDL_CONNECT_GRACE", "0")
     dead = [_refused_address(), _refused_address()]
-    with caplog.at_level(logging.WARNING, logger="rpcdl"), pytest.raises(rpcdl.WorkerUnavailable):
-        rpcdl.RPCDataset(dead, RangeDataset, 4)
+    with caplog.at_level(logging.WARNING, logger="rpcdl"), pytest.raises(rpcdl.WorkerUnavailable, match="waited"):
+        rpcdl.RPCDataset(dead, RangeDataset, 4, rpcdl_start_timeout=1.5)  # a fleet not up: waited for, then not
     assert "retried" not in caplog.text
     caplog.clear()
     worker = embedded_worker()
