@@ -55,9 +55,6 @@ PUBLIC_PATHS = [
     "rpcdl.integrations.torchdata.RPCIterableDataset",
     "rpcdl.integrations.torchdata.rpc_map",  # a DataPipe functional form: registered, not an attribute
 ]
-# Named by DESIGN.md for features still to build, each with its issue: test_features_not_built_yet
-# fails once one exists, to move it to PUBLIC_PATHS.
-
 _DOTTED = re.compile(r"\brpcdl(?:\.[A-Za-z_]\w*)+")
 _RREF_METHOD = re.compile(r"\bRRef\.([a-z_]\w*)")
 _HEADING_PATH = re.compile(r"^## [^`]*`(rpcdl(?:\.\w+)+)`\s*$")
