@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,26 @@ def embedded_worker():
     rpcdl.shutdown()
     for worker in started:
         worker.stop(grace=1)
+
+
+@pytest.fixture
+def switching_often():
+    """Threads switch every microsecond: the interleavings of many cores, on two."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+@pytest.fixture
+def thread_errors(monkeypatch) -> list[str]:
+    """Exceptions that escaped any thread during the test (a crashed service or worker thread shows here)."""
+    errors: list[str] = []
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        errors.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
+        previous(args)
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    return errors

@@ -237,20 +237,6 @@ def traced():
     tracemalloc.stop()
 
 
-@pytest.fixture
-def thread_errors(monkeypatch):
-    """Exceptions that escaped any thread during the test (a crashed worker thread shows here)."""
-    errors = []
-    previous = threading.excepthook
-
-    def hook(args):
-        errors.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
-        previous(args)
-
-    monkeypatch.setattr(threading, "excepthook", hook)
-    return errors
-
-
 def _connect(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     return socket.create_connection((host, int(port)), timeout=ANSWER_TIMEOUT)

@@ -46,14 +46,6 @@ def sleep_and_return(seconds: float, value):
     return value
 
 
-@pytest.fixture
-def switching_often():
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(previous)
-
-
 # ---------------------------------------------------------------------------- the frame
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import operator
 import pickle
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -91,29 +90,6 @@ def start_worker() -> Iterator:
         client.close()
     for worker in workers:
         worker.stop(grace=1)
-
-
-@pytest.fixture
-def switching_often():
-    """Threads switch every microsecond: the interleavings of many cores, on two."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(previous)
-
-
-@pytest.fixture
-def thread_errors(monkeypatch) -> list[str]:
-    """Exceptions that escaped any thread during the test (a crashed service thread shows here)."""
-    errors: list[str] = []
-    previous = threading.excepthook
-
-    def hook(args) -> None:
-        errors.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
-        previous(args)
-
-    monkeypatch.setattr(threading, "excepthook", hook)
-    return errors
 
 
 _barrier: threading.Barrier | None = None

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import pytest
 
 from rpcdl.server.counters import Counters
-
-
-@pytest.fixture
-def switching_often():
-    """Threads switch every microsecond (the interleavings of many cores, on two)."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(previous)
 
 
 def _in_thread(target) -> None:

@@ -11,11 +11,8 @@ from __future__ import annotations
 import operator
 import pickle
 import socket
-import sys
 import threading
 import time
-
-import pytest
 
 import rpcdl
 from rpcdl.errors import ConnectionLost
@@ -24,29 +21,6 @@ from rpcdl.transport.handshake import client_negotiate
 from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
 _WAIT = 10.0
-
-
-@pytest.fixture
-def switching_often():
-    """Threads switch every microsecond: the interleavings of many cores, on two."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(previous)
-
-
-@pytest.fixture
-def thread_errors(monkeypatch) -> list[str]:
-    """Exceptions that escaped any thread during the test."""
-    errors: list[str] = []
-    previous = threading.excepthook
-
-    def hook(args) -> None:
-        errors.append(f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
-        previous(args)
-
-    monkeypatch.setattr(threading, "excepthook", hook)
-    return errors
 
 
 def _call_bytes(call_id: int, function, *args) -> bytes:
