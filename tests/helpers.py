@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +14,8 @@ import torch
 from torch.utils.data import Dataset
 
 import rpcdl
+from rpcdl.local import child_environment, read_ready_line
+from rpcdl.processes import stop_process
 
 #: The gates :func:`gated` calls wait on, by name; the test makes and opens them.
 GATES: dict[str, threading.Event] = {}
@@ -142,3 +146,22 @@ class SlowBuildDataset(RangeDataset):
                 marker.write(f"{os.getpid()}\n")
             time.sleep(build_delay)
         super().__init__(n, delay)
+
+
+def start_worker_process(*options: str) -> tuple[subprocess.Popen, str]:
+    """An ``rpcdl worker`` process on a free loopback port with ``options``, and its address once it is ready.
+
+    Its standard error is a pipe the test may read; stop it with :func:`rpcdl.processes.stop_process`.
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rpcdl", "worker", "--port", "0", *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_environment(),
+        text=True,
+    )
+    try:
+        return process, read_ready_line(process, 60.0)
+    except BaseException:
+        stop_process(process, grace=1.0)
+        raise

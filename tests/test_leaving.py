@@ -167,23 +167,8 @@ def test_a_draining_worker_says_leaving_first_then_rejects_calls_as_worker_leavi
 # ---------------------------------------------------------------------------- worker processes and signals
 
 
-def _start_worker(*options: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rpcdl", "worker", "--port", "0", *options],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=child_environment(),
-        text=True,
-    )
-    try:
-        return process, read_ready_line(process, 60.0)
-    except BaseException:
-        stop_process(process, grace=1.0)
-        raise
-
-
 def test_sigterm_drains_a_worker_process_which_exits_zero():
-    process, address = _start_worker("--parallel", "2", "--drain-timeout", "30")
+    process, address = helpers.start_worker_process("--parallel", "2", "--drain-timeout", "30")
     try:
         in_flight = [rpcdl.rpc_async(address, sleep_and_return, (2.0, i)) for i in range(2)]
         _eventually(lambda: rpcdl.stats(address)["calls_in_flight"] == 2, "the calls to run")
@@ -201,7 +186,7 @@ def test_sigterm_drains_a_worker_process_which_exits_zero():
 
 
 def test_a_second_signal_stops_a_draining_worker_at_once():
-    process, address = _start_worker("--drain-timeout", "100")
+    process, address = helpers.start_worker_process("--drain-timeout", "100")
     try:
         long_call = rpcdl.rpc_async(address, sleep_and_return, (100.0, "never"))
         _eventually(lambda: rpcdl.stats(address)["calls_in_flight"] == 1, "the call to run")

@@ -14,10 +14,11 @@ import sys
 import time
 import uuid
 
+import helpers
 import pytest
 
 import rpcdl
-from rpcdl.local import child_environment, read_ready_line
+from rpcdl.local import child_environment
 from rpcdl.processes import stop_process
 from rpcdl.registry import DEFAULT_KEY, RegistryURL, live_addresses, server_time
 
@@ -42,21 +43,6 @@ def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def _start_worker(url: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rpcdl", "worker", "--port", "0", "--register", url, "--drain-timeout", "5"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=child_environment(),
-        text=True,
-    )
-    try:
-        return process, read_ready_line(process, 60.0)
-    except BaseException:
-        stop_process(process, grace=1.0)
-        raise
 
 
 def _read_until(process: subprocess.Popen, text: str, timeout: float = _WAIT) -> str:
@@ -116,8 +102,8 @@ def test_a_registered_worker_beats_leaves_on_sigterm_and_expires_when_killed(red
     key = f"workers-{uuid.uuid4().hex[:8]}"
     url = f"redis://{redis_server.host}:{redis_server.port}/0?key={key}&ttl=1.5"
     client = redis.Redis(host=redis_server.host, port=redis_server.port)
-    leaving, leaving_address = _start_worker(url)
-    killed, killed_address = _start_worker(url)
+    leaving, leaving_address = helpers.start_worker_process("--register", url, "--drain-timeout", "5")
+    killed, killed_address = helpers.start_worker_process("--register", url, "--drain-timeout", "5")
     try:
         _eventually(lambda: live_addresses(url) == sorted([leaving_address, killed_address]), "both registered")
         first_beat = client.zscore(key, killed_address)
@@ -149,7 +135,9 @@ def test_a_worker_keeps_serving_while_the_registry_is_down_and_registers_once_it
         port = probe.getsockname()[1]
     server = redis_server_module.RedisServer(port)
     url = f"redis://127.0.0.1:{port}/0?key=k&ttl=1.5"
-    process, address = _start_worker(url)  # nothing listens there yet
+    process, address = helpers.start_worker_process(
+        "--register", url, "--drain-timeout", "5"
+    )  # nothing listens there yet
     try:
         assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
         log = _read_until(process, "could not register")  # it serves, and says so
