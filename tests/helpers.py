@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from torch.utils.data import Dataset
 import rpcdl
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
+from rpcdl.rpc.dial import served_before
 
 #: The gates :func:`gated` calls wait on, by name; the test makes and opens them.
 GATES: dict[str, threading.Event] = {}
@@ -165,3 +167,18 @@ def start_worker_process(*options: str) -> tuple[subprocess.Popen, str]:
     except BaseException:
         stop_process(process, grace=1.0)
         raise
+
+
+def port_for_a_late_worker() -> int:
+    """A free loopback port from the OS at which no worker served this process yet.
+
+    A call to a worker that served this process before is not awaited when
+    refused (it stopped or died), so a test that calls before its worker
+    listens needs a port no earlier test's worker had.
+    """
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if not served_before(f"127.0.0.1:{port}"):
+            return port

@@ -178,9 +178,8 @@ def _rrefs_held(address: str) -> int:
 
 
 def test_threads_on_one_connection_get_every_answer_or_one_error_through_a_kill_a_shutdown_and_a_gc_storm(
-    spawn_workers, monkeypatch
+    spawn_workers,
 ):
-    monkeypatch.setenv("RPCDL_CONNECT_GRACE", "0.5")  # the killed worker's address refuses: fail soon
     workers = spawn_workers(2)
     torture = _Torture(stable=workers[0], doomed=workers[1])
     for address in workers:

@@ -161,6 +161,23 @@ def test_a_refused_worker_is_named_on_stderr_without_any_logging_setup():
     assert "WorkerUnavailable" in result.stderr and "RPCDL_CONNECT_GRACE" in result.stderr
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_that_served_and_died_is_not_awaited(spawn_workers, monkeypatch):
+    """The connect grace is for workers not started yet: one that served this process and now refuses
+    has stopped or died, and a call to it fails at once, saying so."""
+    monkeypatch.setenv("RPCDL_CONNECT_GRACE", "100")
+    workers = spawn_workers(1)
+    assert rpcdl.rpc_sync(workers[0], abs, (-1,)) == 1
+    workers.kill(0)
+    started = time.monotonic()
+    with pytest.raises(WorkerUnavailable, match="served this process before") as raised:
+        rpcdl.rpc_sync(workers[0], abs, (-1,), timeout=120)
+    assert time.monotonic() - started < 10
+    assert workers[0] in str(raised.value) and "connection refused" in str(raised.value)
+    workers.restart(0)  # a worker serving there again is reached as before
+    assert rpcdl.rpc_sync(workers[0], abs, (-2,)) == 2
+
+
 def test_a_bad_connect_grace_is_refused_with_what_it_should_be(monkeypatch):
     monkeypatch.setenv("RPCDL_CONNECT_GRACE", "soon")
     with refused_address() as address, pytest.raises(ValueError, match=r"RPCDL_CONNECT_GRACE must be .*'soon'"):
@@ -170,9 +187,7 @@ def test_a_bad_connect_grace_is_refused_with_what_it_should_be(monkeypatch):
 @pytest.mark.timeout(60)
 def test_a_worker_started_within_the_grace_after_the_first_call_still_gets_it(monkeypatch):
     monkeypatch.setenv("RPCDL_CONNECT_GRACE", "5")
-    with socket.socket() as probe:  # a free port from the OS (it could be taken meanwhile: a small race)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = helpers.port_for_a_late_worker()  # free now (it could be taken meanwhile: a small race)
     started: list[rpcdl.Worker] = []
     timer = threading.Timer(1.0, lambda: started.append(rpcdl.Worker(port=port, timeout=10).start()))
     timer.start()

@@ -327,7 +327,7 @@ def test_unreachable_worker_fails_after_timeout_naming_it():
 
 
 def test_client_retries_until_the_worker_listens():
-    port = free_port()
+    port = helpers.port_for_a_late_worker()
     future = rpcdl.rpc_async(f"127.0.0.1:{port}", min, (5, 3), timeout=30)
     time.sleep(1.0)
     process, _ = start_worker_process(code=f"import rpcdl; rpcdl.run_worker('127.0.0.1', {port})")

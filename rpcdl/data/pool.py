@@ -314,7 +314,7 @@ class PoolState:
         if slot.state in (WorkerState.ACTIVE, WorkerState.LEFT) and isinstance(failure, WorkerHung):
             self._notes.append((logging.WARNING, "routing around worker %s: %s", (slot.address, failure)))
         elif slot.state is WorkerState.ACTIVE:
-            self._notes.append((logging.WARNING, "worker %s left: %s", (slot.address, failure)))
+            self._notes.append((logging.WARNING, "worker %s is down: %s", (slot.address, failure)))
         own = []
         for attempt in self.policy.take_down(slot, failure, self.clock()):
             record = self._passes.get(attempt.owner)

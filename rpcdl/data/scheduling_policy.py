@@ -339,7 +339,7 @@ class SchedulingPolicy:
     def call_on_standby(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
         """When no worker is active (this client's own are gone or hung), the others' held in reserve are
         set up now (they are ``DOWN`` with a probe due from now on). Not only once the own workers' probes
-        failed: a probe of a worker that died may wait for its connection's grace."""
+        failed: a probe of a worker never reached (not started yet) waits for the connect grace."""
         if any(slot.state is WorkerState.ACTIVE for slot in slots):
             return []
         called = [slot for slot in slots if slot.state is WorkerState.STANDBY]

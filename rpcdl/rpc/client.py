@@ -213,7 +213,8 @@ def rpc_async(
             :class:`~rpcdl.RRef` to it.
         timeout: seconds to wait for the answer, connecting included; a
             worker that refuses connections fails the call sooner, after
-            ``RPCDL_CONNECT_GRACE`` seconds (20 by default).
+            ``RPCDL_CONNECT_GRACE`` seconds (20 by default), or at once if it
+            served this process before (it stopped or died).
         token: the shared secret; defaults to ``RPCDL_TOKEN`` / ``RPCDL_TOKEN_FILE``.
         ssl_context: TLS context to verify the worker with; defaults to one from
             ``RPCDL_TLS_CA`` when set.

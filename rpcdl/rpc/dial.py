@@ -2,9 +2,10 @@
 
 Threading model: :func:`dial` runs in the thread of the connection it opens
 (``rpcdl-connection-HOST:PORT``) and blocks it; the caller's threads wait for
-their calls meanwhile, each up to its own timeout. The one state shared by
-those threads is the set of workers already warned about, ``_warned``,
-guarded by ``_warned_lock``.
+their calls meanwhile, each up to its own timeout. The state shared by those
+threads is two sets of addresses, both guarded by ``_lock``: the workers
+already warned about, ``_warned``, and those that completed a handshake with
+this process, ``_served``.
 
 What happens to each kind of failure:
 
@@ -13,9 +14,13 @@ What happens to each kind of failure:
   name not made yet, never a worker not started yet. (A name the resolver
   cannot answer for now, ``EAI_AGAIN``, is retried as a refusal.)
 * **Refused** (connection refused, no route to the host, a name the resolver
-  cannot answer for now): the worker may simply not be started yet, so the attempt is
-  retried for a grace period, ``RPCDL_CONNECT_GRACE`` seconds (default
-  :data:`DEFAULT_CONNECT_GRACE`). After :data:`WARN_AFTER` seconds a warning on
+  cannot answer for now): a worker this process never reached may simply not be
+  started yet, so the attempt is retried for a grace period,
+  ``RPCDL_CONNECT_GRACE`` seconds (default :data:`DEFAULT_CONNECT_GRACE`). A
+  worker that served this process before (:func:`served_before`) and now
+  refuses has stopped or died: the pool gives it no grace, so its calls fail at
+  once and the data layer routes them elsewhere and probes it until it is back.
+  After :data:`WARN_AFTER` seconds of waiting, a warning on
   the ``rpcdl.rpc.client`` logger says which worker is awaited and why (it reaches
   stderr even when the program configured no logging; once per worker until it
   accepts a connection, so revival probes repeat nothing); when the grace is over,
@@ -66,8 +71,9 @@ WARN_AFTER = 3.0
 HELLO_ANSWER_TIMEOUT = 5.0
 _MAX_UNANSWERED = 3
 _MAX_RETRY_DELAY = 1.0
+_lock = threading.Lock()
 _warned: set[str] = set()  # addresses awaited with a warning since they last accepted (revival probes repeat)
-_warned_lock = threading.Lock()
+_served: set[str] = set()  # addresses that completed a handshake with this process (and its parent, if forked)
 _NO_SUCH_NAME = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name)}
 _REFUSALS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 
@@ -85,6 +91,27 @@ def connect_grace() -> float:
         "a number of seconds >= 0 (how long to wait for a worker that refuses connections)",
         lambda grace: grace >= 0,
     )
+
+
+def served_before(address: str) -> bool:
+    """Whether a worker at ``address`` completed a handshake with this process (or with its parent, before a fork).
+
+    Such a worker that refuses connections later has stopped or died: it is not
+    waited for as one not started yet.
+
+    Args:
+        address: the worker, ``"host:port"`` as calls name it.
+
+    Returns:
+        ``True`` once a connection to ``address`` completed its handshake.
+
+    Example::
+
+        >>> served_before("127.0.0.1:1")
+        False
+    """
+    with _lock:
+        return address in _served
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -155,8 +182,9 @@ def dial(
                 in_tls_handshake = False
             answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
             chosen = client_negotiate(sock, token, address, answer_timeout, compression, shared_memory)
-            with _warned_lock:
+            with _lock:
                 _warned.discard(address)
+                _served.add(address)
             return sock, chosen
         except ssl.SSLCertVerificationError as exc:
             _close_quietly(sock)
@@ -202,6 +230,11 @@ def dial(
         deadline = failed(error)
         now = time.monotonic()
         why = refusal(error)
+        if why is not None and grace == 0:
+            raise WorkerUnavailable(
+                f"rpcdl worker {address} is not reachable: {why}; it served this process before (or said it was "
+                f"leaving), so it is not awaited: it stopped or died (last error: {error})"
+            )
         if why is not None and now - started >= grace:
             raise WorkerUnavailable(
                 f"rpcdl worker {address} is not reachable: {why} for {grace:g}s, the grace for workers that "
@@ -227,7 +260,7 @@ def dial(
 
 def _first_warning(address: str) -> bool:
     """Whether ``address`` was not warned about since it last accepted; it is from now on."""
-    with _warned_lock:
+    with _lock:
         first = address not in _warned
         _warned.add(address)
     return first

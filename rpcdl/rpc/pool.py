@@ -2,7 +2,9 @@
 
 A connection is opened in the background by its first call: a worker that
 refuses connections is retried for ``RPCDL_CONNECT_GRACE`` seconds (20 by
-default), so trainers may start a little before their workers; a peer that is
+default), so trainers may start a little before their workers, unless it
+served this process before or said it was leaving (it stopped or died: its
+calls fail at once); a peer that is
 not an rpcdl worker is named at once (see :mod:`rpcdl.rpc.dial`). A process
 forked from a client never reuses its parent's connections.
 
@@ -29,7 +31,7 @@ from .._lifecycle import ExitPhase, at_exit, in_forked_child
 from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
 from .connection import Connection
 from .connection_thread import start_connection
-from .dial import connect_grace
+from .dial import connect_grace, served_before
 from .environment import Variables
 from .leaving import is_leaving
 from .live_threads import join_connection_threads
@@ -83,8 +85,9 @@ def _open(key: tuple, address: str, timeout: float, token: Token | None, ssl_con
     with _pool_lock:
         connection = _pool.get(key)
         if connection is None:
-            # a worker that left is not awaited: a call to it fails at once unless a worker serves there again
-            grace = 0.0 if is_leaving(address) else connect_grace()
+            # Only a worker never reached may be one not started yet: one that left, stopped or died is not
+            # awaited, and a call to it fails at once unless a worker serves there again.
+            grace = 0.0 if is_leaving(address) or served_before(address) else connect_grace()
             connection = start_connection(address, token, ssl_context, timeout, grace=grace, on_close=_forget)
             _pool = {**_pool, key: connection}
     return connection
