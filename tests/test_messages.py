@@ -42,8 +42,10 @@ def http_server():
     thread.start()
     yield f"127.0.0.1:{server.getsockname()[1]}"
     stop.set()
-    server.close()
+    server.shutdown(socket.SHUT_RDWR)  # wakes the accept (closing alone does not, on Linux)
     thread.join(10)
+    server.close()
+    assert not thread.is_alive()
 
 
 def test_an_error_in_a_then_callback_is_raised_as_it_is(http_server):
