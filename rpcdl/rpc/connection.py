@@ -153,7 +153,7 @@ class Connection:
         token: the shared secret, or ``None``.
         ssl_context: TLS context, or ``None`` for plain TCP.
         timeout: seconds the connection tries to open, and a peer may stall mid-message.
-        grace: seconds to keep retrying while the worker refuses connections (see :mod:`rpcdl.rpc.dial`).
+        grace: seconds to keep retrying a worker never reached while it refuses connections (see :mod:`rpcdl.rpc.dial`).
         on_close: called with this connection as it closes, before any call can find it closed (the pool
             forgets it); maybe more than once.
     """

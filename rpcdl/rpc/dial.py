@@ -17,9 +17,10 @@ What happens to each kind of failure:
   cannot answer for now): a worker this process never reached may simply not be
   started yet, so the attempt is retried for a grace period,
   ``RPCDL_CONNECT_GRACE`` seconds (default :data:`DEFAULT_CONNECT_GRACE`). A
-  worker that served this process before (:func:`served_before`) and now
-  refuses has stopped or died: the pool gives it no grace, so its calls fail at
-  once and the data layer routes them elsewhere and probes it until it is back.
+  worker that served this process before (:func:`served_before`), or said it
+  was leaving (:func:`~rpcdl.rpc.leaving.is_leaving`), and now refuses has
+  stopped or died: it gets no grace, so its calls fail at once and the data
+  layer routes them elsewhere and probes it until it is back.
   After :data:`WARN_AFTER` seconds of waiting, a warning on
   the ``rpcdl.rpc.client`` logger says which worker is awaited and why (it reaches
   stderr even when the program configured no logging; once per worker until it
@@ -55,10 +56,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from .._lifecycle import in_forked_child
 from ..checks import environment_number
 from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, UnknownHost, WorkerFull, WorkerUnavailable
 from ..transport.handshake import Agreement, client_negotiate, tls_refusal
 from ..transport.security import Token
+from .leaving import is_leaving
 
 log = logging.getLogger("rpcdl.client")
 
@@ -148,7 +151,7 @@ def dial(
         token: the shared secret, or ``None``.
         ssl_context: TLS context, or ``None`` for plain TCP.
         handshake_timeout: seconds each connect and each handshake read may take.
-        grace: seconds to keep retrying a worker that refuses connections.
+        grace: seconds to keep retrying a worker never reached that refuses connections.
         failed: called with the error of each failed attempt; returns the
             time (``time.monotonic()``) until which retrying is still wanted,
             or raises to stop.
@@ -230,10 +233,11 @@ def dial(
         deadline = failed(error)
         now = time.monotonic()
         why = refusal(error)
-        if why is not None and grace == 0:
+        if why is not None and (is_leaving(address) or served_before(address)):
+            said = "said it was leaving" if is_leaving(address) else "served this process before"
             raise WorkerUnavailable(
-                f"rpcdl worker {address} is not reachable: {why}; it served this process before (or said it was "
-                f"leaving), so it is not awaited: it stopped or died (last error: {error})"
+                f"rpcdl worker {address} is not reachable: {why}; it {said}, so it is not awaited as a worker "
+                f"not started yet: it stopped or died (last error: {error})"
             )
         if why is not None and now - started >= grace:
             raise WorkerUnavailable(
@@ -264,6 +268,14 @@ def _first_warning(address: str) -> bool:
         first = address not in _warned
         _warned.add(address)
     return first
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+in_forked_child(_after_fork_in_child)
 
 
 def _close_quietly(sock: socket.socket | None) -> None:

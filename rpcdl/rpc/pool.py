@@ -31,9 +31,8 @@ from .._lifecycle import ExitPhase, at_exit, in_forked_child
 from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
 from .connection import Connection
 from .connection_thread import start_connection
-from .dial import connect_grace, served_before
+from .dial import connect_grace
 from .environment import Variables
-from .leaving import is_leaving
 from .live_threads import join_connection_threads
 
 log = logging.getLogger("rpcdl.client")
@@ -85,9 +84,7 @@ def _open(key: tuple, address: str, timeout: float, token: Token | None, ssl_con
     with _pool_lock:
         connection = _pool.get(key)
         if connection is None:
-            # Only a worker never reached may be one not started yet: one that left, stopped or died is not
-            # awaited, and a call to it fails at once unless a worker serves there again.
-            grace = 0.0 if is_leaving(address) or served_before(address) else connect_grace()
+            grace = connect_grace()  # only for a worker never reached (see rpcdl.rpc.dial)
             connection = start_connection(address, token, ssl_context, timeout, grace=grace, on_close=_forget)
             _pool = {**_pool, key: connection}
     return connection
