@@ -10,6 +10,15 @@ import lightning.pytorch as pl
 import torch
 
 
+def quiet_trainer(**options: Any) -> pl.Trainer:
+    """A Lightning trainer on the CPU that logs, checkpoints and prints nothing; ``options`` override or add."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    return pl.Trainer(**{**defaults, **options})
+
+
 class RecordingModel(pl.LightningModule):
     """Records every training batch: epoch, batch index, sample indices, worker pids and draws."""
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import sys
 
-import lightning.pytorch as pl
-from helpers_lightning import RecordingModel
+from helpers_lightning import RecordingModel, quiet_trainer
 from probe_dataset import probe_spec
 
 from rpcdl.integrations.lightning import RPCDataModule
@@ -26,16 +25,7 @@ def main(out_dir: str) -> None:
         # workers=None: the addresses in $RPCDL_WORKERS; rank r uses workers[r::2]
         data = RPCDataModule(train_dataset=probe_spec(SAMPLES), batch_size=BATCH_SIZE, shuffle=True, seed=1234)
         model = RecordingModel(record_to=f"{out_dir}/run{run}")
-        trainer = pl.Trainer(
-            strategy="ddp",
-            devices=2,
-            accelerator="cpu",
-            max_epochs=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = quiet_trainer(strategy="ddp", devices=2, max_epochs=2)
         trainer.fit(model, datamodule=data)
 
 

@@ -13,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
-from helpers_lightning import RecordingModel
+from helpers_lightning import RecordingModel, quiet_trainer
 from probe_dataset import probe_spec
 
 from rpcdl.integrations.lightning import RPCDataModule
@@ -43,16 +42,7 @@ def main(out_dir: str) -> None:
     data = RPCDataModule(
         train_dataset=probe_spec(SAMPLES), batch_size=BATCH_SIZE, shuffle=True, seed=1234, max_batches_per_call=1
     )
-    trainer = pl.Trainer(
-        strategy="ddp",
-        devices=2,
-        accelerator="cpu",
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy="ddp", devices=2, max_epochs=2)
     trainer.fit(PausingModel(out_dir), datamodule=data)
 
 

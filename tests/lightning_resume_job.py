@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-from helpers_lightning import RecordingModel
+from helpers_lightning import RecordingModel, quiet_trainer
 from probe_dataset import probe_spec
 
 from rpcdl.integrations.lightning import RPCDataModule
@@ -52,17 +52,8 @@ class SaveAndRecordStates(pl.Callback):
 
 
 def _trainer(devices: int, epochs: int, callbacks: list) -> pl.Trainer:
-    return pl.Trainer(
-        strategy="ddp",
-        devices=devices,
-        accelerator="cpu",
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
+    return quiet_trainer(
+        strategy="ddp", devices=devices, max_epochs=epochs, num_sanity_val_steps=0, callbacks=callbacks
     )
 
 

@@ -77,24 +77,14 @@ def test_the_mapper_across_the_cluster(cluster, with_token):
 
 def test_the_datamodule_across_the_cluster(cluster, with_token):
     pytest.importorskip("lightning")
-    import lightning.pytorch as pl
-    from helpers_lightning import RecordingModel
+    from helpers_lightning import RecordingModel, quiet_trainer
     from probe_dataset import probe_spec
 
     from rpcdl.integrations.lightning import RPCDataModule
 
     data = RPCDataModule(workers=cluster.workers, train_dataset=probe_spec(40), batch_size=4, shuffle=True, seed=1)
     model = RecordingModel()
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(max_epochs=2, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=data)
     for epoch in (0, 1):
         seen = [i for record in model.records if record["epoch"] == epoch for i in record["indices"]]

@@ -14,21 +14,13 @@ import pytest
 pytest.importorskip("lightning")
 
 import lightning.pytorch as pl
-from helpers_lightning import RecordingModel
+from helpers_lightning import RecordingModel, quiet_trainer
 from probe_dataset import probe_spec
 
 import rpcdl
 from rpcdl.integrations.lightning import RPCDataModule, read_workers_file, resolve_workers
 
 TESTS = Path(__file__).resolve().parent
-
-
-def _trainer(**options) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    return pl.Trainer(**{**defaults, **options})
 
 
 def _batches(model: RecordingModel) -> list[tuple]:
@@ -139,7 +131,7 @@ class _SaveAt(pl.Callback):
 def _fit(workers, *, callbacks=(), ckpt_path=None, epochs=3) -> RecordingModel:
     data = RPCDataModule(workers=workers, train_dataset=probe_spec(24), batch_size=4, shuffle=True, seed=7)
     model = RecordingModel()
-    _trainer(max_epochs=epochs, callbacks=list(callbacks)).fit(model, datamodule=data, ckpt_path=ckpt_path)
+    quiet_trainer(max_epochs=epochs, callbacks=list(callbacks)).fit(model, datamodule=data, ckpt_path=ckpt_path)
     return model
 
 
@@ -169,7 +161,7 @@ def test_augmentation_is_redrawn_every_epoch_and_repeats_with_the_seed(two_worke
 def test_validate_and_predict_use_their_own_splits(two_workers):
     data = RPCDataModule(workers=two_workers, val_dataset=probe_spec(10), predict_dataset=probe_spec(10), batch_size=4)
     model = RecordingModel()
-    trainer = _trainer()
+    trainer = quiet_trainer()
     (metrics,) = trainer.validate(model, datamodule=data)
     assert 0.0 <= metrics["val_noise"] < 1.0
     predictions = trainer.predict(model, datamodule=data)
@@ -211,7 +203,7 @@ def test_without_workers_the_module_starts_local_ones_and_stops_them(monkeypatch
     data = RPCDataModule(train_dataset=probe_spec(8), batch_size=4, num_local_workers=1)
     seen = _RememberWorkers()
     model = RecordingModel()
-    _trainer(max_epochs=1, callbacks=[seen]).fit(model, datamodule=data)
+    quiet_trainer(max_epochs=1, callbacks=[seen]).fit(model, datamodule=data)
     assert len(seen.workers) == 1 and len(seen.processes) == 1
     assert {pid for r in model.records for pid in r["pids"]} == {seen.processes[0].pid}
     assert seen.processes[0].poll() is not None  # stopped by teardown

@@ -383,6 +383,7 @@ def test_the_lightning_logger_receives_the_three_figures(two_workers, tmp_path):
 
     import lightning.pytorch as pl
     import torch
+    from helpers_lightning import quiet_trainer
     from lightning.pytorch.loggers import CSVLogger
 
     from rpcdl.integrations.lightning import DataFlowLogger, RPCDataModule
@@ -404,10 +405,7 @@ def test_the_lightning_logger_receives_the_three_figures(two_workers, tmp_path):
         batch_size=4,
         max_batches_per_call=1,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=2, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    trainer = quiet_trainer(max_epochs=2, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
     trainer.fit(Model(), datamodule=data)
     assert sum(isinstance(callback, DataFlowLogger) for callback in trainer.callbacks) == 1
     rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import lightning.pytorch as pl
-from helpers_lightning import RecordingModel
+from helpers_lightning import RecordingModel, quiet_trainer
 from lightning_resume_job import BATCH_SIZE, SAMPLES, SAVED_AFTER_BATCH
 from probe_dataset import probe_spec
 
@@ -103,10 +103,7 @@ class _SaveAfter(pl.Callback):
 def _fit(workers, samples: int, epochs: int = 1, **options) -> RecordingModel:
     data = RPCDataModule(workers=workers, train_dataset=probe_spec(samples), batch_size=4, shuffle=True, seed=3)
     model = RecordingModel()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(options.pop("callbacks", ())),
-    )  # fmt: skip
+    trainer = quiet_trainer(max_epochs=epochs, callbacks=list(options.pop("callbacks", ())))
     trainer.fit(model, datamodule=data, **options)
     return model
 
