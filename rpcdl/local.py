@@ -92,6 +92,10 @@ class LocalWorkers(list):
                 time.sleep(0.2)  # the port may linger for a moment
         self.processes[index] = process
         self[index] = address
+        # A call made while the new process started (a loader's probe, say) may have opened a
+        # connection whose connect was refused before it listened: that connection fails its calls
+        # at once (the worker served before, see rpcdl.rpc.dial), the ping's too if it joined them.
+        _forget_connections(address, "a new worker process listens there now")
         _ping(address, self._env, timeout=self._startup_timeout)
         return address
 

@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import pytest
 
@@ -25,6 +25,7 @@ import rpcdl
 from rpcdl.cli.bench.pki import make_ca, make_certificate
 from rpcdl.errors import WorkerFull
 from rpcdl.local import child_environment
+from rpcdl.rpc import dial
 from rpcdl.server.admission import Admission, Full, Pending, PendingState, QuietLog
 from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate, tls_refusal
 from rpcdl.transport.security import client_tls_context, server_tls_context
@@ -309,6 +310,42 @@ def test_restart_right_after_kill(spawn_workers):
     assert workers.processes[0].pid != old_pid
     assert rpcdl.rpc_sync(address, operator.add, (3, 4)) == 7
     assert rpcdl.rpc_sync(workers[1], operator.add, (5, 6)) == 11  # the other worker's connection was kept
+
+
+def test_restart_while_calls_are_refused_by_the_port_it_reuses(spawn_workers, monkeypatch):
+    """A call made while the new process starts opens a connection whose connect is refused; the
+    thread dialing it may be descheduled before it fails that connection's calls (as in the torture
+    test of CI, one run in many). restart() must not join that connection for its own ping."""
+    workers = spawn_workers(1)
+    assert rpcdl.rpc_sync(workers[0], operator.add, (1, 2)) == 3  # it served this process: no connect grace
+    workers.kill(0)
+    refusal = dial.refusal
+
+    def refusal_then_descheduled(exc: BaseException) -> str | None:
+        why = refusal(exc)
+        if why is not None:
+            time.sleep(1.0)
+        return why
+
+    monkeypatch.setattr(dial, "refusal", refusal_then_descheduled)
+    calling = threading.Event()
+    stop = threading.Event()
+
+    def call_meanwhile() -> None:
+        while not stop.is_set():
+            calling.set()
+            with suppress(rpcdl.WorkerUnavailable, rpcdl.ConnectionLost):
+                rpcdl.rpc_sync(workers[0], operator.add, (0, 0), timeout=10)
+
+    caller = threading.Thread(target=call_meanwhile, name="test-caller", daemon=True)
+    caller.start()
+    calling.wait(5)
+    try:
+        address = workers.restart(0)
+    finally:
+        stop.set()
+        caller.join(10)
+    assert rpcdl.rpc_sync(address, operator.add, (3, 4)) == 7
 
 
 # ---------------------------------------------------------------------------- the admission policy, alone
