@@ -233,8 +233,8 @@ def dial(
         deadline = failed(error)
         now = time.monotonic()
         why = refusal(error)
-        if why is not None and (is_leaving(address) or served_before(address)):
-            said = "said it was leaving" if is_leaving(address) else "served this process before"
+        said = _why_not_awaited(address) if why is not None else None
+        if said is not None:
             raise WorkerUnavailable(
                 f"rpcdl worker {address} is not reachable: {why}; it {said}, so it is not awaited as a worker "
                 f"not started yet: it stopped or died (last error: {error})"
@@ -260,6 +260,16 @@ def dial(
             ) from None
         pause(min(delay, started + grace - now) if why is not None else delay)
         delay = min(delay * 2, _MAX_RETRY_DELAY)
+
+
+def _why_not_awaited(address: str) -> str | None:
+    """What the worker at ``address`` did that says it stopped or died when it refuses, or ``None`` if it may
+    not be started yet."""
+    if is_leaving(address):
+        return "said it was leaving"
+    if served_before(address):
+        return "served this process before"
+    return None
 
 
 def _first_warning(address: str) -> bool:
