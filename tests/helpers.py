@@ -169,6 +169,13 @@ def start_worker_process(*options: str) -> tuple[subprocess.Popen, str]:
         raise
 
 
+def free_port() -> int:
+    """A loopback port the OS says is free now (another process could take it before the test binds it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def port_for_a_late_worker() -> int:
     """A free loopback port from the OS at which no worker served this process yet.
 
@@ -177,8 +184,6 @@ def port_for_a_late_worker() -> int:
     listens needs a port no earlier test's worker had.
     """
     while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         if not served_before(f"127.0.0.1:{port}"):
             return port

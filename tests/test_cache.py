@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from helpers import free_port
 from torch.utils.data import Dataset
 
 import rpcdl
@@ -63,13 +64,6 @@ def fetch(dataset: CachedDataset, index: int) -> torch.Tensor:
 
 def bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def free_port() -> int:
-    """A port from the operating system that nothing listens on."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def name() -> str:

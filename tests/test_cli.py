@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import helpers
 import pytest
 
 import rpcdl
@@ -91,12 +92,7 @@ def test_procs_and_address_file_then_status_table(tmp_path):
 
 
 def test_status_of_an_unreachable_worker_fails():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    result = run_cli("status", f"127.0.0.1:{port}", "--timeout", "1")
+    result = run_cli("status", f"127.0.0.1:{helpers.free_port()}", "--timeout", "1")
     assert result.returncode == 1 and "refused" in result.stdout
 
 

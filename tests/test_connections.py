@@ -259,9 +259,7 @@ def test_a_peer_that_accepts_and_never_speaks_is_named_within_seconds():
 @pytest.mark.timeout(90)
 def test_an_rpcdataloader_worker_is_named_within_seconds():
     pytest.importorskip("rpcdataloader")
-    with socket.socket() as probe:  # rpcdataloader.launch cannot pick a port itself: a small race
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = helpers.free_port()  # rpcdataloader.launch cannot pick a port itself: a small race
     process = subprocess.Popen(
         [sys.executable, "-m", "rpcdataloader.launch", "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL,

@@ -42,12 +42,6 @@ def start_worker_process(*args: str, env: dict | None = None, code: str | None =
     return process, address
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def do(a):
     return a, torch.rand(1024)
 
@@ -319,7 +313,7 @@ def test_bad_arguments_get_clear_errors(two_workers):
 
 
 def test_unreachable_worker_fails_after_timeout_naming_it():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{helpers.free_port()}"
     started = time.monotonic()
     with pytest.raises(rpcdl.WorkerUnavailable, match=address.replace(".", r"\.")):
         rpcdl.rpc_sync(address, min, (1, 2), timeout=1.0)

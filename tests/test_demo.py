@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
+import helpers
 import pytest
 
 pytest.importorskip("lightning")
@@ -94,9 +94,7 @@ def test_demo_uses_the_workers_it_is_given(two_workers, tmp_path, capsys):
 
 
 def test_demo_reports_a_worker_that_does_not_answer(capsys):
-    with socket.socket() as probe:  # a loopback port nothing listens on once closed
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    address = f"127.0.0.1:{helpers.free_port()}"  # nothing listens there
     assert main(["demo", "--workers", address, "--max-epochs", "1"]) == 1
     assert f"worker {address} does not answer" in capsys.readouterr().err
 

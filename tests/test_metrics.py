@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import RangeDataset
+from helpers import RangeDataset, free_port
 
 import rpcdl
 from rpcdl.data.flow import CallSeconds, DataFlow, FlowSnapshot
@@ -35,13 +35,6 @@ from rpcdl.metrics.names import TRAINER_METRICS, WORKER_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS_DOC = ROOT / "docs" / "guides" / "metrics.rst"
-
-
-def _free_port() -> int:
-    """A port free a moment ago (for programs that cannot be given port 0): bind port 0, close."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -69,7 +62,7 @@ def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, st
         f"scrape_configs:\n  - job_name: rpcdl-worker\n    static_configs:\n      - targets: ['{target}']\n"
     )
     for attempt in range(3):
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         log = (tmp_path / f"prometheus-{attempt}.log").open("wb")
         process = subprocess.Popen(
             [
@@ -119,7 +112,7 @@ def _wait_for(prometheus: str, expression: str, at_least: float, timeout: float 
 def _worker_with_metrics():
     """A worker process (``rpcdl worker --metrics-port``) on a free metrics port; retried if it was taken."""
     for _ in range(3):
-        metrics_port = _free_port()
+        metrics_port = free_port()
         context = rpcdl.local_workers(1, extra_args=["--metrics-port", str(metrics_port)])
         try:
             return context, context.__enter__()[0], metrics_port
@@ -268,7 +261,7 @@ def test_loaders_on_several_threads_count_every_batch_while_scraped(two_workers)
 def test_serve_metrics_serves_a_port_once_and_names_a_taken_one(monkeypatch):
     port = rpcdl.serve_metrics()
     assert _sample(_get(f"http://127.0.0.1:{port}/metrics"), "rpcdl_batches_total") is not None
-    fixed = _free_port()
+    fixed = free_port()
     assert rpcdl.serve_metrics(fixed) == fixed
     assert rpcdl.serve_metrics(fixed) == fixed  # asked again: the same server
     with socket.socket() as taken:

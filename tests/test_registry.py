@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -130,9 +129,7 @@ def test_a_registered_worker_beats_leaves_on_sigterm_and_expires_when_killed(red
 
 
 def test_a_worker_keeps_serving_while_the_registry_is_down_and_registers_once_it_is_up(redis_server):
-    with socket.socket() as probe:  # a port from the OS, free now: the registry starts there later
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = helpers.free_port()  # the registry starts there later
     server = redis_server_module.RedisServer(port)
     url = f"redis://127.0.0.1:{port}/0?key=k&ttl=1.5"
     process, address = helpers.start_worker_process(

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import RangeDataset
+from helpers import RangeDataset, free_port
 
 import rpcdl
 from rpcdl.cli.probe import Reach, ask_stats
@@ -23,12 +23,6 @@ def run_status(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     return subprocess.run(
         [sys.executable, "-m", "rpcdl", "status", *args], capture_output=True, text=True, timeout=60, env=environment
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def remote_pid() -> int:
