@@ -8,7 +8,9 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
+import lz4.block
 import numpy as np
 import pytest
 import torch
@@ -207,6 +209,23 @@ def test_auto_compresses_compressible_data_on_a_slow_link_and_stops_when_it_no_l
     assert state["active"] and state["buffers_compressed"] > 0, state["reason"]
     _stream(compressor, clock, random_bytes(1 << 20), link_rate=125e6, seconds=4.0)
     assert not compressor.active, compressor.state()["reason"]
+
+
+def test_auto_judges_lz4_by_cpu_time_so_a_preempted_thread_does_not_turn_it_off(monkeypatch):
+    """A sending thread preempted while it compresses (a busy machine) spends no CPU meanwhile; measured
+    in wall time, lz4 looked slow and compression stayed off (the test above, one run in ten under load)."""
+    compress = lz4.block.compress
+    compressor = Compressor("auto", clock=(clock := _Clock()))
+
+    def preempted_while_sampling(*args, **kwargs):
+        if not compressor.active:
+            time.sleep(0.02)  # off the CPU, as a preempted thread is
+        return compress(*args, **kwargs)
+
+    monkeypatch.setattr(lz4.block, "compress", preempted_while_sampling)
+    _stream(compressor, clock, smooth_images(32).reshape(-1), link_rate=125e6, seconds=2.0)
+    state = compressor.state()
+    assert state["active"] and state["buffers_compressed"] > 0, state["reason"]
 
 
 def test_auto_stays_off_while_sends_return_at_once():

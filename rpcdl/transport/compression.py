@@ -28,7 +28,10 @@ every half second (``EVALUATE_EVERY``):
   periods when sending was the bottleneck (sends blocked most of the time),
   so a fast link whose sends return at once never gets an estimate;
 * lz4's ratio and speed on this data: the compressed buffers themselves when
-  on, else a slice of one buffer every 0.1 s (``SAMPLE_EVERY``).
+  on, else a slice of one buffer every 0.1 s (``SAMPLE_EVERY``). The speed is
+  measured in the sending thread's CPU time: a thread preempted while it
+  compresses (a busy machine, more threads than cores) does not make lz4 look
+  slow, and one such sample cannot turn compression off.
 
 Sending ``n`` bytes costs ``n / rate`` raw and ``n / speed + n * ratio / rate``
 compressed; it compresses when the latter is below 0.8 (``WORTH``) times the
@@ -230,7 +233,7 @@ class Compressor:
         views = [as_view(b) for b in buffers]
         out, sizes = list(views), [0] * len(views)
         total_in = total_out = 0
-        started = time.perf_counter()
+        started = time.thread_time()
         for i in large:
             size = views[i].nbytes
             packed = _lz4.compress(views[i], mode="fast", acceleration=ACCELERATION, store_size=False)
@@ -238,7 +241,7 @@ class Compressor:
             total_out += min(len(packed), size)
             if len(packed) < size * _SHRINK:
                 out[i], sizes[i] = packed, size
-        elapsed = time.perf_counter() - started
+        elapsed = time.thread_time() - started
         with self._lock:
             self._sample_in += total_in
             self._sample_out += total_out
@@ -272,9 +275,9 @@ class Compressor:
                 return
             self._sampled_at = now
         piece = view[:_SAMPLE_BYTES]
-        started = time.perf_counter()
+        started = time.thread_time()
         packed = _lz4.compress(piece, mode="fast", acceleration=ACCELERATION, store_size=False)
-        elapsed = time.perf_counter() - started
+        elapsed = time.thread_time() - started
         with self._lock:
             self._sample_in += piece.nbytes
             self._sample_out += min(len(packed), piece.nbytes)
