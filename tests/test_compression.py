@@ -215,7 +215,8 @@ def test_auto_judges_lz4_by_cpu_time_so_a_preempted_thread_does_not_turn_it_off(
     """A sending thread preempted while it compresses (a busy machine) spends no CPU meanwhile; measured
     in wall time, lz4 looked slow and compression stayed off (the test above, one run in ten under load)."""
     compress = lz4.block.compress
-    compressor = Compressor("auto", clock=(clock := _Clock()))
+    clock = _Clock()
+    compressor = Compressor("auto", clock=clock)
 
     def preempted_while_sampling(*args, **kwargs):
         if not compressor.active:
