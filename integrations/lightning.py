@@ -32,7 +32,15 @@ from rpcdl.data.elastic import WHOLE_EPOCH, ElasticDistributedSampler, share_bat
 from rpcdl.data.flow import FlowSnapshot
 from rpcdl.data.global_state import next_epoch_state
 from rpcdl.data.metrics import serve_metrics_from_environment
-from rpcdl.data.sources import AddressList, FileSource, Fleet, WorkerSource, worker_source
+from rpcdl.data.sources import (
+    WORKERS_ENV,
+    AddressList,
+    FileSource,
+    Fleet,
+    WorkerSource,
+    worker_source,
+    workers_from_environment,
+)
 from rpcdl.integrations._recipes import dataset_recipe, import_object
 from rpcdl.local import LocalWorkers, local_workers
 from rpcdl.seeding import derive_seed
@@ -41,7 +49,6 @@ __all__ = ["WORKERS_ENV", "DataFlowLogger", "RPCDataModule", "cli_main", "read_w
 
 log = logging.getLogger("rpcdl.lightning")
 
-WORKERS_ENV = "RPCDL_WORKERS"
 """Environment variable listing worker addresses, separated by commas or whitespace."""
 
 _SPLITS = ("train", "val", "test", "predict")
@@ -110,9 +117,10 @@ def _source(workers: Any) -> WorkerSource | None:
     """
     if hasattr(workers, "addresses"):
         return workers
-    text = os.environ.get(WORKERS_ENV, "") if workers is None else workers
-    if isinstance(text, str) and text.strip().startswith(("dns://", "redis://")):
-        return worker_source(text.strip())
+    if workers is None:
+        return workers_from_environment()
+    if isinstance(workers, str) and workers.strip().startswith(("dns://", "redis://", "rediss://")):
+        return worker_source(workers.strip())
     if isinstance(workers, (str, os.PathLike)):
         path = os.path.expandvars(os.path.expanduser(os.fspath(workers)))
         if Path(path).is_file():
@@ -155,8 +163,8 @@ def resolve_workers(workers: Sequence[str] | str | os.PathLike | None) -> list[s
         ['127.0.0.1:6543', '127.0.0.1:6544']
     """
     if workers is None:
-        text = os.environ.get(WORKERS_ENV, "")
-        return _split_addresses(text, f"${WORKERS_ENV}") if text.strip() else None
+        source = workers_from_environment()
+        return None if source is None else source.addresses()
     if isinstance(workers, (str, os.PathLike)):
         path = os.path.expandvars(os.path.expanduser(os.fspath(workers)))
         if Path(path).is_file():

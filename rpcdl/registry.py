@@ -14,19 +14,41 @@ one place that states the layout:
   ``ttl``, default 15 s; use the same URL on both sides);
 * a worker that drains (SIGTERM) removes its entry at once (``ZREM``); workers
   also trim entries dead for longer than ``ttl`` as they beat
-  (``ZREMRANGEBYSCORE``).
+  (``ZREMRANGEBYSCORE``, before their own ``ZADD``: an entry of its own that
+  expired is trimmed, and the ``ZADD`` that follows says it joins again);
+* a counter at ``KEY:version`` (``INCR``), bumped whenever the member set
+  changes otherwise than by a heartbeat of a live member: a worker that joins
+  (its entry was absent or expired before its beat), one that leaves, a trim
+  that removed an entry;
+* a token at ``KEY:epoch``, set by the first worker that joins a server
+  (``SET NX``), never deleted: a server that lost its data (restarted without
+  persistence) has another one, or none, even when the counter climbed back
+  to the same number.
+
+A trainer (:class:`RegistryReader`) thus fetches the member set only when the
+version changed, or when fewer entries are live than it lists (an entry
+expired and nobody trimmed it yet): each look is one round trip of three
+commands, ``TIME``, ``MGET KEY:version KEY:epoch`` and ``ZCOUNT`` (O(log N)),
+with small answers, whatever the fleet's size. A heartbeat is ``TIME``, then
+``ZREMRANGEBYSCORE`` and ``ZADD`` in one round trip, as before the version
+(and ``INCR``, with ``SET NX`` of the epoch when it joined, when it joined or
+trimmed).
 
 Optional parts of the URL: ``redis://:PASSWORD@HOST:PORT`` and ``rediss://``
 (TLS). Reading and writing need redis-py (``pip install 'rpcdl[redis]'``).
 
-Threading: nothing here keeps state; each call makes its own connection.
+Threading: the functions keep no state; a :class:`RegistryReader` keeps what
+it last read, for the one thread at a time that reads through it (its
+caller's lock owns it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import urllib.parse
+import uuid
 from typing import Any
 
 DEFAULT_KEY = "rpcdl:workers"
@@ -113,6 +135,16 @@ class RegistryURL:
         return cls(parts.hostname, port, db, key, ttl, password, parts.scheme == "rediss")
 
     @property
+    def version_key(self) -> str:
+        """The key of the counter of membership changes, ``KEY:version``."""
+        return f"{self.key}:version"
+
+    @property
+    def epoch_key(self) -> str:
+        """The key of the token that names this server's copy of the registry, ``KEY:epoch``."""
+        return f"{self.key}:epoch"
+
+    @property
     def heartbeat(self) -> float:
         """Seconds between two heartbeats of a worker, a third of :attr:`ttl`."""
         return self.ttl / 3.0
@@ -125,6 +157,8 @@ class RegistryURL:
         """
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError:
             raise ImportError(
                 "the Redis registry needs redis-py: pip install 'rpcdl[redis]' (or pip install redis)"
@@ -137,6 +171,7 @@ class RegistryURL:
             ssl=self.tls,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),  # both sides ask again on their own clock: a failure says so at once
         )
 
 
@@ -171,3 +206,147 @@ def live_addresses(url: RegistryURL | str, client: Any = None) -> list[str]:
     oldest = server_time(client) - url.ttl
     members = client.zrangebyscore(url.key, f"({oldest!r}", "+inf")
     return sorted(member.decode() if isinstance(member, bytes) else member for member in members)
+
+
+def beat(url: RegistryURL, client: Any, address: str) -> bool:
+    """Trim entries dead for a ``ttl``, write one heartbeat of ``address``, and bump the version when the
+    member set changed (``address`` joined, or an entry was trimmed).
+
+    Args:
+        url: the registry.
+        client: a redis-py client of its server.
+        address: the worker's advertised ``"host:port"``.
+
+    Returns:
+        Whether ``address`` joined with this beat (its entry was absent or expired).
+
+    Raises:
+        redis.exceptions.RedisError: the server failed.
+
+    Example::
+
+        >>> beat(RegistryURL.parse("redis://127.0.0.1:6379"), client, "10.0.0.7:6543")  # doctest: +SKIP
+        True
+    """
+    now = server_time(client)
+    pipe = client.pipeline(transaction=False)
+    pipe.zremrangebyscore(url.key, "-inf", f"({now - url.ttl!r}")  # the dead, gone for a ttl (this one too)
+    pipe.zadd(url.key, {address: now})
+    trimmed, added = pipe.execute()
+    joined = bool(added)  # absent, or trimmed just now: it joins
+    if joined or trimmed:
+        pipe = client.pipeline(transaction=False)
+        if joined:
+            pipe.set(url.epoch_key, uuid.uuid4().hex, nx=True)
+        pipe.incr(url.version_key)
+        pipe.execute()
+    return joined
+
+
+def leave(url: RegistryURL, client: Any, address: str) -> None:
+    """Remove ``address`` from the registry (a worker that drains), bumping the version when it was there.
+
+    Raises:
+        redis.exceptions.RedisError: the server failed.
+
+    Example::
+
+        >>> leave(RegistryURL.parse("redis://127.0.0.1:6379"), client, "10.0.0.7:6543")  # doctest: +SKIP
+    """
+    if client.zrem(url.key, address):
+        client.incr(url.version_key)
+
+
+class RegistryReset(Exception):
+    """The registry's epoch changed or went away (the server restarted without its data): its members are
+    registering again, and what it lists now is not the fleet yet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unread:
+    """Nothing read yet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Following:
+    """The member set ``listed`` as of ``version`` of ``epoch`` (``None``: nobody registered yet)."""
+
+    epoch: bytes | None
+    version: int | None
+    listed: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settling:
+    """Reset at server time ``since``: the members register again; trusted once a heartbeat round is over."""
+
+    since: float
+    listed: tuple[str, ...]
+
+
+class RegistryReader:
+    """Reads a registry's live members as a trainer does, fetching the member set only when it changed.
+
+    Each :meth:`read` is one round trip of ``TIME``, ``MGET`` of the version
+    and the epoch, and ``ZCOUNT`` of the live entries; the set itself is
+    fetched (``ZRANGEBYSCORE``) only when the version moved or fewer entries
+    are live than were listed (one expired). An epoch that changed or went
+    away means the server lost its data: :class:`RegistryReset` is raised
+    until every live worker had time to beat again (half a ``ttl``).
+
+    Args:
+        url: the registry.
+        client: a redis-py client (default: one made from ``url``).
+
+    Example::
+
+        >>> reader = RegistryReader(RegistryURL.parse("redis://127.0.0.1:6379"))  # doctest: +SKIP
+        >>> reader.read()  # doctest: +SKIP
+        ['10.0.0.7:6543']
+    """
+
+    def __init__(self, url: RegistryURL, client: Any = None) -> None:
+        self.url = url
+        self.client = client if client is not None else url.client()
+        self._state: _Unread | _Following | _Settling = _Unread()
+
+    def read(self) -> list[str]:
+        """The live members now, sorted.
+
+        Raises:
+            RegistryReset: the server lost its data; the members are registering again.
+            redis.exceptions.RedisError: the server failed (unreachable, timed out).
+        """
+        url, state = self.url, self._state
+        cutoff = time.time() - url.ttl  # a first guess on this host's clock; corrected below when it errs
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.mget(url.version_key, url.epoch_key)
+        pipe.zcount(url.key, f"({cutoff!r}", "+inf")
+        (seconds, microseconds), (raw_version, epoch), live = pipe.execute()
+        now = seconds + microseconds / 1e6
+        version = None if raw_version is None else int(raw_version)
+        if abs(now - url.ttl - cutoff) > 0.5:  # the clocks differ: count again on the server's
+            live = self.client.zcount(url.key, f"({now - url.ttl!r}", "+inf")
+        if isinstance(state, _Following):
+            if state.epoch is not None and epoch != state.epoch:
+                self._state = _Settling(now, state.listed)
+                raise RegistryReset(self._reset_message(now, now))
+            if version == state.version and live == len(state.listed):
+                return list(state.listed)
+        elif isinstance(state, _Settling) and now < state.since + url.ttl / 2:
+            raise RegistryReset(self._reset_message(state.since, now))
+        listed = tuple(self._fetch(now))
+        self._state = _Following(epoch, version, listed)
+        return list(listed)
+
+    def _fetch(self, now: float) -> list[str]:
+        members = self.client.zrangebyscore(self.url.key, f"({now - self.url.ttl!r}", "+inf")
+        return sorted(member.decode() if isinstance(member, bytes) else member for member in members)
+
+    def _reset_message(self, since: float, now: float) -> str:
+        return (
+            f"the registry lost its members (its {self.url.epoch_key} changed: the Redis server restarted "
+            f"without its data?); the workers register again within a heartbeat "
+            f"({now - since:.0f}s of {self.url.ttl / 2:g}s)"
+        )

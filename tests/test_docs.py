@@ -73,6 +73,8 @@ DOCTEST_MODULES = [
     "rpcdl.data.dataloader",
     "rpcdl.data.dataset",
     "rpcdl.data.distributed",
+    "rpcdl.data.shares",
+    "rpcdl.data.sources",
     "rpcdl.data.samplers",
     "rpcdl.data.chunked_pass",
     "rpcdl.data.flow",

@@ -6,6 +6,7 @@ and real ``rpcdl worker`` processes.
 
 from __future__ import annotations
 
+import os
 import selectors
 import signal
 import subprocess
@@ -45,18 +46,24 @@ def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
 
 
 def _read_until(process: subprocess.Popen, text: str, timeout: float = _WAIT) -> str:
-    """Read the process's stderr until a line holds ``text``; return what was read."""
-    read = []
+    """Read the process's stderr until a line holds ``text``; return what was read.
+
+    It reads the pipe's bytes as they come (``os.read``): a buffered ``readline`` may take two lines from the
+    pipe at once and leave the second in its buffer, where ``select`` does not see it.
+    """
+    read = b""
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as selector:
         selector.register(process.stderr, selectors.EVENT_READ)
         while time.monotonic() < deadline:
             if selector.select(timeout=0.1):
-                line = process.stderr.readline()
-                read.append(line)
-                if text in line:
-                    return "".join(read)
-    raise AssertionError(f"no line with {text!r} within {timeout}s: {''.join(read)}")
+                chunk = os.read(process.stderr.fileno(), 65536)
+                read += chunk
+                if text.encode() in read:
+                    return read.decode(errors="replace")
+                if not chunk:
+                    break
+    raise AssertionError(f"no line with {text!r} within {timeout}s: {read.decode(errors='replace')}")
 
 
 def test_registry_urls_parse_with_defaults_and_bad_ones_say_what_is_wrong():
@@ -148,3 +155,45 @@ def test_a_worker_keeps_serving_while_the_registry_is_down_and_registers_once_it
     finally:
         stop_process(process, grace=1.0)
         rpcdl.shutdown()
+
+
+def test_a_reader_fetches_the_members_only_when_they_changed(redis_server):
+    """Issue 35, item 7: a trainer's look is TIME, MGET and ZCOUNT; the set is fetched when a worker joined
+    or left, when one expired (nobody bumped the version: the count tells), and after a reset (FLUSHALL: the
+    server lost its data) only once the workers had half a ttl to register again."""
+    from rpcdl.registry import RegistryReader, RegistryReset, beat, leave
+
+    url = RegistryURL.parse(f"redis://{redis_server.host}:{redis_server.port}/0?key=reader:workers&ttl=2")
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    reader = RegistryReader(url)
+
+    def fetches() -> int:
+        return client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
+
+    try:
+        assert reader.read() == []
+        assert beat(url, client, "10.0.0.1:1") and beat(url, client, "10.0.0.2:1")  # both joined
+        assert not beat(url, client, "10.0.0.1:1")  # a heartbeat of a live member: no change
+        assert reader.read() == ["10.0.0.1:1", "10.0.0.2:1"]
+        before = fetches()
+        for _ in range(5):
+            beat(url, client, "10.0.0.1:1")
+            beat(url, client, "10.0.0.2:1")
+            assert reader.read() == ["10.0.0.1:1", "10.0.0.2:1"]
+        assert fetches() == before  # heartbeats are no change
+        leave(url, client, "10.0.0.2:1")
+        assert reader.read() == ["10.0.0.1:1"] and fetches() == before + 1
+        time.sleep(2.2)  # 10.0.0.1 stops beating and expires; nobody trims it, nobody bumps the version
+        assert reader.read() == [] and fetches() == before + 2
+        assert beat(url, client, "10.0.0.1:1")  # back: it trims its own dead entry and joins again
+        assert reader.read() == ["10.0.0.1:1"]
+        client.flushall()  # the server restarts without its data
+        beat(url, client, "10.0.0.3:1")
+        with pytest.raises(RegistryReset, match="register again"):
+            reader.read()
+        beat(url, client, "10.0.0.1:1")
+        time.sleep(1.1)  # half a ttl: every live worker beat again
+        assert reader.read() == ["10.0.0.1:1", "10.0.0.3:1"]
+    finally:
+        client.close()
+        reader.client.close()

@@ -17,6 +17,7 @@ from ..checks import check_int, check_positive_int
 from .dataloader import RPCDataloader
 from .elastic import ElasticDistributedSampler
 from .global_state import merge_states
+from .shares import rank_share
 
 __all__ = ["distributed_loader", "merge_states", "rank_and_world_size", "shard_workers"]
 
@@ -32,20 +33,48 @@ def rank_and_world_size(rank: int | None = None, world_size: int | None = None) 
     return rank, world_size
 
 
-def shard_workers(workers: Sequence[str], rank: int | None = None, world_size: int | None = None) -> list[str]:
-    """The workers rank ``rank`` of ``world_size`` uses: ``workers[rank::world_size]``.
+def shard_workers(
+    workers: Sequence[str], rank: int | None = None, world_size: int | None = None, *, changing: bool = False
+) -> list[str]:
+    """The workers rank ``rank`` of ``world_size`` uses.
 
-    With fewer workers than ranks, ranks share them (rank ``r`` uses worker
-    ``r % len(workers)``) and a warning says so. ``rank`` and ``world_size``
-    default to those of the initialized ``torch.distributed`` group, else 0 and 1.
+    With ``changing=False`` (the default, for a fixed list), ``workers[rank::world_size]``; with fewer workers
+    than ranks, ranks share them (rank ``r`` uses worker ``r % len(workers)``) and a warning says so.
+
+    With ``changing=True`` (for a list that changes, such as a worker source's), the rank's share of a balanced
+    assignment (:func:`rpcdl.data.shares.assignment`) that a join or a leave disturbs little: every rank gets
+    ``floor(W/R)`` or ``ceil(W/R)`` of the ``W`` workers (with fewer workers than ranks: one each, and no
+    worker serves more than ``ceil(R/W)`` ranks). It depends only on the set of addresses and ``world_size``,
+    not on their order, so every rank computes the same assignment without talking. This is the share a
+    :class:`~rpcdl.data.sources.Fleet` over a changing source prefers.
+
+    ``rank`` and ``world_size`` default to those of the initialized ``torch.distributed`` group, else 0 and 1.
+
+    Args:
+        workers: the workers' ``HOST:PORT`` addresses.
+        rank, world_size: this rank and the number of ranks.
+        changing: whether the list changes while the job runs (then the balanced assignment).
+
+    Returns:
+        this rank's workers, in the order of ``workers``.
+
+    Raises:
+        TypeError, ValueError: ``workers`` is not a list of addresses, or ``rank`` is not one of the ranks.
 
     Example::
 
         >>> shard_workers(["a:1", "b:1", "c:1", "d:1"], rank=1, world_size=2)
         ['b:1', 'd:1']
+        >>> workers = [f"10.0.0.{i}:6543" for i in range(10)]
+        >>> sorted(len(shard_workers(workers, rank, 4, changing=True)) for rank in range(4))
+        [2, 2, 3, 3]
     """
     workers = check_workers(workers)
     rank, world_size = rank_and_world_size(rank, world_size)
+    if not isinstance(changing, bool):
+        raise TypeError(f"changing must be True or False (whether the list of workers changes), got {changing!r}")
+    if changing:
+        return list(rank_share(workers, rank, world_size))
     if len(workers) < world_size:
         warnings.warn(
             f"{len(workers)} workers for {world_size} ranks: ranks share workers; start at least one per rank",

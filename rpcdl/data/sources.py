@@ -5,9 +5,16 @@ turns what a user gives (a list, ``"HOST:PORT,HOST:PORT"``, a file path,
 ``"dns://NAME:PORT"``, ``"redis://HOST:PORT[/DB]?key=KEY"``, an object with
 ``addresses()``) into one. A :class:`Fleet` is what a dataset and its loaders
 follow: the source's latest list, numbered by version, with this client's own
-share of it (``workers[rank::world_size]`` for a fixed list; rendezvous
-hashing for a changing source, so that a join or a leave moves few workers
-between ranks).
+share of it (``workers[rank::world_size]`` for a fixed list; a balanced
+assignment for a changing source, :mod:`rpcdl.data.shares`, that a join or a
+leave disturbs little).
+
+A read that fails is no news: a source raises (:class:`SourceReadError` from
+the sources here: a file missing or half-written, a name that does not
+resolve, a registry that cannot be read), and the fleet keeps its last list,
+says once that the source fails and once that it reads again, and asks again
+with exponential backoff and jitter. A worker leaves only when a read that
+succeeded no longer lists it.
 
 Threading: a fleet over a changing source runs one daemon thread,
 ``rpcdl-fleet-SOURCE``, that asks the source every ``interval`` seconds (the
@@ -16,7 +23,10 @@ training step). A dataset waiting for its fleet to come up asks too; the
 fleet's asking lock lets one thread at a time ask the source (its I/O and its
 own fields, such as ``last_error``). The latest :class:`Membership` is
 guarded by the fleet's lock, a leaf never held while asking, which readers
-(the pools, under their own lock) take for a copy. The thread holds
+(the pools, under their own lock) take for a copy. Whether the source reads
+(``_Reading``, or ``_Failing`` with the failure and its count) is
+written by the asking thread under the fleet's lock too, so that readers
+need not wait for a slow source. The thread holds
 only a weak reference to its fleet (no callback) and ends at its next tick
 once the fleet is gone, or at :meth:`Fleet.close`. A process forked from one
 with a fleet starts its own thread on its first read.
@@ -26,9 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -37,28 +47,34 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..address import check_workers, format_address, parse_address
-from ..checks import environment_number
+from ..checks import check_int, check_positive_int, check_timeout, environment_number
 from ..errors import WorkerUnavailable
-from ..registry import RegistryURL, live_addresses
+from ..registry import RegistryReader, RegistryReset, RegistryURL
+from .shares import assignment
 
 __all__ = [
     "DEFAULT_START_TIMEOUT",
     "START_TIMEOUT_ENV",
+    "WORKERS_ENV",
     "AddressList",
     "DnsSource",
     "FileSource",
     "Fleet",
     "Membership",
     "RedisRegistry",
+    "SourceReadError",
     "WorkerSource",
     "own_share",
     "start_timeout",
     "worker_source",
+    "workers_from_environment",
 ]
 
 log = logging.getLogger("rpcdl.fleet")
 
 START_TIMEOUT_ENV = "RPCDL_START_TIMEOUT"
+#: The variable that names a trainer's workers when none are given: whatever ``workers=`` takes, as text.
+WORKERS_ENV = "RPCDL_WORKERS"
 #: Seconds a trainer waits for its first worker (``RPCDL_START_TIMEOUT`` overrides): pulling a worker image
 #: and starting it on a cluster takes minutes.
 DEFAULT_START_TIMEOUT = 600.0
@@ -66,6 +82,24 @@ DEFAULT_START_TIMEOUT = 600.0
 DEFAULT_INTERVAL = 2.0
 #: Seconds between two log lines of a trainer waiting for its fleet.
 WAIT_LOG_EVERY = 10.0
+#: A source that fails is asked again after ``interval``, then twice as long each time, up to this many
+#: intervals and at most :data:`BACKOFF_CAP` seconds (each wait drawn between half and all of it).
+BACKOFF_INTERVALS = 16
+BACKOFF_CAP = 30.0
+
+
+class SourceReadError(Exception):
+    """A worker source could not be read now (a file missing or half-written, a name that does not resolve, a
+    registry that cannot be reached): not an empty list. The :class:`Fleet` keeps its last list and asks
+    again later; the message says what failed, for the log and for a trainer waiting for its first worker.
+
+    Example::
+
+        >>> FileSource("/no/such/workers.txt").addresses()
+        Traceback (most recent call last):
+          ...
+        rpcdl.data.sources.SourceReadError: the file /no/such/workers.txt does not exist
+    """
 
 
 def start_timeout(given: float | None = None) -> float:
@@ -94,6 +128,14 @@ class WorkerSource:
     (it need not subclass this); this class adds a name for log lines and the
     default of whether the list changes.
 
+    ``addresses()`` returns the workers listed now; a worker it no longer
+    lists leaves (its calls in flight finish, it is given no more). When the
+    source cannot be read now (a service down, a timeout), raise instead of
+    returning ``[]``: any exception (:class:`~rpcdl.data.sources.SourceReadError` with a message
+    that says what failed reads best in the log) keeps the last list, is said
+    once, and the source is asked again with exponential backoff and jitter.
+    Returning ``[]`` means that no worker is listed: every worker leaves.
+
     Attributes:
         changing: whether :meth:`addresses` may give another list later (then it is asked every few seconds).
 
@@ -110,7 +152,12 @@ class WorkerSource:
     changing: bool = True
 
     def addresses(self) -> list[str]:
-        """The workers' ``HOST:PORT`` addresses now (an empty list while none is up)."""
+        """The workers' ``HOST:PORT`` addresses now (an empty list while none is up).
+
+        Raises:
+            Exception: the source cannot be read now (best a :class:`~rpcdl.data.sources.SourceReadError`):
+                the last list stands.
+        """
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -145,13 +192,18 @@ class AddressList(WorkerSource):
 
 
 def _split(text: str) -> list[str]:
-    return [part.strip() for line in text.splitlines() for part in line.split(",") if part.strip()]
+    """The entries of ``text``, separated by commas, spaces or lines."""
+    return text.replace(",", " ").split()
 
 
 class FileSource(WorkerSource):
     """A text file, one ``HOST:PORT`` per line (what ``rpcdl worker --address-file`` appends): re-read when it
-    changes; a line added joins, a line removed drains. Blank lines and ``#`` comments are skipped; a missing
-    file lists no worker (yet).
+    changes; a line added joins, a line removed drains. Blank lines and ``#`` comments are skipped.
+
+    A file that does not exist, cannot be read, or ends in a line being
+    written (no newline yet, and not a whole address) is a failed read
+    (:class:`SourceReadError`): the fleet keeps its last list. A file that
+    exists and lists no address lists no worker.
 
     Args:
         path: the file.
@@ -166,14 +218,29 @@ class FileSource(WorkerSource):
         self.path = os.fspath(path)
 
     def addresses(self) -> list[str]:
-        """The addresses in the file now (malformed lines are reported and skipped)."""
+        """The addresses in the file now (malformed lines are reported and skipped).
+
+        Raises:
+            SourceReadError: the file does not exist, cannot be read, or its last line is being written.
+        """
         try:
             with open(self.path, encoding="utf-8") as file:
                 text = file.read()
         except FileNotFoundError:
-            return []
+            raise SourceReadError(f"the file {self.path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SourceReadError(f"the file {self.path} cannot be read ({exc})") from None
+        lines = [line.split("#", 1)[0] for line in text.splitlines()]
+        if lines and not text.endswith("\n"):
+            for entry in _split(lines[-1]):  # a writer is still at it, or the last address is whole
+                try:
+                    parse_address(entry)
+                except ValueError:
+                    raise SourceReadError(
+                        f"the file {self.path} ends in a line being written ({entry!r} is not a whole address)"
+                    ) from None
         found: list[str] = []
-        for entry in _split("\n".join(line.split("#", 1)[0] for line in text.splitlines())):
+        for entry in _split("\n".join(lines)):
             try:
                 parse_address(entry)
             except ValueError as exc:
@@ -203,7 +270,8 @@ Resolver = Callable[[str, int], list[str]]
 
 class DnsSource(WorkerSource):
     """``dns://NAME:PORT``: every address ``NAME`` resolves to (a Kubernetes headless Service), resolved again
-    every few seconds. A name that does not resolve (yet) lists no worker, and says so.
+    every few seconds. A name that does not resolve is a failed read (:class:`SourceReadError`): the fleet keeps
+    its last list (none before the first answer) and says why.
 
     Args:
         name: the DNS name.
@@ -219,16 +287,17 @@ class DnsSource(WorkerSource):
     def __init__(self, name: str, port: int, resolver: Resolver | None = None):
         self.name, self.port = name, port
         self._resolver = resolver or _resolve
-        self.last_error: str | None = None  # why the name gave nothing, for log lines (asked by one thread at a time)
 
     def addresses(self) -> list[str]:
-        """The addresses the name resolves to now."""
+        """The addresses the name resolves to now.
+
+        Raises:
+            SourceReadError: the name does not resolve now (the resolver's error is in the message).
+        """
         try:
             found = self._resolver(self.name, self.port)
         except OSError as exc:
-            self.last_error = f"{self.name} does not resolve ({getattr(exc, 'strerror', None) or exc})"
-            return []
-        self.last_error = None
+            raise SourceReadError(f"{self.name} does not resolve ({getattr(exc, 'strerror', None) or exc})") from None
         return list(found)
 
     def describe(self) -> str:
@@ -247,13 +316,17 @@ class RedisRegistry(WorkerSource):
     set at ``KEY`` (default ``rpcdl:workers``), member a worker's address,
     score its last heartbeat on the Redis server's clock; an entry is live
     while its score is within ``ttl`` seconds (default 15) of the server's
-    ``TIME``. Needs the ``redis`` extra (``pip install rpcdl[redis]``).
+    ``TIME``; a counter beside it says when the set changed, so that it is
+    fetched only then. A registry that cannot be read is a failed read
+    (:class:`SourceReadError`): the fleet keeps its last list. Needs the
+    ``redis`` extra (``pip install rpcdl[redis]``).
 
     Args:
         url: the registry's URL.
 
     Raises:
         ValueError: the URL is malformed (the message shows the form).
+        ImportError: redis-py is not installed (the message says how to install it).
 
     Example::
 
@@ -264,23 +337,24 @@ class RedisRegistry(WorkerSource):
     def __init__(self, url: str):
         self.url = url
         self.registry = RegistryURL.parse(url)  # the layout is rpcdl.registry's, the worker side's
-        self.last_error: str | None = None  # (its fleet asks it from one thread at a time)
-        self._client: Any = None  # made on first use
-
-    def addresses(self) -> list[str]:
-        """The live members now (none while the registry cannot be reached, which is said)."""
         try:
-            if self._client is None:
-                self._client = self.registry.client()
-            members = live_addresses(self.registry, self._client)
+            self._reader = RegistryReader(self.registry)  # redis-py connects on first use
         except ImportError:
             raise ImportError("a redis:// worker source needs redis-py: pip install 'rpcdl[redis]'") from None
-        except Exception as exc:  # redis' own errors: the registry is not there (yet)
-            self.last_error = f"the registry {self.describe()} cannot be read ({exc})"
-            self._client = None
-            return []
-        self.last_error = None
-        return members
+
+    def addresses(self) -> list[str]:
+        """The live members now, sorted; the member set is fetched only when it changed.
+
+        Raises:
+            SourceReadError: the registry cannot be read now (unreachable, timed out, or its server lost its
+                data and the workers register again).
+        """
+        try:
+            return self._reader.read()
+        except RegistryReset as exc:
+            raise SourceReadError(f"{self.describe()}: {exc}") from None
+        except Exception as exc:  # redis' own errors: the registry is not there (now)
+            raise SourceReadError(f"the registry {self.describe()} cannot be read ({exc})") from None
 
     def describe(self) -> str:
         """The URL."""
@@ -292,8 +366,8 @@ class RedisRegistry(WorkerSource):
 
 def worker_source(workers: Any) -> WorkerSource:
     """The source ``workers`` names: a list of ``HOST:PORT``, the path of a file (an existing one, a string
-    with a ``/``, or any ``os.PathLike``), ``"dns://NAME:PORT"``, ``"redis://..."``, or any object with
-    ``addresses()`` (returned as it is).
+    with a ``/``, or any ``os.PathLike``), ``"dns://NAME:PORT"``, ``"redis://..."`` (or ``"rediss://..."``),
+    or any object with ``addresses()`` (returned as it is).
 
     Raises:
         TypeError: ``workers`` is none of those (a bare ``"HOST:PORT"`` string included: give a list).
@@ -313,7 +387,7 @@ def worker_source(workers: Any) -> WorkerSource:
         if text.startswith("dns://"):
             host, port = parse_address(text[len("dns://") :])
             return DnsSource(host, port)
-        if text.startswith("redis://"):
+        if text.startswith(("redis://", "rediss://")):
             return RedisRegistry(text)
         path = os.path.expandvars(os.path.expanduser(text))
         if os.path.isfile(path) or os.sep in path:  # a path, perhaps of a file not written yet
@@ -322,14 +396,56 @@ def worker_source(workers: Any) -> WorkerSource:
     return AddressList(workers)
 
 
+def workers_from_environment() -> WorkerSource | None:
+    """The workers ``$RPCDL_WORKERS`` names, the one place that reads it: what ``workers=`` takes, as text.
+
+    The variable holds a file path (one ``HOST:PORT`` per line, watched),
+    ``dns://NAME:PORT``, ``redis://HOST:PORT[/DB]?key=KEY``, or addresses
+    separated by commas or whitespace (a fixed list). ``~`` and ``$VARIABLES``
+    in a path are expanded.
+
+    Returns:
+        the source, or ``None`` when the variable is unset or blank (the caller's default applies: local
+        workers, for :class:`~rpcdl.integrations.lightning.RPCDataModule`).
+
+    Raises:
+        ValueError: an address or a URL in it is malformed (the message names the variable).
+
+    Example::
+
+        >>> os.environ["RPCDL_WORKERS"] = "cpu01:6543, cpu02:6543"
+        >>> workers_from_environment().addresses()
+        ['cpu01:6543', 'cpu02:6543']
+        >>> os.environ["RPCDL_WORKERS"] = "/shared/job7/workers.txt"
+        >>> workers_from_environment().describe()
+        'the file /shared/job7/workers.txt'
+        >>> del os.environ["RPCDL_WORKERS"]
+    """
+    text = os.environ.get(WORKERS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        if text.startswith(("dns://", "redis://", "rediss://")):
+            return worker_source(text)
+        path = os.path.expandvars(os.path.expanduser(text))
+        if len(text.split()) == 1 and "," not in text and (os.path.isfile(path) or os.sep in path):
+            return FileSource(path)
+        return AddressList(_split(text))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"${WORKERS_ENV}={text!r}: {exc}; it takes a file path, dns://NAME:PORT, redis://HOST:PORT?key=KEY, "
+            "or HOST:PORT addresses separated by commas or spaces"
+        ) from None
+
+
 def own_share(addresses: Sequence[str], rank: int, world_size: int, changing: bool) -> frozenset[str]:
     """The workers rank ``rank`` of ``world_size`` prefers.
 
     For a fixed list, ``addresses[rank::world_size]`` (``addresses[rank % n]``
-    with fewer workers than ranks). For a changing source, each address goes
-    to the rank it hashes highest with (rendezvous hashing): a worker that
-    joins or leaves moves no other worker between ranks. A rank that no
-    address hashes to prefers the one that hashes highest with it.
+    with fewer workers than ranks). For a changing source, the rank's share of
+    :func:`rpcdl.data.shares.assignment`: ``floor(W/R)`` or ``ceil(W/R)``
+    workers per rank (one with fewer workers than ranks), the same on every
+    rank, and a join or a leave moves few workers between ranks.
 
     Example::
 
@@ -342,12 +458,7 @@ def own_share(addresses: Sequence[str], rank: int, world_size: int, changing: bo
         if len(addresses) < world_size:
             return frozenset([addresses[rank % len(addresses)]])
         return frozenset(addresses[rank::world_size])
-
-    def score(address: str, r: int) -> int:
-        return int.from_bytes(hashlib.blake2b(f"{address}|{r}".encode(), digest_size=8).digest(), "big")
-
-    own = frozenset(a for a in addresses if max(range(world_size), key=lambda r: score(a, r)) == rank)
-    return own or frozenset([max(addresses, key=lambda a: score(a, rank))])
+    return frozenset(assignment(addresses, world_size)[rank])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,6 +469,21 @@ class Membership:
     version: int
     addresses: tuple[str, ...]
     own: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    """The source's last read succeeded."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failing:
+    """The source's reads fail: the last ``failures`` in a row, since ``since`` (monotonic), the last with
+    ``error``."""
+
+    error: str
+    failures: int
+    since: float
 
 
 class _Watching(enum.Enum):
@@ -382,11 +508,14 @@ class Fleet:
     """
 
     def __init__(self, source: Any, rank: int = 0, world_size: int = 1, interval: float = DEFAULT_INTERVAL):
+        self.world_size = check_positive_int(world_size, "world_size", "the number of ranks")
+        self.rank = check_int(rank, "rank", minimum=0, maximum=world_size - 1, meaning=f"one of the {world_size} ranks")
+        self.interval = check_timeout(interval, "interval")
         self.source = worker_source(source)
-        self.rank, self.world_size, self.interval = rank, world_size, interval
         self.changing = bool(getattr(self.source, "changing", True))
         self._asking = threading.Lock()  # one thread at a time asks the source (its I/O, its own fields)
         self._lock = threading.Lock()  # guards what follows; a leaf, never held while asking
+        self._health: _Reading | _Failing = _Reading()  # written by the asking thread, under both locks
         self._membership = Membership(0, (), frozenset())
         self._watching = _Watching.NOT_STARTED
         self._pid = os.getpid()
@@ -402,9 +531,17 @@ class Fleet:
         return describe() if callable(describe) else repr(self.source)
 
     def why_empty(self) -> str | None:
-        """Why the source lists nothing, when it knows (a name that does not resolve, a registry not reachable)."""
-        with self._asking:
-            return getattr(self.source, "last_error", None)
+        """Why the source lists nothing, when its last read failed: what failed (``"the file X does not
+        exist"``, a name that does not resolve, a registry not reachable); ``None`` after a read that succeeded.
+
+        Example::
+
+            >>> Fleet("/no/such/workers.txt").why_empty()
+            'the file /no/such/workers.txt does not exist'
+        """
+        with self._lock:
+            health = self._health
+        return self._naming(health.error) if isinstance(health, _Failing) else None
 
     def membership(self) -> Membership:
         """The latest list (and, for a changing source, the watch started in this process)."""
@@ -432,12 +569,30 @@ class Fleet:
         self._stop.set()
 
     def _ask(self) -> tuple[str, ...] | None:
-        try:
-            with self._asking:
+        """The source's list now, or ``None`` when the read failed (said once, until a read succeeds)."""
+        with self._asking:
+            try:
                 found = self.source.addresses()
-        except Exception as exc:  # a user's source: say it, keep the last list
-            log.warning("the worker source %s failed: %s; keeping the last list", self.describe(), exc)
-            return None
+            except Exception as exc:  # any source's failure, a user's included: the last list stands
+                error = str(exc) or type(exc).__name__
+                with self._lock:
+                    before = self._health
+                    failures = before.failures + 1 if isinstance(before, _Failing) else 1
+                    since = before.since if isinstance(before, _Failing) else time.monotonic()
+                    self._health = _Failing(error, failures, since)
+                    listed = len(self._membership.addresses)
+                if isinstance(before, _Reading):
+                    log.warning(
+                        "rpcdl worker source %s; keeping its last list (%d workers) and asking again with backoff",
+                        self._naming(error),
+                        listed,
+                    )
+                return None
+            with self._lock:
+                before, self._health = self._health, _Reading()
+        if isinstance(before, _Failing):
+            failed_for = time.monotonic() - before.since
+            log.warning("rpcdl worker source %s reads again (it failed for %.0fs)", self.describe(), failed_for)
         valid = []
         for address in found:
             try:
@@ -449,12 +604,28 @@ class Fleet:
                 valid.append(address)
         return tuple(valid)
 
+    def _naming(self, error: str) -> str:
+        """``error``, with the source's name in front unless it names it already."""
+        name = self.describe()
+        return error if name in error else f"{name}: {error}"
+
+    def next_look(self) -> float:
+        """Seconds until the source is asked again: about ``interval`` (with jitter) while it reads; after
+        ``n`` failed reads in a row, ``interval * 2**(n-1)`` up to 16 intervals and 30 s, drawn between half
+        and all of it, so that many trainers do not ask a recovering source at once."""
+        with self._lock:
+            health = self._health
+        if isinstance(health, _Reading):
+            return self.interval * random.uniform(0.8, 1.2)
+        cap = max(self.interval, min(BACKOFF_CAP, self.interval * BACKOFF_INTERVALS))
+        return min(cap, self.interval * 2 ** min(health.failures - 1, 30)) * random.uniform(0.5, 1.0)
+
     def _start_watch(self) -> None:
         # Holding the lock.
         self._watching = _Watching.RUNNING
         self._pid = os.getpid()
         thread = threading.Thread(
-            target=_watch, args=(weakref.ref(self), self.interval), name=f"rpcdl-fleet-{self.describe()}", daemon=True
+            target=_watch, args=(weakref.ref(self),), name=f"rpcdl-fleet-{self.describe()}", daemon=True
         )
         thread.start()
 
@@ -475,29 +646,28 @@ class Fleet:
             if membership.addresses:
                 return membership
             now = time.monotonic()
-            why = self.why_empty() or "it lists no worker yet"
+            why = self.why_empty() or f"{self.describe()} lists no worker yet"
             if now - started >= timeout:
                 raise WorkerUnavailable(
-                    f"no rpcdl worker came up within {timeout:g}s: {self.describe()}: {why}; set "
-                    f"{START_TIMEOUT_ENV} to wait longer"
+                    f"no rpcdl worker came up within {timeout:g}s: {why}; set {START_TIMEOUT_ENV} to wait longer"
                 )
             if now - said >= WAIT_LOG_EVERY:
                 said = now
-                log.warning(
-                    "waiting for rpcdl workers (%.0fs of %gs): %s: %s", now - started, timeout, self.describe(), why
-                )
+                log.warning("waiting for rpcdl workers (%.0fs of %gs): %s", now - started, timeout, why)
             time.sleep(min(self.interval, 0.5))
 
 
-def _watch(fleet_ref: weakref.ref[Fleet], interval: float) -> None:
-    """The fleet's thread: look at the source every ``interval`` seconds while the fleet lives."""
+def _watch(fleet_ref: weakref.ref[Fleet]) -> None:
+    """The fleet's thread: look at the source every ``interval`` seconds (backing off while it fails) while the
+    fleet lives."""
     while True:
         fleet = fleet_ref()
         if fleet is None or fleet.stopped():
             return
         stop = fleet._stop
+        delay = fleet.next_look()
         del fleet  # between looks the thread must not keep it alive
-        if stop.wait(interval):
+        if stop.wait(delay):
             return
         fleet = fleet_ref()
         if fleet is None:

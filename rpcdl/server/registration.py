@@ -1,6 +1,6 @@
 """A worker's entry in a Redis registry (``rpcdl worker --register``): a heartbeat, and leaving it.
 
-The layout is :mod:`rpcdl.registry`'s. Threading: the heartbeat thread
+The layout, and how a beat and a leave change it, is :mod:`rpcdl.registry`'s. Threading: the heartbeat thread
 (``rpcdl-registry-ADDRESS``) owns the redis-py client and does every write:
 it beats every ``ttl / 3`` seconds until told to stop, then removes the entry
 and ends. Other threads reach it only through :meth:`Registration.leave`,
@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Any
 
-from ..registry import RegistryURL, server_time
+from ..registry import RegistryURL, beat, leave
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -54,9 +54,9 @@ class Registration:
         failing = False
         while True:
             try:
-                self._beat()
-                if failing:
-                    log.info("rpcdl worker %s: registered in %s again", self.address, self._where())
+                joined = beat(self.url, self._client, self.address)
+                if failing or joined:
+                    log.info("rpcdl worker %s: registered in %s", self.address, self._where())
                 failing = False
             except Exception as exc:  # redis-py's errors, and OSError: the worker serves on regardless
                 if not failing:
@@ -71,7 +71,7 @@ class Registration:
             if self._leaving.wait(self.url.heartbeat):
                 break
         try:
-            self._client.zrem(self.url.key, self.address)
+            leave(self.url, self._client, self.address)
             log.info("rpcdl worker %s: left registry %s", self.address, self._where())
         except Exception as exc:
             log.warning(
@@ -79,13 +79,6 @@ class Registration:
             )
         finally:
             self._client.close()
-
-    def _beat(self) -> None:
-        now = server_time(self._client)
-        pipe = self._client.pipeline(transaction=False)
-        pipe.zadd(self.url.key, {self.address: now})
-        pipe.zremrangebyscore(self.url.key, "-inf", f"({now - self.url.ttl!r}")  # the dead, gone for a ttl
-        pipe.execute()
 
     def _where(self) -> str:
         return f"redis://{self.url.host}:{self.url.port}/{self.url.db} key {self.url.key!r}"

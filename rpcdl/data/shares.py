@@ -1,0 +1,192 @@
+"""Each rank's share of a changing fleet: balanced, the same on every rank, and little moved by a join or a leave.
+
+:func:`assignment` maps ``W`` worker addresses to ``R`` ranks as a pure
+function of (the set of addresses, ``R``): every rank computes the same
+assignment without talking to the others, and the order in which a source
+lists the addresses does not matter.
+
+Invariants:
+
+* **Balance.** With ``W >= R``, every worker serves exactly one rank and every
+  rank gets ``floor(W/R)`` or ``ceil(W/R)`` workers. With ``W < R``, every rank
+  gets exactly one worker and every worker serves ``floor(R/W)`` or
+  ``ceil(R/W)`` ranks.
+* **Little movement.** A worker that joins or leaves moves a few other workers
+  between ranks (a handful out of thousands; ``benchmarks/shares.py`` measures
+  it), not a fraction of the fleet.
+
+How (``W >= R``). Each address has two hashes: a position ``p`` in ``[0, 1)``
+and a priority ``g``. The ranks are split in halves recursively (a binary tree
+over ``0..R-1``); a node holds the ranks ``[a, b)`` and the workers handed to
+it, and gives each half its workers:
+
+1. *Counts.* With ``Q = W // R``, a node of ``R'`` ranks holds ``Q*R' + e``
+   workers, ``0 <= e <= R'``: ``e`` extra workers, at most one per rank. Its
+   left half of ``R1`` ranks gets ``e1`` of the extras, its right half of
+   ``R2`` ranks the other ``e - e1``, with ``max(0, e - R2) <= e1 <= min(R1,
+   e)`` so that both halves can hold theirs. That keeps the invariant down to
+   the leaves, where a rank holds ``Q`` or ``Q + 1``: the balance.
+2. *Who.* The workers whose position lies in the left half's arc of
+   ``[0, 1)`` (``p < mid / R``) would go left: that is consistent hashing, which
+   moves nobody when a worker joins. ``e1`` is that natural count less
+   ``Q*R1``, clipped to its bounds. When the natural left side holds more than
+   its count, its workers of highest priority ``g`` go right; when fewer, the
+   right side's workers of highest ``g`` come left.
+
+Why a join moves few. Down the tree, the newcomer lands in one half. Either
+that half's count grows by one (the extra goes where it landed: nothing else
+moves at this node), or the count stays and one worker crosses to the other
+half: the one of highest priority among those that cross, a random worker
+rather than a neighbour of a boundary, so that no chain of boundaries shifts
+(splitting the sorted order into contiguous runs would shift every boundary
+after the newcomer). A crossing hands each half one change (a worker in and
+one out) whose positions are independent, so a change reaches a leaf through
+about 1.5 branches per level: tens of pairs for 4,096 workers over 1,024
+ranks, where ``W`` is an exact multiple of ``R`` (every count is then forced)
+and far fewer between multiples. A leave is the same in reverse. Rendezvous
+hashing moves nobody but is uneven (some ranks get none); this gives up a few
+moves for the balance.
+
+With ``W < R`` the same tree gives ``W`` ranks one worker each (``Q = 0``, so
+that one worker more or less near ``W = R`` moves as few as elsewhere); the
+ranks left without one are then handed out to the workers, taken in the order
+of their positions, by the same tree with the roles swapped: each worker
+serves one rank, or none, plus ``floor((R-W)/W)`` or ``ceil((R-W)/W)`` of
+those, so at most ``ceil(R/W)``. A join or a leave moves most of those
+handed-out ranks, since each worker's arc shifts; with ``W`` close to ``R``
+they are few.
+
+Cost: two hashes per address and ``O(W log R)`` work for the whole assignment,
+shared by every rank of a process (cached per set of addresses and ``R``):
+about 0.1 s for 4,096 workers and 1,024 ranks in CPython.
+
+Threading: pure functions; the cache is ``functools.lru_cache``'s, safe to
+call from any thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Iterable, Sequence
+
+__all__ = ["assignment", "rank_share"]
+
+#: (position in [0, 1), priority, the item)
+_Keyed = tuple[float, int, object]
+
+
+def _keys(item: object, salt: str) -> tuple[float, int]:
+    digest = hashlib.blake2b(f"{salt}|{item}".encode(), digest_size=16).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64, int.from_bytes(digest[8:], "big")
+
+
+def _split(items: list[_Keyed], bins: int) -> list[list[object]]:
+    """Hand ``items`` to ``bins`` bins, ``len(items) // bins`` or one more each (the tree of the module's
+    docstring)."""
+    quota = len(items) // bins
+    out: list[list[object]] = [[] for _ in range(bins)]
+    # An explicit stack of nodes: (items, first bin, end bin, extras).
+    stack: list[tuple[list[_Keyed], int, int, int]] = [(items, 0, bins, len(items) - quota * bins)]
+    while stack:
+        held, first, end, extras = stack.pop()
+        if end - first == 1:
+            out[first] = [item for _, _, item in held]
+            continue
+        middle = (first + end) // 2
+        left_bins, right_bins = middle - first, end - middle
+        boundary = middle / bins
+        left = [keyed for keyed in held if keyed[0] < boundary]
+        right = [keyed for keyed in held if keyed[0] >= boundary]
+        left_extras = min(max(len(left) - quota * left_bins, max(0, extras - right_bins)), min(left_bins, extras))
+        wanted = quota * left_bins + left_extras
+        if len(left) > wanted:
+            left.sort(key=_priority)
+            right.extend(left[wanted:])
+            del left[wanted:]
+        elif len(left) < wanted:
+            right.sort(key=_priority)
+            keep = len(right) - (wanted - len(left))
+            left.extend(right[keep:])
+            del right[keep:]
+        stack.append((left, first, middle, left_extras))
+        stack.append((right, middle, end, extras - left_extras))
+    return out
+
+
+def _priority(keyed: _Keyed) -> int:
+    """Lowest first: those of highest priority are the last, and cross first."""
+    return -keyed[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _assignment(addresses: frozenset[str], world_size: int) -> tuple[tuple[str, ...], ...]:
+    keyed: list[_Keyed] = [(*_keys(address, "worker"), address) for address in addresses]
+    shares = [sorted(share) for share in _split(keyed, world_size)]
+    if len(addresses) < world_size:  # each worker has one rank or none; the others are handed out among them
+        workers = [address for _, _, address in sorted(keyed)]
+        empty = [rank for rank, share in enumerate(shares) if not share]
+        ranks: list[_Keyed] = [((rank + 0.5) / world_size, _keys(rank, "rank")[1], rank) for rank in empty]
+        for worker, served in zip(workers, _split(ranks, len(workers)), strict=True):
+            for rank in served:
+                shares[rank] = [worker]  # type: ignore[index]
+    return tuple(tuple(share) for share in shares)  # type: ignore[misc]
+
+
+def assignment(addresses: Iterable[str], world_size: int) -> tuple[tuple[str, ...], ...]:
+    """Every rank's share of a changing fleet: ``assignment(addresses, R)[r]`` is rank ``r``'s workers, sorted.
+
+    A pure function of the set of ``addresses`` and ``world_size`` (see the
+    module's docstring for the invariants and why a join or a leave moves
+    few workers), cached per set so that every rank of a process shares one
+    computation.
+
+    Args:
+        addresses: the workers' ``HOST:PORT`` addresses (their order does not matter; repeats count once).
+        world_size: the number of ranks, at least 1.
+
+    Returns:
+        one tuple of addresses per rank: ``floor(W/R)`` or ``ceil(W/R)`` of them each; with fewer workers than
+        ranks, one each, every worker serving ``floor(R/W)`` or ``ceil(R/W)`` ranks; no worker: all empty.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive integer.
+
+    Example::
+
+        >>> shares = assignment([f"10.0.0.{i}:6543" for i in range(10)], 4)
+        >>> sorted(len(share) for share in shares)
+        [2, 2, 3, 3]
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer of at least 1 (the number of ranks), got {world_size!r}")
+    listed = addresses if isinstance(addresses, tuple) else tuple(addresses)
+    if not listed:
+        return ((),) * world_size
+    return _listed(listed, world_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _listed(addresses: tuple[str, ...], world_size: int) -> tuple[tuple[str, ...], ...]:
+    """:func:`_assignment` of one list as given: a rank that asks again with the same tuple (a fleet's
+    membership) finds it without building the set again."""
+    return _assignment(frozenset(addresses), world_size)
+
+
+def rank_share(addresses: Sequence[str], rank: int, world_size: int) -> tuple[str, ...]:
+    """Rank ``rank``'s share of :func:`assignment`, in the order of ``addresses``.
+
+    Example::
+
+        >>> rank_share(["a:1", "b:1", "c:1", "d:1"], 0, 2) in (("a:1", "b:1"), ("a:1", "c:1"), ("a:1", "d:1"),
+        ...                                                     ("b:1", "c:1"), ("b:1", "d:1"), ("c:1", "d:1"))
+        True
+    """
+    own = set(assignment(addresses, world_size)[rank])
+    seen: set[str] = set()
+    share = []
+    for address in addresses:
+        if address in own and address not in seen:
+            seen.add(address)
+            share.append(address)
+    return tuple(share)

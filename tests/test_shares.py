@@ -1,0 +1,105 @@
+"""The shares of a changing fleet (rpcdl.data.shares): balanced, a pure function of the set, little moved.
+
+Pure logic, checked by hypothesis over many fleet sizes; ``benchmarks/shares.py`` measures the same at the
+scale of 4,096 workers and 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rpcdl.data.shares import assignment, rank_share
+from rpcdl.data.sources import own_share
+from rpcdl.distributed import shard_workers
+
+
+def _fleet(size: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"10.{rng.randrange(256)}.{rng.randrange(256)}.{i % 256}:{6000 + i}" for i in range(size)]
+
+
+def _pairs(shares) -> set[tuple[int, str]]:
+    return {(rank, worker) for rank, share in enumerate(shares) for worker in share}
+
+
+@settings(max_examples=300, deadline=None)
+@given(workers=st.integers(0, 300), world_size=st.integers(1, 80), seed=st.integers(0, 2**32))
+def test_every_rank_gets_floor_or_ceil_and_every_worker_serves(workers, world_size, seed):
+    addresses = _fleet(workers, seed)
+    shares = assignment(addresses, world_size)
+    assert len(shares) == world_size
+    if workers == 0:
+        assert all(share == () for share in shares)
+        return
+    served = Counter(worker for share in shares for worker in share)
+    assert set(served) == set(addresses)  # nobody idle
+    if workers >= world_size:
+        assert {len(share) for share in shares} <= {workers // world_size, math.ceil(workers / world_size)}
+        assert set(served.values()) == {1}  # each worker serves one rank
+    else:
+        assert all(len(share) == 1 for share in shares)  # every rank one worker
+        assert max(served.values()) <= math.ceil(world_size / workers)
+
+
+@settings(max_examples=100, deadline=None)
+@given(workers=st.integers(1, 200), world_size=st.integers(1, 50), seed=st.integers(0, 2**32))
+def test_the_same_on_every_rank_whatever_the_order(workers, world_size, seed):
+    addresses = _fleet(workers, seed)
+    shuffled = list(addresses)
+    random.Random(seed).shuffle(shuffled)
+    assert assignment(addresses, world_size) == assignment(shuffled + addresses[:1], world_size)  # a repeat too
+    for rank in range(world_size):
+        share = shard_workers(shuffled, rank, world_size, changing=True)
+        assert set(share) == set(assignment(addresses, world_size)[rank])
+        assert share == [a for a in shuffled if a in share]  # in the order given
+        assert own_share(shuffled, rank, world_size, changing=True) == frozenset(share)
+
+
+@settings(max_examples=60, deadline=None)
+@given(world_size=st.integers(2, 50), more=st.integers(0, 200), seed=st.integers(0, 2**32), leave=st.booleans())
+def test_a_join_or_a_leave_moves_few_pairs(world_size, more, seed, leave):
+    """A loose bound for fleets of 4 workers per rank and more (a change reaches about 1.5**log2(R) leaves, a
+    large part of a small fleet; with about one worker per rank, up to half of the pairs);
+    test_the_scale_of_a_large_job holds the real one."""
+    workers = 4 * world_size + more
+    addresses = _fleet(workers, seed)
+    changed = addresses[1:] if leave else [*addresses, "10.99.99.99:1"]
+    before, after = _pairs(assignment(addresses, world_size)), _pairs(assignment(changed, world_size))
+    moved = len(before ^ after)
+    assert moved <= max(24, 0.4 * len(before)), f"{moved} of {len(before)} pairs changed"
+
+
+def test_the_scale_of_a_large_job():
+    """4,096 workers over 1,024 ranks: 4 each, and one that joins changes few of the 4,096 pairs."""
+    addresses = _fleet(4096, 7)
+    shares = assignment(addresses, 1024)
+    assert {len(share) for share in shares} == {4}
+    grown = assignment([*addresses, "10.99.99.99:1"], 1024)
+    assert sorted(len(share) for share in grown)[-2:] == [4, 5]
+    assert len(_pairs(shares) ^ _pairs(grown)) < 0.1 * 4096
+
+
+def test_a_rendezvous_share_is_gone():
+    """Rendezvous hashing gave 8 ranks over 32 workers from 1 to 6 workers; now every rank 4."""
+    addresses = [f"10.0.0.{i}:6543" for i in range(32)]
+    assert [len(own_share(addresses, rank, 8, changing=True)) for rank in range(8)] == [4] * 8
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
+def test_a_bad_world_size_is_said(world_size):
+    with pytest.raises(ValueError, match="world_size must be an integer of at least 1"):
+        assignment(["a:1"], world_size)
+
+
+def test_shard_workers_changing_is_a_keyword_and_checked():
+    with pytest.raises(TypeError, match="changing must be True or False"):
+        shard_workers(["a:1"], 0, 1, changing="yes")
+    with pytest.raises(TypeError):
+        shard_workers(["a:1"], 0, 1, True)  # keyword only
+    assert rank_share(["b:1", "a:1"], 0, 1) == ("b:1", "a:1")
