@@ -157,7 +157,8 @@ class _Flaky(rpcdl.WorkerSource):
         return "my scheduler"
 
 
-def test_a_custom_source_that_raises_is_no_news(spawn_workers, caplog):
+def test_a_custom_source_that_raises_is_no_news(spawn_workers, caplog, switching_often):
+    """Threads switched as often as the interpreter can: the fleet's thread, the loader's and this one."""
     caplog.set_level(logging.INFO, logger="rpcdl")
     workers = spawn_workers(2)
     source = _Flaky(workers)
@@ -192,3 +193,17 @@ def test_a_source_that_reads_an_empty_list_drains_every_worker():
     source.workers = []
     assert fleet.refresh().addresses == () and fleet.why_empty() is None
     fleet.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"world_size": 0}, "world_size"),
+        ({"interval": 0}, "interval"),
+        ({"interval": "2"}, "interval"),
+    ],
+)
+def test_a_fleet_checks_its_arguments(options, words):
+    with pytest.raises((TypeError, ValueError), match=words):
+        Fleet(["127.0.0.1:1"], **options)

@@ -11,9 +11,10 @@ Invariants:
   rank gets ``floor(W/R)`` or ``ceil(W/R)`` workers. With ``W < R``, every rank
   gets exactly one worker and every worker serves ``floor(R/W)`` or
   ``ceil(R/W)`` ranks.
-* **Little movement.** A worker that joins or leaves moves a few other workers
-  between ranks (a handful out of thousands; ``benchmarks/shares.py`` measures
-  it), not a fraction of the fleet.
+* **Few moves.** A worker that joins or leaves moves some other workers
+  between ranks: about ``1.5 ** log2(R)`` on average, whatever ``W``
+  (``benchmarks/shares.py`` measures it), where splitting the sorted order
+  into runs moves about ``R / 2``.
 
 How (``W >= R``). Each address has two hashes: a position ``p`` in ``[0, 1)``
 and a priority ``g``. The ranks are split in halves recursively (a binary tree
@@ -40,25 +41,28 @@ half: the one of highest priority among those that cross, a random worker
 rather than a neighbour of a boundary, so that no chain of boundaries shifts
 (splitting the sorted order into contiguous runs would shift every boundary
 after the newcomer). A crossing hands each half one change (a worker in and
-one out) whose positions are independent, so a change reaches a leaf through
-about 1.5 branches per level: tens of pairs for 4,096 workers over 1,024
-ranks, where ``W`` is an exact multiple of ``R`` (every count is then forced)
-and far fewer between multiples. A leave is the same in reverse. Rendezvous
-hashing moves nobody but is uneven (some ranks get none); this gives up a few
-moves for the balance.
+one out) whose positions are independent, so a change spreads through about
+1.5 branches per level. Where ``W`` is an exact multiple of ``R``, every
+count is forced and that is what happens; between multiples the counts have
+slack and fewer workers cross (``benchmarks/shares.py`` gives the figures at
+4,096 workers over 1,024 ranks). With about one worker per rank, a change
+moves a large part of a small fleet. A leave is the same in reverse.
+Rendezvous hashing moves nobody but is uneven (some ranks get none); this
+gives up those moves for the balance.
 
 With ``W < R`` the same tree gives ``W`` ranks one worker each (``Q = 0``, so
 that one worker more or less near ``W = R`` moves as few as elsewhere); the
 ranks left without one are then handed out to the workers, taken in the order
 of their positions, by the same tree with the roles swapped: each worker
-serves one rank, or none, plus ``floor((R-W)/W)`` or ``ceil((R-W)/W)`` of
-those, so at most ``ceil(R/W)``. A join or a leave moves most of those
+serves its one rank plus ``floor((R-W)/W)`` or ``ceil((R-W)/W)`` of those,
+``floor(R/W)`` or ``ceil(R/W)`` in all. A join or a leave moves most of those
 handed-out ranks, since each worker's arc shifts; with ``W`` close to ``R``
 they are few.
 
-Cost: two hashes per address and ``O(W log R)`` work for the whole assignment,
-shared by every rank of a process (cached per set of addresses and ``R``):
-about 0.1 s for 4,096 workers and 1,024 ranks in CPython.
+Cost: two hashes per address and ``O(W log W)`` work for the whole
+assignment (a sort of each node's crossing side, ``log R`` levels deep),
+shared by every rank of a process (cached per list and per set of addresses
+and ``R``).
 
 Threading: pure functions; the cache is ``functools.lru_cache``'s, safe to
 call from any thread.
