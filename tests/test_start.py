@@ -50,7 +50,9 @@ def _resolver_answers_for_invalid_names() -> bool:
     return True
 
 
-def test_dead_addresses_delay_no_dataset_and_the_log_names_them(spawn_workers, tmp_path, caplog, monkeypatch):
+def test_dead_addresses_delay_no_dataset_and_the_log_names_them(
+    spawn_workers, tmp_path, caplog, monkeypatch, switching_often
+):
     caplog.set_level(logging.INFO, logger="rpcdl")
     monkeypatch.setenv("RPCDL_CONNECT_GRACE", "600")  # a dead address would hold the build for minutes
     monkeypatch.setenv("RPCDL_START_TIMEOUT", "600")

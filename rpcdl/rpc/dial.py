@@ -285,7 +285,8 @@ def dial(
             log.warning("waiting for rpcdl worker %s: %s (for %.0fs)", address, why, now - started)
         if now + delay > deadline:
             raise WorkerUnavailable(
-                f"could not connect to rpcdl worker {address} within its timeout: {error}"
+                f"could not connect to rpcdl worker {address} within the timeout of its calls "
+                f"({max(0.0, deadline - started):.0f}s): {error}"
             ) from None
         pause(min(delay, started + grace - now) if why is not None else delay)
         delay = min(delay * 2, _MAX_RETRY_DELAY)
