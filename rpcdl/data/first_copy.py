@@ -143,18 +143,18 @@ def wait_for_first_copy(fleet: Fleet, build: Build, name: str, timeout: float) -
         if now - said >= WAIT_LOG_EVERY:
             said = now
             log.warning(
-                "waiting for rpcdl workers (%.0fs of %gs, %s): %s lists %d; building %s on %s",
+                "waiting for rpcdl workers (%.0fs of %gs, %s): %sbuilding %s on %s",
                 now - started,
                 timeout,
                 START_TIMEOUT_ENV,
-                fleet.describe(),
-                len(membership.addresses),
+                f"{fleet.describe()} lists {len(membership.addresses)}; " if fleet.changing else "",
                 name,
                 _each(asked, attempts) if asked else f"none yet ({fleet.why_empty() or 'it lists no worker'})",
             )
-        if fleet.changing and now - looked >= RETRY_EVERY:
+        if now - looked >= RETRY_EVERY:
             looked = now
-            membership = fleet.refresh()
+            if fleet.changing:
+                membership = fleet.refresh()
 
 
 def _finished(finished: queue.SimpleQueue, address: str, future: torch.futures.Future) -> None:
@@ -211,6 +211,6 @@ def _no_copy(
     listed = _each(asked, attempts) if asked else f"none ({fleet.why_empty() or 'it lists no worker'})"
     return WorkerUnavailable(
         f"no rpcdl worker built {name} (waited {waited:.1f}s of {timeout:g}s, {START_TIMEOUT_ENV}): "
-        f"{fleet.describe()}: {listed}. "
+        f"{f'{fleet.describe()}: ' if fleet.changing else ''}{listed}. "
         f"Set {START_TIMEOUT_ENV} (or rpcdl_start_timeout=) to a number of seconds to wait longer"
     )
