@@ -13,8 +13,12 @@ import threading
 
 import helpers
 import pytest
+import torch
 
 import rpcdl
+from rpcdl.data.first_copy import wait_for_first_copy
+from rpcdl.data.sources import Fleet
+from rpcdl.errors import ProtocolError, UnknownHost
 
 _UNRESOLVED = "no-such-worker.invalid"
 
@@ -136,3 +140,46 @@ def test_with_no_worker_serving_the_start_timeout_names_each_and_why(monkeypatch
 def test_an_address_without_a_port_is_refused_at_once():
     with pytest.raises(ValueError, match="HOST:PORT"):
         rpcdl.RPCDataset(["127.0.0.1:1", "cpu01"], helpers.RangeDataset, 4)
+
+
+# ---------------------------------------------------------------------------- the wait's rules, without workers
+
+
+def _answering(outcomes: dict[str, object], calls: list[str]):
+    """A build that ends at once as ``outcomes`` says (an exception, or installed); ``None``: never ends."""
+
+    def build(address: str) -> torch.futures.Future:
+        calls.append(address)
+        future: torch.futures.Future = torch.futures.Future()
+        outcome = outcomes[address]
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        elif outcome is not None:
+            future.set_result(None)
+        return future
+
+    return build
+
+
+def test_the_first_copy_ends_the_wait_whatever_the_others_do():
+    calls: list[str] = []
+    outcomes = {"a:1": None, "b:1": rpcdl.WorkerUnavailable("refused"), "c:1": "built"}
+    fleet = Fleet(list(outcomes))
+    assert wait_for_first_copy(fleet, _answering(outcomes, calls), "D", timeout=60) == "c:1"
+    assert sorted(calls) == ["a:1", "b:1", "c:1"]  # all asked at once, none waited for in turn
+
+
+def test_what_is_asked_again_what_is_not_and_what_ends_the_wait():
+    calls: list[str] = []
+    not_rpcdl = ProtocolError("x:1 is not an rpcdl worker")
+    outcomes = {"x:1": not_rpcdl, "y:1": UnknownHost("y does not resolve")}
+    with pytest.raises(rpcdl.WorkerUnavailable, match=r"waited 1\.\ds of 1\.5s") as raised:
+        wait_for_first_copy(Fleet(list(outcomes)), _answering(outcomes, calls), "D", timeout=1.5)
+    assert "x:1 (x:1 is not an rpcdl worker)" in str(raised.value) and "y:1 (y does not resolve)" in str(raised.value)
+    assert calls.count("x:1") == 1 and calls.count("y:1") >= 2  # the same again is not asked again; a name is
+    # Every worker failing for good ends the wait at once, with the error when there is one.
+    with pytest.raises(ProtocolError):
+        wait_for_first_copy(Fleet(["x:1"]), _answering({"x:1": not_rpcdl}, []), "D", timeout=60)
+    # The dataset's own code failing would fail everywhere: raised at once.
+    with pytest.raises(ZeroDivisionError):
+        wait_for_first_copy(Fleet(["z:1", "a:1"]), _answering({"z:1": ZeroDivisionError(), "a:1": None}, []), "D", 60)
