@@ -77,6 +77,16 @@ def test_dead_addresses_delay_no_dataset_and_the_log_names_them(
     assert sorted(int(x) for batch in _built_within(30, lambda: list(loader)) for x in batch) == list(range(12))
 
 
+def test_a_healthy_fleet_starts_with_every_copy_built(spawn_workers, caplog):
+    """Ready at the first copy does not mean the others are left to the loader's revivals when they answer."""
+    caplog.set_level(logging.INFO, logger="rpcdl")
+    workers = list(spawn_workers(2))
+    for _ in range(3):
+        dataset = rpcdl.RPCDataset(workers, helpers.RangeDataset, 6)
+        assert [dataset.rref(address) is not None for address in workers] == [True, True]
+    assert not [m for m in _messages(caplog) if "not yet on" in m or "is down" in m]
+
+
 def test_a_data_module_with_two_splits_waits_for_no_dead_address(spawn_workers, monkeypatch):
     pytest.importorskip("lightning")
     from probe_dataset import probe_spec

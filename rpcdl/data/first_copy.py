@@ -4,9 +4,12 @@
 the dataset at once, and returns when the first of them has (the dataset has
 its length then). A worker that refuses connections, whose host name does not
 resolve yet (a Pending pod has no DNS record) or whose connection breaks is
-asked again every :data:`RETRY_EVERY` seconds; the others' builds go on in the
-background once one copy is there, and the loader's pool revives whichever
-still has no copy (:class:`~rpcdl.data.dataset.DatasetSetup`). When none of
+asked again every :data:`RETRY_EVERY` seconds. Once one copy is there, the
+builds in flight at workers that answer are given a moment to end (as long
+again as the first took, at least :data:`SETTLE_FLOOR` seconds; a worker that
+refuses is not waited for), so that a healthy fleet starts with every copy
+built; the rest go on in the background, and the loader's pool revives
+whichever still has no copy (:class:`~rpcdl.data.dataset.DatasetSetup`). When none of
 this client's own workers answers, the other ranks' are asked too.
 
 There is one deadline, the start timeout (``RPCDL_START_TIMEOUT``, see
@@ -48,6 +51,9 @@ log = logging.getLogger("rpcdl.dataset")
 
 #: Seconds between two attempts at a worker that could not build the dataset for now.
 RETRY_EVERY = 1.0
+#: Once one copy is built, the workers that answer (none refused) are given as long again as it took, and at
+#: least this many seconds, to build theirs: a healthy fleet starts with every copy built.
+SETTLE_FLOOR = 2.0
 
 #: Starts building the dataset on a worker (or returns the build in flight there): the future completes once the
 #: copy is installed, or fails with why not.
@@ -130,6 +136,7 @@ def wait_for_first_copy(fleet: Fleet, build: Build, name: str, timeout: float) -
                 except Exception as exc:
                     _failed(attempts, address, exc)
                 else:
+                    _settle(finished, attempts)
                     _say_built(address, name, membership, attempts)
                     return address
                 try:
@@ -183,6 +190,23 @@ def _failed(attempts: _Attempts, address: str, exc: Exception) -> None:
 
 def _each(addresses: Iterable[str], attempts: _Attempts) -> str:
     return ", ".join(f"{address} ({attempts.why(address)})" for address in addresses)
+
+
+def _settle(finished: queue.SimpleQueue, attempts: _Attempts) -> None:
+    """Give the builds in flight at workers that answer a moment to end (see :data:`SETTLE_FLOOR`)."""
+    now = time.monotonic()
+    until = now + max(SETTLE_FLOOR, now - attempts.started)
+    while any(refusing(address) is None for address in attempts.pending) and now < until:
+        try:
+            address, future = finished.get(timeout=until - now)
+        except queue.Empty:
+            return
+        del attempts.pending[address]
+        try:
+            future.wait()
+        except Exception as exc:  # named with the others; the loader's revivals take it from here
+            attempts.failed[address] = exc
+        now = time.monotonic()
 
 
 def _say_built(address: str, name: str, membership: Membership, attempts: _Attempts) -> None:
