@@ -18,7 +18,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import lightning.pytorch as pl
@@ -121,13 +121,33 @@ def _source(workers: Any) -> WorkerSource | None:
         return workers_from_environment()
     if isinstance(workers, str) and workers.strip().startswith(("dns://", "redis://", "rediss://")):
         return worker_source(workers.strip())
-    if isinstance(workers, (str, os.PathLike)):
+    if isinstance(workers, (str, os.PathLike)) and _names_a_file(workers):
         path = os.path.expandvars(os.path.expanduser(os.fspath(workers)))
         if Path(path).is_file():
             _check_lines(path)  # a malformed line is an error now, not a warning later
-            return FileSource(path)
+        return FileSource(path)  # a missing or empty file is waited for, and named
     addresses = resolve_workers(workers)
     return None if addresses is None else AddressList(addresses)
+
+
+def _names_a_file(workers: str | os.PathLike) -> bool:
+    """Whether ``workers`` is the path of a workers file (written yet or not) rather than addresses.
+
+    A path object, an existing file, and a string with a ``/`` or without a
+    ``:`` (``workers.txt``) are files; addresses are ``HOST:PORT``. A path
+    naming an environment variable that is not set is not waited for: it is
+    an error (:func:`resolve_workers` says which variable).
+    """
+    text = os.fspath(workers)
+    path = os.path.expandvars(os.path.expanduser(text))
+    if re.search(r"\$\{?\w+", path):
+        return False
+    if isinstance(workers, os.PathLike) or Path(path).is_file() or os.sep in path:
+        return True
+    with contextlib.suppress(ValueError):
+        if _split_addresses(path, "workers"):
+            return False
+    return ":" not in path
 
 
 def _check_lines(path: str) -> None:
@@ -316,7 +336,9 @@ class RPCDataModule(pl.LightningDataModule):
         workers: where the workers are: a list of ``HOST:PORT``; a path to a file
             listing them, one per line (``~`` and ``$VARIABLES`` expanded), as
             ``rpcdl worker --address-file`` writes it, watched (a line added
-            joins, a line removed drains); ``"dns://NAME:PORT"`` (every address
+            joins, a line removed drains; ``#`` comments skipped; an empty or
+            missing file is waited for), from Python, LightningCLI's command
+            line or YAML alike; ``"dns://NAME:PORT"`` (every address
             of a headless Service, resolved again every few seconds);
             ``"redis://HOST:PORT[/DB]?key=KEY"`` (the registry workers join with
             ``rpcdl worker --register``); an :class:`rpcdl.WorkerSource`; or
@@ -362,7 +384,7 @@ class RPCDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        workers: list[str] | str | WorkerSource | None = None,
+        workers: list[str] | str | PurePath | WorkerSource | None = None,
         train_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
         val_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,
         test_dataset: str | dict[str, Any] | Callable[..., Dataset] | None = None,

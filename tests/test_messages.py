@@ -72,7 +72,7 @@ def test_no_retry_is_promised_when_no_worker_built_the_dataset(monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger="rpcdl"):
         dataset = rpcdl.RPCDataset([worker.address, dead[0]], RangeDataset, 4)
     assert len(dataset) == 4
-    assert f"worker {dead[0]} could not build the dataset now" in caplog.text and "it will be retried" in caplog.text
+    assert f"not yet on {dead[0]}" in caplog.text and "asks them again in the background" in caplog.text
 
 
 def test_the_argument_that_does_not_pickle_is_named(embedded_worker):

@@ -8,25 +8,30 @@ worker out of the pool; the pool then revives it through the loader's
 :class:`DatasetSetup`, which builds the dataset there again.
 
 The workers come from a :class:`~rpcdl.data.sources.Fleet` (a list, a file,
-a DNS name, a registry, any ``addresses()``): the dataset is built on this
-client's own share of the fleet as it is made, waiting for the fleet to come
-up (up to :func:`~rpcdl.data.sources.start_timeout`, saying every 10 s what it
-waits for); a worker that joins later, or another rank's worker called on when
-this rank's own are gone, is given the dataset by its loader's pool (a revival
-through :class:`DatasetSetup`) before it serves.
+a DNS name, a registry, any ``addresses()``): as it is made, the dataset is
+built on this client's own share of the fleet, and it is ready as soon as one
+worker has built it (:mod:`rpcdl.data.first_copy`: the wait for the fleet to
+come up, up to :func:`~rpcdl.data.sources.start_timeout`, saying every 10 s
+what it waits for). The other workers' builds go on in the background; one
+that could not build it (refused, a host name that does not resolve yet) is
+given the dataset by its loader's pool, as is a worker that joins later, or
+another rank's worker called on when this rank's own are gone (a revival
+through :class:`DatasetSetup`), before it serves. One build at a time runs per
+worker: a revival while a build is in flight waits for that build.
 
-Threading: the references change on the thread that builds the dataset, on the
-threads of a loader's passes (a revival drops a reference) and on the threads
-completing rebuilds; the dataset's lock guards every access to them. The
-recipe and the length are fixed once the dataset is built.
+Threading: the references and the builds in flight change on the thread that
+builds the dataset, on the threads of a loader's passes (a revival drops a
+reference) and on the threads completing builds; the dataset's lock guards
+every access to them, and to the length, which the first copy installed fixes.
+The recipe is fixed.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,12 +40,13 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from ..checks import check_loader_timeout
-from ..errors import DatasetMismatch, WorkerTimeout, is_transient
+from ..errors import DatasetMismatch, UnknownHost, WorkerTimeout, WorkerUnavailable
 from ..rpc.client import rpc_async
 from ..rpc.invoke import named_arguments, unpicklable_part
 from ..rpc.rref import RRef, RRefNotFound
+from .first_copy import wait_for_first_copy
 from .probes import Revival, back_when, probe_async
-from .sources import WAIT_LOG_EVERY, Fleet, start_timeout
+from .sources import Fleet, start_timeout
 
 log = logging.getLogger("rpcdl.dataset")
 
@@ -72,6 +78,10 @@ def _length(dataset: Any) -> int:
     return len(dataset)
 
 
+class _Length(enum.Enum):
+    UNKNOWN = "unknown"  #: no copy installed yet: the first one fixes the length
+
+
 def _get_item(dataset: Any, index: Any) -> Any:
     return dataset[index]
 
@@ -98,10 +108,17 @@ class RPCDataset(Dataset):
             rebuilds on a restarted worker and of ``dataset[i]`` here. A build
             that times out goes on running on the worker: with ``--parallel 1``
             its next calls wait behind it.
+        rpcdl_start_timeout: seconds to wait for the first worker to build it
+            (default: ``RPCDL_START_TIMEOUT``, else 600). The dataset is ready
+            as soon as any worker of this client's share has built it; a
+            worker that refuses connections or whose host name does not
+            resolve yet is asked again meanwhile, and in the background once
+            it is ready (see :doc:`/guides/fleets`). Keyword-only.
 
     Raises:
         DatasetMismatch: workers built datasets of different lengths.
-        WorkerUnavailable: no worker could build it within ``rpcdl_start_timeout``.
+        WorkerUnavailable: no worker could build it within ``rpcdl_start_timeout``
+            (the message names each worker and why).
         WorkerTimeout: no worker finished building it within ``rpcdl_timeout``
             (the message names the workers and how to allow more).
         TypeError: ``dataset`` is (or built) an ``IterableDataset``.
@@ -144,66 +161,20 @@ class RPCDataset(Dataset):
         self.kwargs = kwargs
         self._lock = threading.Lock()
         self._rrefs: dict[str, RRef | None] = {}
-        self._length: int | None = None  # the first build's, fixed from then on
+        self._building: dict[str, torch.futures.Future] = {}  # the builds in flight, each until it is installed
+        self._length: int | _Length | None = _Length.UNKNOWN  # the first copy's, fixed from then on
         self._build_first(start_timeout(rpcdl_start_timeout))
 
     def _build_first(self, timeout: float) -> None:
-        """Build the dataset on this client's own share of the fleet, waiting for the fleet to come up."""
-        started = time.monotonic()
-        said = started
-        membership = self.fleet.wait_for_workers(timeout) if self.fleet.changing else self.fleet.membership()
-        while True:
-            own = [address for address in membership.addresses if address in membership.own]
-            with self._lock:
-                for address in membership.addresses:
-                    self._rrefs.setdefault(address, None)
-            futures = {address: self.build_async(address) for address in own}
-            failures: dict[str, BaseException] = {}
-            for address, future in futures.items():
-                while not _done_within(future, max(0.0, said + WAIT_LOG_EVERY - time.monotonic())):
-                    said = time.monotonic()
-                    log.warning(
-                        "waiting for rpcdl workers (%.0fs of %gs): %s lists %d, building the dataset on %s",
-                        said - started,
-                        timeout,
-                        self.fleet.describe(),
-                        len(membership.addresses),
-                        ", ".join(own),
-                    )
-                try:
-                    rref, length = future.wait()
-                except Exception as exc:
-                    if not is_transient(exc):
-                        raise
-                    if isinstance(exc, WorkerTimeout):
-                        exc = self._build_timed_out(address, exc)
-                    failures[address] = exc
-                    continue
-                if not self._built_any():  # the first copy built: the others must have its length
-                    self._length = length
-                self.accept(address, rref, length)
-            if self._built_any():
-                for address, exc in failures.items():
-                    log.warning("worker %s could not build the dataset now (%s); it will be retried", address, exc)
-                return
-            now = time.monotonic()
-            details = "; ".join(f"{a}: {e}" for a, e in failures.items())
-            if now - started >= timeout or isinstance(next(iter(failures.values())), WorkerTimeout):
-                raise type(next(iter(failures.values())))(
-                    f"no worker could build the dataset (waited {now - started:.0f}s of {timeout:g}s, set "
-                    f"RPCDL_START_TIMEOUT or rpcdl_start_timeout= to wait longer): {details}"
-                )
-            if now - said >= WAIT_LOG_EVERY:
-                said = now
-                log.warning(
-                    "waiting for rpcdl workers (%.0fs of %gs): %s: none could build the dataset yet: %s",
-                    now - started,
-                    timeout,
-                    self.fleet.describe(),
-                    details,
-                )
-            time.sleep(1.0)
-            membership = self.fleet.refresh() if self.fleet.changing else membership
+        """Build the dataset on this client's share of the fleet; return once one worker has built it."""
+        with self._lock:
+            for address in self.fleet.membership().addresses:
+                self._rrefs.setdefault(address, None)
+        name = getattr(self.factory, "__qualname__", "the dataset")
+        wait_for_first_copy(self.fleet, self.rebuild_async, name, timeout)
+        with self._lock:  # the workers the fleet listed meanwhile
+            for address in self.fleet.membership().addresses:
+                self._rrefs.setdefault(address, None)
 
     @property
     def workers(self) -> list[str]:
@@ -219,10 +190,6 @@ class RPCDataset(Dataset):
             "next calls wait until the build ends. Allow more time with "
             f"rpcdl.RPCDataset(workers, {name}, ..., rpcdl_timeout=SECONDS) (0: no limit)"
         )
-
-    def _built_any(self) -> bool:
-        with self._lock:
-            return any(rref is not None for rref in self._rrefs.values())
 
     @property
     def rrefs(self) -> list[RRef | None]:
@@ -250,19 +217,41 @@ class RPCDataset(Dataset):
     def rebuild_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address`` again (it lost it, or never had it) and install it (:meth:`accept`).
 
-        The reference to the lost copy is dropped at once. The future completes
-        once the new copy is installed, or fails with the build's error.
+        The reference to the lost copy is dropped at once. While a build is in
+        flight there, its future is returned rather than a second build. The
+        future completes once the new copy is installed, or fails with the
+        build's error (a host name that does not resolve fails with
+        :class:`~rpcdl.errors.WorkerUnavailable`: a worker not made yet is
+        asked again later).
         """
         with self._lock:
+            building = self._building.get(address)
+            if building is not None:
+                return building
             self._rrefs[address] = None
-        installed: torch.futures.Future = torch.futures.Future()
-        self.build_async(address).add_done_callback(functools.partial(self._install, address, installed))
+            installed: torch.futures.Future = torch.futures.Future()
+            self._building[address] = installed
+        try:
+            built = self.build_async(address)
+        except BaseException:
+            with self._lock:
+                del self._building[address]
+            raise
+        built.add_done_callback(functools.partial(self._install, address, installed))
         return installed
 
     def _install(self, address: str, installed: torch.futures.Future, built: torch.futures.Future) -> None:
         # On the thread that read the build's answer: errors keep their type (a transient one is retried).
         try:
-            self.accept(address, *built.wait())
+            try:
+                self.accept(address, *built.wait())
+            finally:
+                with self._lock:
+                    self._building.pop(address, None)
+        except UnknownHost as exc:
+            installed.set_exception(WorkerUnavailable(str(exc)))
+        except WorkerTimeout as exc:
+            installed.set_exception(self._build_timed_out(address, exc))
         except Exception as exc:
             installed.set_exception(exc)
         else:
@@ -275,7 +264,9 @@ class RPCDataset(Dataset):
             DatasetMismatch: its length differs from the others'.
         """
         with self._lock:
-            if length != self._length:
+            if self._length is _Length.UNKNOWN:  # the first copy: the others must have its length
+                self._length = length
+            elif length != self._length:
                 self._rrefs[address] = None
                 raise DatasetMismatch(
                     f"worker {address} built a dataset of length {length}, the others have {self._length}: "
@@ -293,6 +284,7 @@ class RPCDataset(Dataset):
             state = self.__dict__.copy()
             state["_rrefs"] = dict(self._rrefs)
         del state["_lock"]
+        state["_building"] = {}  # a copy builds nothing: its own rebuilds start afresh
         state["factory"], state["args"], state["kwargs"] = None, None, None
         state["_recipe"] = cloudpickle.dumps((self.factory, self.args, self.kwargs))
         return state
@@ -304,7 +296,7 @@ class RPCDataset(Dataset):
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        if self._length is None:
+        if self._length is None or self._length is _Length.UNKNOWN:
             raise TypeError("this RPCDataset has no length (its dataset defines no __len__)")
         return self._length
 
@@ -320,15 +312,6 @@ class RPCDataset(Dataset):
     def __repr__(self) -> str:
         name = getattr(self.factory, "__qualname__", repr(self.factory))
         return f"RPCDataset({name}, workers={self.workers}, length={self._length})"
-
-
-def _done_within(future: torch.futures.Future, seconds: float) -> bool:
-    """Whether ``future`` is done within ``seconds`` (it is not waited on beyond)."""
-    if future.done():
-        return True
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    return done.wait(seconds)
 
 
 class DatasetSetup:

@@ -3,16 +3,20 @@
 Threading model: :func:`dial` runs in the thread of the connection it opens
 (``rpcdl-connection-HOST:PORT``) and blocks it; the caller's threads wait for
 their calls meanwhile, each up to its own timeout. The state shared by those
-threads is two sets of addresses, both guarded by ``_lock``: the workers
+threads is all guarded by ``_lock``: two sets of addresses, the workers
 already warned about, ``_warned``, and those that completed a handshake with
-this process, ``_served``.
+this process, ``_served``; and one mapping, ``_refusing``: why each worker
+refused its latest connection, until it accepts one.
 
 What happens to each kind of failure:
 
 * **A host name that does not resolve** (no such name): raises
-  :class:`~rpcdl.errors.UnknownHost` at once, saying so; it is a typo, or a
-  name not made yet, never a worker not started yet. (A name the resolver
-  cannot answer for now, ``EAI_AGAIN``, is retried as a refusal.)
+  :class:`~rpcdl.errors.UnknownHost` at once, saying so: a call to that one
+  worker waits for nothing. It may be a typo, or the name of a worker not made
+  yet (a Pending pod has no DNS record): a dataset that waits for its workers
+  at start, and a loader reviving a worker, retry it like a refusal (see
+  :mod:`rpcdl.data.dataset`). (A name the resolver cannot answer for now,
+  ``EAI_AGAIN``, is retried as a refusal.)
 * **Refused** (connection refused, no route to the host, a name the resolver
   cannot answer for now): a worker this process never reached may simply not be
   started yet, so the attempt is retried for a grace period,
@@ -24,9 +28,13 @@ What happens to each kind of failure:
   After :data:`WARN_AFTER` seconds of waiting, a warning on
   the ``rpcdl.rpc.client`` logger says which worker is awaited and why (it reaches
   stderr even when the program configured no logging; once per worker until it
-  accepts a connection, so revival probes repeat nothing); when the grace is over,
-  :class:`~rpcdl.errors.WorkerUnavailable` names the address, the grace, how to
-  raise it and the last error.
+  accepts a connection, so revival probes repeat nothing); it names no
+  deadline, since the caller may wait longer than one connection's grace (a
+  dataset at start waits up to ``RPCDL_START_TIMEOUT``, trying again). When
+  the grace is over, :class:`~rpcdl.errors.WorkerUnavailable` names the
+  address, the grace, how to raise it and the last error. Why a worker refused
+  its latest connection is kept until it accepts one (:func:`refusing`), so
+  that a wait for many workers can name those that do not answer.
 * **Not an rpcdl worker**: a peer that answers the hello with other bytes (an
   HTTP server, a TLS server), that says nothing for :data:`HELLO_ANSWER_TIMEOUT`
   seconds, or that closes the connection after the hello three times in a
@@ -77,6 +85,7 @@ _MAX_RETRY_DELAY = 1.0
 _lock = threading.Lock()
 _warned: set[str] = set()  # addresses awaited with a warning since they last accepted (revival probes repeat)
 _served: set[str] = set()  # addresses that completed a handshake with this process (and its parent, if forked)
+_refusing: dict[str, str] = {}  # why each address refused its latest connection, until it accepts one
 _NO_SUCH_NAME = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name)}
 _REFUSALS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 
@@ -115,6 +124,29 @@ def served_before(address: str) -> bool:
     """
     with _lock:
         return address in _served
+
+
+def refusing(address: str) -> str | None:
+    """Why the worker at ``address`` refused this process's latest attempt to connect, or ``None``.
+
+    A worker that accepts a connection is forgotten here. A wait that covers
+    many workers (a dataset's start) names with it the workers that do not
+    answer yet, while their connections are still retried.
+
+    Args:
+        address: the worker, ``"host:port"`` as calls name it.
+
+    Returns:
+        A few words (``"connection refused"``, ``"its host name does not
+        resolve (...)"``), or ``None`` when its latest attempt was not refused.
+
+    Example::
+
+        >>> refusing("127.0.0.1:1") is None  # never dialled
+        True
+    """
+    with _lock:
+        return _refusing.get(address)
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -187,6 +219,7 @@ def dial(
             chosen = client_negotiate(sock, token, address, answer_timeout, compression, shared_memory)
             with _lock:
                 _warned.discard(address)
+                _refusing.pop(address, None)
                 _served.add(address)
             return sock, chosen
         except ssl.SSLCertVerificationError as exc:
@@ -225,6 +258,10 @@ def dial(
                 f"answering, {unanswered} times in a row: an rpcdataloader worker does that, and an rpcdl worker "
                 "with TLS when the client has none (then set RPCDL_TLS_CA))"
             )
+        why = refusal(error)
+        if why is not None:
+            with _lock:
+                _refusing[address] = why
         if isinstance(error, socket.gaierror) and error.errno in _NO_SUCH_NAME:
             raise UnknownHost(
                 f"the host name of rpcdl worker {address} does not resolve ({error.strerror or error}): check "
@@ -232,7 +269,6 @@ def dial(
             ) from None
         deadline = failed(error)
         now = time.monotonic()
-        why = refusal(error)
         said = _why_not_awaited(address) if why is not None else None
         if said is not None:
             raise WorkerUnavailable(
@@ -246,17 +282,11 @@ def dial(
                 f"(last error: {error})"
             )
         if why is not None and now - started >= WARN_AFTER and _first_warning(address):
-            log.warning(
-                "waiting for rpcdl worker %s: %s (for %.0fs; giving up after %gs, set %s to wait longer)",
-                address,
-                why,
-                now - started,
-                grace,
-                CONNECT_GRACE_ENV,
-            )
+            log.warning("waiting for rpcdl worker %s: %s (for %.0fs)", address, why, now - started)
         if now + delay > deadline:
             raise WorkerUnavailable(
-                f"could not connect to rpcdl worker {address} within its timeout: {error}"
+                f"could not connect to rpcdl worker {address} within the timeout of its calls "
+                f"({max(0.0, deadline - started):.0f}s): {error}"
             ) from None
         pause(min(delay, started + grace - now) if why is not None else delay)
         delay = min(delay * 2, _MAX_RETRY_DELAY)
