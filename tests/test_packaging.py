@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -37,7 +38,11 @@ def wheel(tmp_path_factory) -> Path:
     """
     assert _BUILD_BACKEND in (ROOT / "pyproject.toml").read_text()
     out = tmp_path_factory.mktemp("wheel")
-    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)]
+    # a copy of the tree: a build in place leaves build/ behind, whose stale files a later build would ship
+    source = tmp_path_factory.mktemp("source") / "rpcdl"
+    skipped = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "tests", "benchmarks")
+    shutil.copytree(ROOT, source, ignore=skipped)
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(source)]
     offline = _has_build_backend()
     if offline:
         command.insert(command.index("--no-deps"), "--no-build-isolation")
