@@ -87,15 +87,15 @@ TARGET_CHUNK_BYTES = 256 * 1024
 #: An epoch whose consumer waited for data more than this fraction of its time logs a warning as it ends.
 WAIT_WARNING_FRACTION = 0.05
 
-#: An epoch shorter than this (seconds of wait and work) logs no data-wait warning: its first batches, always
-#: waited for, would make most of it.
+#: Seconds of wait and work an epoch needs before it logs a data-wait warning; in a shorter one, its first
+#: batches, always waited for, would make most of the wait.
 WAIT_WARNING_MIN_SECONDS = 10.0
 
-#: An epoch of fewer batches logs no data-wait warning, for the same reason.
+#: Batches an epoch needs before it logs a data-wait warning, for the same reason.
 WAIT_WARNING_MIN_BATCHES = 100
 
-#: A training step (the time between two ``next()``) shorter than this is a loop that does no work: no count
-#: of workers is extrapolated from it.
+#: Seconds between two ``next()`` calls under which a training loop is taken to do no work; no count of
+#: workers is extrapolated from such a loop.
 NO_WORK_STEP_SECONDS = 0.0005
 
 
