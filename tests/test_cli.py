@@ -92,7 +92,7 @@ def test_procs_and_address_file_then_status_table(tmp_path):
 
 
 def test_status_of_an_unreachable_worker_fails():
-    result = run_cli("status", f"127.0.0.1:{helpers.free_port()}", "--timeout", "1")
+    result = run_cli("status", f"127.0.0.1:{helpers.free_port()}", "--answer-timeout", "1")
     assert result.returncode == 1 and "refused" in result.stdout
 
 

@@ -24,3 +24,28 @@ def test_every_variable_the_code_reads_is_on_the_reference_page_and_no_other():
     assert in_code - documented == set(), "variables read by the code but missing from docs/environment.rst"
     assert documented - in_code == set(), "variables on docs/environment.rst that the code does not read"
     assert "environment" in (ROOT / "docs" / "index.rst").read_text(encoding="utf-8")
+
+
+def test_every_command_spells_the_credentials_options_alike():
+    import contextlib
+    import io
+
+    from rpcdl.cli import build_parser
+
+    expected = {"--token-file": "FILE", "--tls-ca": "PEM", "--tls-cert": "PEM", "--tls-key": "PEM"}
+    seen = set()
+    for name in ("worker", "status", "demo", "bench"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            build_parser().parse_args([name, "--help"])
+        for option, metavar in re.findall(
+            r"^\s+(--token-file|--tls-ca|--tls-cert|--tls-key) (\S+)", out.getvalue(), re.M
+        ):
+            seen.add((name, option))
+            assert metavar == expected[option], (name, option, metavar)
+    assert {
+        ("status", "--token-file"),
+        ("bench", "--tls-ca"),
+        ("bench", "--token-file"),
+        ("demo", "--token-file"),
+    } <= seen

@@ -32,6 +32,7 @@ OPTIONS = (
     "--config",
     "--no-progress",
     "--json",
+    "--token-file",
 )
 
 
@@ -91,6 +92,22 @@ def test_demo_uses_the_workers_it_is_given(two_workers, tmp_path, capsys):
     assert sorted(summary["workers"]) == sorted(two_workers)
     assert sum(w["batches"] for w in summary["workers"].values()) >= 4
     assert "starting" not in capsys.readouterr().out
+
+
+def test_demo_reads_the_workers_token_from_token_file(spawn_workers, tmp_path, monkeypatch):
+    monkeypatch.setenv("RPCDL_TOKEN", "demo-secret")  # this process pings the worker it starts
+    (address,) = spawn_workers(1, token="demo-secret")
+    monkeypatch.delenv("RPCDL_TOKEN")
+    monkeypatch.setenv("RPCDL_TOKEN_FILE", "")  # restored after the test: the demo sets it for its trainer
+    token_file = tmp_path / "token"
+    token_file.write_text("demo-secret\n")
+    argv = ["demo", "--workers", address, "--token-file", str(token_file), "--max-epochs", "1", "--limit", "2"]
+    assert main([*argv, "--no-progress"]) == 0
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--token-file", str(empty)])
+    assert exited.value.code == 2
 
 
 def test_demo_reports_a_worker_that_does_not_answer(capsys):

@@ -317,3 +317,10 @@ def test_pictures_are_in_the_build(built_html):
     assert any("architecture" in src for src in images) and any("timeline" in src for src in images), images
     for src in images:
         assert (built_html / src).is_file(), src
+
+
+def test_readme_lists_every_guide_and_the_environment_page():
+    readme = (ROOT / "README.md").read_text()
+    pages = [*sorted((ROOT / "docs" / "guides").glob("*.rst")), ROOT / "docs" / "environment.rst"]
+    missing = [str(page.relative_to(ROOT)) for page in pages if f"]({page.relative_to(ROOT)})" not in readme]
+    assert missing == []

@@ -29,6 +29,7 @@ import pytest
 from helpers import RangeDataset, free_port
 
 import rpcdl
+from rpcdl.data import epoch as epoch_module
 from rpcdl.data.flow import CallSeconds, DataFlow, FlowSnapshot
 from rpcdl.data.metrics import serve_metrics_from_environment
 from rpcdl.metrics.names import TRAINER_METRICS, WORKER_METRICS
@@ -160,7 +161,9 @@ def _run_epoch(loader: rpcdl.RPCDataloader, step_seconds: float) -> int:
     return batches
 
 
-def test_a_loop_that_waits_for_data_reports_it_and_more_than_one_worker(two_workers, caplog):
+def test_a_loop_that_waits_for_data_reports_it_and_more_than_one_worker(two_workers, caplog, monkeypatch):
+    monkeypatch.setattr(epoch_module, "WAIT_WARNING_MIN_SECONDS", 0.0)  # its 20 batches: a warning all the same
+    monkeypatch.setattr(epoch_module, "WAIT_WARNING_MIN_BATCHES", 1)
     port = rpcdl.serve_metrics()
     before = _get(f"http://127.0.0.1:{port}/metrics")
     dataset = rpcdl.RPCDataset(two_workers, RangeDataset, 40, delay=0.01)  # 20 ms a batch, on each worker
@@ -176,7 +179,7 @@ def test_a_loop_that_waits_for_data_reports_it_and_more_than_one_worker(two_work
     warnings = [r.getMessage() for r in caplog.records if r.name == "rpcdl.dataloader.wait"]
     assert len(warnings) == 1, warnings  # once for the epoch
     assert f"about {math.ceil(figures.workers_needed)} workers" in warnings[0]
-    assert "it has 2" in warnings[0]
+    assert "served by 2 workers" in warnings[0]
 
     after = _get(f"http://127.0.0.1:{port}/metrics")
     assert _sample(after, "rpcdl_batches_total") - _sample(before, "rpcdl_batches_total") >= 20
@@ -410,3 +413,13 @@ def test_the_lightning_logger_receives_the_three_figures(two_workers, tmp_path):
         assert 0 < values["rpcdl/data_wait_fraction"] < 1, values  # 20 ms a batch on the workers: it waited
         assert values["rpcdl/batches_per_second"] > 0, values
         assert values["rpcdl/workers_needed"] > 1, values
+
+
+def test_rpcdl_workers_shows_and_documents_every_state_a_pool_knows():
+    from rpcdl.data.records import WorkerState
+
+    text = _get(f"http://127.0.0.1:{rpcdl.serve_metrics()}/metrics")
+    documented = METRICS_DOC.read_text()
+    for state in WorkerState:
+        assert f'rpcdl_workers{{state="{state.value}"}}' in text, state
+        assert f"``{state.value}``" in documented, state

@@ -191,3 +191,25 @@ def test_samplers_drive_an_rpc_dataloader(two_workers):
     loader = rpcdl.RPCDataloader(dataset, batch_sampler=batch_sampler)
     batches = [batch.tolist() for batch in loader]
     assert batches == list(batch_sampler) and [len(b) for b in batches] == [5, 10]
+
+
+def identity(sample):
+    return int(sample)
+
+
+def test_a_state_on_another_world_size_says_why_it_cannot_resume(two_workers):
+    dataset = rpcdl.RPCDataset(two_workers, RangeDataset, 48)
+
+    def loader_on(replicas: int) -> rpcdl.RPCDataloader:
+        sampler = LoadBalancingDistributedSampler(dataset, identity, num_replicas=replicas, rank=0)
+        return rpcdl.RPCDataloader(dataset, sampler=sampler, batch_size=4)
+
+    taken = loader_on(2)
+    epoch = iter(taken)
+    next(epoch), next(epoch)
+    state = taken.state_dict()
+    epoch.close()
+    loader_on(2).load_state_dict(state)  # the same world size resumes
+    with pytest.raises(ValueError, match="resumes only on the world size it was taken on"):
+        loader_on(3).load_state_dict(state)
+    dataset.release()

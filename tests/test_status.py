@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
-from helpers import RangeDataset, free_port
+from helpers import RangeDataset, free_port, start_worker_process
 
 import rpcdl
 from rpcdl.cli.probe import Reach, ask_stats
+from rpcdl.processes import stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +52,7 @@ def test_a_refused_port_and_a_token_mismatch_are_named_and_the_table_keeps_its_s
     wrong.write_text("wrong-token\n")
     right.write_text("right-token\n")
     refused = f"127.0.0.1:{free_port()}"
-    result = run_status(address, refused, "--token-file", str(wrong), "--timeout", "30")
+    result = run_status(address, refused, "--token-file", str(wrong), "--answer-timeout", "30")
     assert result.returncode == 1
     header, *rows = result.stdout.splitlines()
     assert len(rows) == 2
@@ -122,8 +125,74 @@ def test_workers_come_as_lists_files_and_the_option(spawn_workers, tmp_path):
         addresses = [row["address"] for row in json.loads(result.stdout)["workers"]]
         assert set(addresses) <= {first, second} and second in addresses, args
     result = run_status("no-such-file")
-    assert result.returncode == 2 and "nor is 'no-such-file' a file of addresses" in result.stderr
+    assert result.returncode == 2 and "no such file: 'no-such-file'" in result.stderr
+    missing = run_status("--workers", str(tmp_path / "workers.txt.old"))
+    assert missing.returncode == 2 and f"no such file: '{tmp_path / 'workers.txt.old'}'" in missing.stderr
+    assert "malformed worker address" not in missing.stderr.split("(")[0]  # missing, said first
     assert run_status().returncode == 2
+
+
+def test_a_file_listing_a_worker_twice_shows_it_once(spawn_workers, tmp_path):
+    (address,) = spawn_workers(1)
+    listed = tmp_path / "workers.txt"
+    listed.write_text(f"{address}\n{address}\n")
+    result = run_status("--json", str(listed), "--workers", address)
+    assert result.returncode == 0, result.stderr
+    assert [row["address"] for row in json.loads(result.stdout)["workers"]] == [address]
+
+
+def test_a_dns_source_is_asked_for_its_workers(spawn_workers):
+    (address,) = spawn_workers(1)
+    port = address.rsplit(":", 1)[1]
+    result = run_status("--json", f"dns://127.0.0.1:{port}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = json.loads(result.stdout)["workers"]
+    assert (row["address"], row["state"]) == (address, "up")
+    for json_option in ([], ["--json"]):  # a source listing no worker is one that did not answer: exit 1
+        result = run_status(*json_option, address, "dns://no-such-host.invalid:6543", "--answer-timeout", "20")
+        assert result.returncode == 1, result.stdout
+        assert "no-such-host.invalid does not resolve" in result.stdout
+
+
+def test_a_redis_registry_is_asked_for_its_workers(tmp_path):
+    redis_server_module = pytest.importorskip("rpcdl.data.cache.redis_server")
+    try:
+        redis_server_module.find_redis_server()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    with redis_server_module.RedisServer() as server:
+        url = f"redis://{server.host}:{server.port}/0?key=status-{os.getpid()}"
+        worker, address = start_worker_process("--register", url)
+        try:
+            joined = _read_stderr_until(worker, "joined registry")  # it says it joined, as it says it left
+            assert address in joined
+            result = run_status("--json", url)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert [(row["address"], row["state"]) for row in json.loads(result.stdout)["workers"]] == [(address, "up")]
+        finally:
+            stop_process(worker, grace=5.0)
+        result = run_status(url)  # drained: it left the registry, which now lists no worker
+        assert result.returncode == 1 and "lists no worker" in result.stdout
+
+
+def _read_stderr_until(process: subprocess.Popen, text: str, timeout: float = 30.0) -> str:
+    read = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stderr, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(timeout=0.1):
+                line = process.stderr.readline()
+                read.append(line)
+                if text in line:
+                    return "".join(read)
+    raise AssertionError(f"no line with {text!r} within {timeout}s: {''.join(read)}")
+
+
+def test_timeout_is_a_deprecated_spelling_of_answer_timeout():
+    result = run_status(f"127.0.0.1:{free_port()}", "--timeout", "3")
+    assert result.returncode == 1
+    assert "--timeout is deprecated; use --answer-timeout" in result.stderr
 
 
 def test_watch_reports_rates_over_the_interval_and_stops_on_ctrl_c(spawn_workers):
@@ -155,3 +224,24 @@ def test_watch_reports_rates_over_the_interval_and_stops_on_ctrl_c(spawn_workers
         watch.stdout.close()
         watch.stderr.close()
     assert code == 0
+
+
+def test_watch_ends_with_1_when_a_worker_did_not_answer_its_last_reading():
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    refused = f"127.0.0.1:{free_port()}"
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "rpcdl", "status", "--watch", "--interval", "0.2", "--json", refused],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+    )
+    try:
+        (row,) = json.loads(watch.stdout.readline())["workers"]
+        assert row["state"] == "refused"
+    finally:
+        watch.send_signal(signal.SIGINT)
+        code = watch.wait(30)
+        watch.stdout.close()
+        watch.stderr.close()
+    assert code == 1

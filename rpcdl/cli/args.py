@@ -106,10 +106,12 @@ def worker_list(text: str) -> list[str]:
         try:
             parse_address(part)
         except ValueError as exc:
-            if not os.path.isfile(part):
-                raise argparse.ArgumentTypeError(f"{exc} (nor is {part!r} a file of addresses)") from None
-            entries.extend(_addresses_in_file(part))
-            continue
+            if os.path.isfile(part):
+                entries.extend(_addresses_in_file(part))
+                continue
+            if os.sep in part or ":" not in part:  # a path: every address has a colon
+                raise argparse.ArgumentTypeError(f"no such file: {part!r} (nor is it an address: {exc})") from None
+            raise argparse.ArgumentTypeError(f"{exc} (nor is {part!r} a file of addresses)") from None
         entries.append(part)
     return entries
 

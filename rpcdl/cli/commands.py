@@ -73,14 +73,16 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--procs",
         type=positive_int,
         default=1,
-        help="worker processes to start, each on its own port (--port P: P, P+1, ...); one that dies is logged "
-        "with its signal or exit code and started again, after a backoff while it keeps dying (default: %(default)s)",
+        help="worker processes to start, each on its own port (--port P: P, P+1, ...); one that dies once it served "
+        "is logged with its signal or exit code and started again, after a backoff while it keeps dying; one that "
+        "dies before it was ever ready (its port in use, say) stops them all with exit code 1 (default: %(default)s)",
     )
     parser.add_argument(
         "--address-file",
         metavar="FILE",
         type=new_file,
-        help="append each worker's HOST:PORT to FILE under a file lock once it is ready",
+        help="list each worker's HOST:PORT in FILE, one line per live worker, once it is ready; a worker removes its "
+        "line when it drains (--procs: the supervisor removes a dead process's line), under a file lock",
     )
     parser.add_argument(
         "--token-file",
@@ -224,7 +226,8 @@ def run_worker_command(
             :meth:`argparse.ArgumentParser.error` does (the default prints one line).
 
     Returns:
-        0 once stopped by SIGTERM or SIGINT (``--procs`` restarts a process that dies, and says why).
+        0 once stopped by SIGTERM or SIGINT (``--procs`` restarts a process that dies once it served, and
+        says why); 1 when a port cannot be bound, or a process of ``--procs`` dies before it was ever ready.
     """
     fail = fail or getattr(args, "fail", None) or _print_mistake
     configure_logging(args.log_level, args.log_format)
@@ -262,11 +265,13 @@ def run_worker_command(
             metrics_port=args.metrics_port,
             register=args.register,
         )
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, OSError) and exc.errno is not None:  # from the system: binding the port failed
-            # not a usage mistake: one line, exit 1 (a supervisor may retry; another port is the user's choice)
+    except OSError as exc:  # not a usage mistake: one line, exit 1 (another port is the user's choice)
+        if exc.errno is not None:  # from the system: binding the worker's port failed
             print(f"{_prog(args)}: error: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
-            return 1
+        else:  # one that names its port and reason (the metrics port in use, say)
+            print(f"{_prog(args)}: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
         fail(str(exc))  # a refusal that explains itself (no token for a non-loopback address, say)
     for signum in (signal.SIGTERM, signal.SIGINT):  # stopped gracefully: a repeated signal changes nothing now
         signal.signal(signum, signal.SIG_IGN)
@@ -297,12 +302,13 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return command
 
     def spawn(command: list[str]) -> subprocess.Popen:
-        # their own process group: a Ctrl-C in the terminal reaches the supervisor only, which drains them once
-        return subprocess.Popen(command, process_group=0)
+        # their own process group: a Ctrl-C in the terminal reaches the supervisor only, which drains them once;
+        # their standard output through the supervisor, which learns each one's address from its ready line
+        return subprocess.Popen(command, process_group=0, stdout=subprocess.PIPE)
 
     stop = StopSignals().install()
     try:
-        supervisor = Supervisor(command_for, args.procs, args.grace, spawn=spawn)
+        supervisor = Supervisor(command_for, args.procs, args.grace, spawn=spawn, address_file=args.address_file)
         return supervisor.run(lambda: stop.received, lambda: stop.again(SAME_SIGNAL_WINDOW))
     finally:
         stop.restore()

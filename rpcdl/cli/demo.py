@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import importlib.resources
 import json
+import os
 import sys
 import time
 import warnings
@@ -64,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="YAML",
         type=existing_file,
         help="LightningCLI config to train (default: the packaged configs/digits.yaml)",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        type=existing_file,
+        help="file holding the token of the workers, given to the local ones too (default: $RPCDL_TOKEN or "
+        "$RPCDL_TOKEN_FILE)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
     parser.add_argument("--json", metavar="FILE", type=new_file, help="also write the summary to FILE as JSON")
@@ -244,6 +252,17 @@ def _quiet_lightning() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; return the exit code."""
+    if args.token_file:
+        from ..transport.security import TOKEN_ENV, TOKEN_FILE_ENV, read_token_file
+
+        try:
+            read_token_file(args.token_file)
+        except (OSError, ValueError) as exc:
+            args.fail(f"--token-file: {exc}")
+        # the trainer, and the local workers started with this environment, read the same token; the option
+        # overrides the environment, as rpcdl worker's does
+        os.environ.pop(TOKEN_ENV, None)
+        os.environ[TOKEN_FILE_ENV] = args.token_file
     _progress("loading Lightning and scikit-learn...")  # the imports take seconds, more on a busy machine
     try:
         import lightning.pytorch  # noqa: F401

@@ -1,6 +1,10 @@
 """``rpcdl status``: the workers' counters, once or live, as a table or JSON; without torch.
 
-Each worker is asked by its own thread (``rpcdl-status-HOST:PORT``) through
+The workers are named as trainers name them: addresses, files listing them
+(read as the command starts), and sources (``dns://``, ``redis://``), which
+are asked for their addresses (:func:`rpcdl.data.sources.worker_source`)
+before each reading; a source that lists no worker keeps a row of its own,
+with why. Each worker is asked by its own thread (``rpcdl-status-HOST:PORT``) through
 :func:`rpcdl.cli.probe.ask_stats`, so one silent worker costs its timeout
 once, not once per worker; the main thread waits for them all and owns every
 reading and the table. A worker that cannot be asked keeps its row, with its
@@ -27,13 +31,14 @@ from ..transport.security import (
     read_token_file,
     resolve_token,
 )
-from .args import add_workers_argument, existing_file, is_source, positive_float, worker_list
+from .args import Deprecated, add_workers_argument, existing_file, is_source, positive_float, worker_list
 from .probe import Answer, Reach, ask_stats
 
 HELP = "show the counters of running workers (once, or live with --watch)"
 DESCRIPTION = (
     "Ask each worker for its counters and print them as a table (or JSON). It imports no torch and does not "
-    "count itself as one of the workers' clients. Exit code 0 when every worker answered, else 1."
+    "count itself as one of the workers' clients. Exit code 0 when every worker answered, else 1 (with "
+    "--watch: in the last reading before Ctrl-C)."
 )
 
 _ONCE = [
@@ -69,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         type=worker_list,
         metavar="WORKERS",
-        help="workers to ask, in the forms --workers takes (or name them with --workers)",
+        help="workers to ask, in the forms --workers takes (or name them with --workers); a source is asked for "
+        "its workers before each reading",
     )
     add_workers_argument(parser, "workers to ask")
     parser.add_argument(
@@ -103,13 +109,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CA file to verify TLS workers with (default: $RPCDL_TLS_CA)",
     )
     parser.add_argument(
-        "--timeout", type=positive_float, default=5.0, help="seconds to wait for each worker (default: %(default)s)"
+        "--answer-timeout",
+        type=positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds each worker (and each source) has to answer; one that does not is a 'timeout' row "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        dest="answer_timeout",
+        action=Deprecated,
+        new="--answer-timeout",
+        help=argparse.SUPPRESS,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``rpcdl status`` with parsed arguments; return the exit code (0: every worker answered)."""
-    workers = [entry for listed in args.addresses for entry in listed] + list(args.workers or [])
+    workers = list(dict.fromkeys([entry for listed in args.addresses for entry in listed] + list(args.workers or [])))
     if not workers:
         args.fail("name the workers to ask: rpcdl status HOST:PORT ... (or --workers)")
     try:
@@ -118,13 +137,25 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         args.fail(str(exc))
     if not args.watch:
-        readings = [reading(answer) for answer in ask_all(workers, token, tls, args.timeout)]
+        readings = [reading(answer) for answer in ask_all(workers, token, tls, args.answer_timeout)]
         if args.json:
             print(json.dumps({"workers": readings}, indent=2))
         else:
             print(format_table(readings, _ONCE), end="")
-        return 0 if all(r["state"] == Reach.UP.value for r in readings) else 1
+        return exit_code(readings)
     return _watch(workers, token, tls, args, sys.stdout)
+
+
+def exit_code(readings: Sequence[dict[str, Any]]) -> int:
+    """0 when every worker answered its counters (a draining one included), else 1.
+
+    Example::
+
+        >>> exit_code([{"state": "up"}, {"state": "draining"}]), exit_code([{"state": "refused"}])
+        (0, 1)
+    """
+    answered = (Reach.UP.value, "draining")
+    return 0 if readings and all(row["state"] in answered for row in readings) else 1
 
 
 def _watch(
@@ -132,10 +163,11 @@ def _watch(
 ) -> int:
     previous: dict[str, Answer] = {}
     clear = not args.json and out.isatty()
+    readings: list[dict[str, Any]] = []
     try:
         while True:
             started = time.monotonic()
-            answers = ask_all(workers, token, tls, args.timeout)
+            answers = ask_all(workers, token, tls, args.answer_timeout)
             readings = [reading(answer, previous.get(answer.address)) for answer in answers]
             previous.update((answer.address, answer) for answer in answers if answer.reach is Reach.UP)
             if args.json:
@@ -147,43 +179,106 @@ def _watch(
             out.flush()
             time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
     except KeyboardInterrupt:
-        return 0
+        return exit_code(readings)
 
 
 def ask_all(workers: Sequence[str], token: Token | None, tls: ssl.SSLContext | None, timeout: float) -> list[Answer]:
     """Ask every worker at once (a thread each); return their answers in the order given.
 
     Args:
-        workers: ``"host:port"`` addresses; a source (``dns://``...) is answered as not resolved here.
+        workers: ``"host:port"`` addresses and sources (``dns://...``, ``redis://...``): each source is asked
+            for its workers first (see :func:`resolve_sources`).
         token: the shared secret, or ``None``.
         tls: a client TLS context, or ``None``.
-        timeout: seconds each worker gets.
+        timeout: seconds each source, then each worker, gets.
 
     Returns:
-        one :class:`~rpcdl.cli.probe.Answer` per worker.
+        one :class:`~rpcdl.cli.probe.Answer` per worker, and one per source that lists none.
 
     Example::
 
         >>> [a.reach.value for a in ask_all(["127.0.0.1:1"], None, None, 1.0)]  # doctest: +SKIP
         ['refused']
     """
-    answers: list[Answer | None] = [None] * len(workers)
+    entries = resolve_sources(workers, timeout)
+    answers: list[Answer | None] = [entry if isinstance(entry, Answer) else None for entry in entries]
 
     def ask(index: int, address: str) -> None:
         answers[index] = ask_stats(address, token, tls, timeout)
 
     threads = []
-    for index, address in enumerate(workers):
-        if is_source(address):
-            reason = "a source: rpcdl status asks addresses; list the workers it resolves to"
-            answers[index] = Answer(address, Reach.UNREACHABLE, reason=reason, at=time.monotonic())
+    for index, entry in enumerate(entries):
+        if isinstance(entry, Answer):
             continue
-        thread = threading.Thread(target=ask, args=(index, address), name=f"rpcdl-status-{address}", daemon=True)
+        thread = threading.Thread(target=ask, args=(index, entry), name=f"rpcdl-status-{entry}", daemon=True)
         thread.start()
         threads.append(thread)
     for thread in threads:
         thread.join()
     return [answer for answer in answers if answer is not None]
+
+
+def resolve_sources(workers: Sequence[str], timeout: float) -> list[str | Answer]:
+    """Replace each source in ``workers`` by the addresses it lists now, each address once.
+
+    Sources are asked at once, a thread each (``rpcdl-status-SOURCE``), as a
+    trainer asks them (:func:`rpcdl.data.sources.worker_source`). A source that
+    lists no worker, cannot be read or does not answer within ``timeout`` is
+    an :class:`~rpcdl.cli.probe.Answer` (``unreachable``, or ``timeout``) with why.
+
+    Args:
+        workers: addresses and sources.
+        timeout: seconds each source gets.
+
+    Returns:
+        addresses, in the order given, and the answers of sources that listed none.
+
+    Example::
+
+        >>> resolve_sources(["127.0.0.1:7000", "127.0.0.1:7000"], 1.0)
+        ['127.0.0.1:7000']
+    """
+    found: list[list[str] | Answer | None] = [None] * len(workers)
+
+    def list_workers(index: int, source: str) -> None:
+        found[index] = _source_addresses(source)
+
+    threads = []
+    for index, entry in enumerate(workers):
+        if not is_source(entry):
+            found[index] = [entry]
+            continue
+        thread = threading.Thread(target=list_workers, args=(index, entry), name=f"rpcdl-status-{entry}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    result: list[str | Answer] = []
+    for entry, listed in zip(workers, found, strict=True):
+        if listed is None:
+            reason = f"{entry} did not list its workers within {timeout:g}s"
+            result.append(Answer(entry, Reach.TIMEOUT, reason=reason, at=time.monotonic()))
+        elif isinstance(listed, Answer):
+            result.append(listed)
+        else:
+            result.extend(address for address in listed if address not in result)
+    return result
+
+
+def _source_addresses(source: str) -> list[str] | Answer:
+    """The addresses ``source`` lists now, or an answer saying why it lists none."""
+    from ..data.sources import worker_source  # no torch on this path: the sources need only the standard library
+
+    try:
+        listing = worker_source(source)
+        addresses = list(listing.addresses())
+    except Exception as exc:  # a malformed URL, redis-py missing, a registry's own error
+        return Answer(source, Reach.UNREACHABLE, reason=f"{source}: {exc}", at=time.monotonic())
+    if addresses:
+        return addresses
+    why = getattr(listing, "last_error", None) or f"{source} lists no worker now"
+    return Answer(source, Reach.UNREACHABLE, reason=why, at=time.monotonic())
 
 
 def reading(answer: Answer, before: Answer | None = None) -> dict[str, Any]:

@@ -30,9 +30,11 @@ returned is the advancing thread's; what it measures goes to the loader's
 
 Each ``next()`` is timed: the seconds spent in it are data wait, those since
 the previous one returned are the consumer's work (see
-:mod:`rpcdl.data.flow`). An epoch that runs to its end and waited more than
-:data:`WAIT_WARNING_FRACTION` of its time says so in one warning on
-:data:`WAIT_LOGGER`, with the workers that would keep it fed.
+:mod:`rpcdl.data.flow`). An epoch that runs to its end, long enough to mean
+something (:data:`WAIT_WARNING_MIN_SECONDS`, :data:`WAIT_WARNING_MIN_BATCHES`),
+and waited more than :data:`WAIT_WARNING_FRACTION` of its time says so in one
+warning on :data:`WAIT_LOGGER`, with the workers that would keep it fed (none
+estimated from a loop that does no work) and those that served it.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from ..seeding import derive_seed, set_random_seeds
 from .chunked_pass import ChunkedPass, ChunkedPassState, ServedCounts
 from .chunks import ChunkSizer
 from .dataset import RPCDataset
-from .flow import DataFlow, FlowSnapshot
+from .flow import DataFlow, FlowFigures, FlowSnapshot
 from .guard import EntryGuard
 from .loader_state import EpochBook, Position
 from .pool import WorkerPool
@@ -63,9 +65,12 @@ from .records import Task
 from .scheduler import NoWorkersLeft
 
 __all__ = [
+    "NO_WORK_STEP_SECONDS",
     "TARGET_CHUNK_BYTES",
     "WAIT_LOGGER",
     "WAIT_WARNING_FRACTION",
+    "WAIT_WARNING_MIN_BATCHES",
+    "WAIT_WARNING_MIN_SECONDS",
     "EpochCall",
     "EpochIterator",
     "EpochOpener",
@@ -81,6 +86,17 @@ TARGET_CHUNK_BYTES = 256 * 1024
 
 #: An epoch whose consumer waited for data more than this fraction of its time logs a warning as it ends.
 WAIT_WARNING_FRACTION = 0.05
+
+#: Seconds of wait and work an epoch needs before it logs a data-wait warning; in a shorter one, its first
+#: batches, always waited for, would make most of the wait.
+WAIT_WARNING_MIN_SECONDS = 10.0
+
+#: Batches an epoch needs before it logs a data-wait warning, for the same reason.
+WAIT_WARNING_MIN_BATCHES = 100
+
+#: Seconds between two ``next()`` calls under which a training loop is taken to do no work; no count of
+#: workers is extrapolated from such a loop.
+NO_WORK_STEP_SECONDS = 0.0005
 
 
 class EpochCall:
@@ -174,6 +190,7 @@ class _Running:
     plan: EpochPlan
     batches: ChunkedPass
     flow_at_start: FlowSnapshot
+    served_at_start: dict[str, int]  #: the loader's counts of batches per worker as the epoch began
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -275,6 +292,7 @@ class EpochIterator(Iterator[Any]):
                 plan,
                 ChunkedPass(plan.pool, batched, plan.call, plan.sizer, plan.served, in_order=plan.in_order),
                 plan.flow.snapshot(),
+                plan.served.snapshot(),
             )
         except BaseException:
             self._stage = _FINISHED
@@ -311,27 +329,79 @@ class EpochIterator(Iterator[Any]):
 
 
 def _warn_if_waited(stage: _Running) -> None:
-    """Log one warning if the epoch's consumer waited for data more than :data:`WAIT_WARNING_FRACTION` of it."""
+    """Log one warning if the epoch's consumer waited for data more than :data:`WAIT_WARNING_FRACTION` of it.
+
+    Only for an epoch long enough to mean something (:data:`WAIT_WARNING_MIN_SECONDS` and
+    :data:`WAIT_WARNING_MIN_BATCHES`); the workers it names are those that served the epoch.
+    """
     figures = stage.plan.flow.snapshot().since(stage.flow_at_start)
-    fraction = figures.data_wait_fraction
-    if fraction <= WAIT_WARNING_FRACTION:
-        return
+    served = served_workers(stage.served_at_start, stage.plan.served.snapshot())
+    message = wait_warning(figures, served, stage.plan.position.epoch)
+    if message:
+        WAIT_LOGGER.warning("%s", message)
+
+
+def served_workers(before: dict[str, int], after: dict[str, int]) -> int:
+    """How many workers delivered batches between two snapshots of a loader's counts.
+
+    Example::
+
+        >>> served_workers({"a:1": 4}, {"a:1": 9, "b:2": 0, "c:3": 2})
+        2
+    """
+    return sum(count > before.get(worker, 0) for worker, count in after.items())
+
+
+def wait_warning(figures: FlowFigures, workers: int, epoch: int) -> str:
+    """The data-wait warning of an epoch, or ``""`` when there is none to give.
+
+    None for an epoch that waited :data:`WAIT_WARNING_FRACTION` of its time or less, lasted less than
+    :data:`WAIT_WARNING_MIN_SECONDS` or yielded fewer than :data:`WAIT_WARNING_MIN_BATCHES` batches. A loop
+    whose step is under :data:`NO_WORK_STEP_SECONDS` gets no estimate of the workers it needs: any
+    number would be an extrapolation from nothing.
+
+    Args:
+        figures: the epoch's data flow.
+        workers: the workers that served it.
+        epoch: its number.
+
+    Returns:
+        the warning's text, or ``""``.
+
+    Example::
+
+        >>> epoch = FlowFigures(batches=500, wait_seconds=8.0, work_seconds=4.0, worker_seconds=60.0,
+        ...                     worker_batches=500)
+        >>> wait_warning(epoch, 2, 3)[:63]
+        'the training loop waited for data 67% of epoch 3 (8.0 s of 12.0'
+        >>> "about 15 workers of the measured speed" in wait_warning(epoch, 2, 3)
+        True
+        >>> toy = FlowFigures(batches=10, wait_seconds=0.04, work_seconds=0.0, worker_seconds=0.1, worker_batches=10)
+        >>> wait_warning(toy, 1, 0)
+        ''
+    """
+    seconds = figures.wait_seconds + figures.work_seconds
+    if (
+        figures.data_wait_fraction <= WAIT_WARNING_FRACTION
+        or seconds < WAIT_WARNING_MIN_SECONDS
+        or figures.batches < WAIT_WARNING_MIN_BATCHES
+    ):
+        return ""
+    step = figures.work_seconds / figures.batches
     needed = figures.workers_needed
-    advice = (
-        f"about {math.ceil(needed)} workers of the measured speed would keep it fed"
-        if math.isfinite(needed)
-        else "the loop does nothing but take batches, so no number of workers keeps it fed"
-    )
-    WAIT_LOGGER.warning(
-        "the training loop waited for data %.0f%% of epoch %d (%.1f s of %.1f s, %d batches): %s "
-        "(it has %d; see rpcdl_workers_needed)",
-        100 * fraction,
-        stage.plan.position.epoch,
-        figures.wait_seconds,
-        figures.wait_seconds + figures.work_seconds,
-        figures.batches,
-        advice,
-        len(stage.plan.pool.active()),
+    if step < NO_WORK_STEP_SECONDS:
+        advice = (
+            f"its step takes {step * 1e3:.2f} ms, too little to estimate the workers that would keep it fed "
+            "(measure with the real training step)"
+        )
+    elif math.isfinite(needed):
+        advice = f"about {math.ceil(needed)} workers of the measured speed would keep it fed"
+    else:
+        advice = "no worker delivered a measured batch, so no estimate of the workers needed"
+    return (
+        f"the training loop waited for data {100 * figures.data_wait_fraction:.0f}% of epoch {epoch} "
+        f"({figures.wait_seconds:.1f} s of {seconds:.1f} s, {figures.batches} batches): {advice} "
+        f"(served by {workers} worker{'' if workers == 1 else 's'}; see rpcdl_workers_needed)"
     )
 
 

@@ -44,6 +44,9 @@ from .elastic import WHOLE_EPOCH, ElasticDistributedSampler, Origin
 SHAPE_FIELDS = ("batches", "batch_size", "drop_last", "sampler", "batch_sampler", "in_order", "seed_source")
 POSITION_FIELDS = ("epoch", "yielded_prefix", "yielded_extra")
 
+#: The samplers whose split among ranks is by complexity (their names, as a shape holds them).
+_LOAD_BALANCING = ("LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler")
+
 #: Where a loader's random order comes from (a state's ``seed_source``): the sampler's own generator
 #: (the loader's ``generator=``, or a ``RandomSampler(generator=...)``); a generator drawn from torch's
 #: global one at each epoch (a ``RandomSampler`` without one); or the sampler alone (no random order
@@ -104,7 +107,17 @@ def check_state(state: Any, shape: dict[str, Any]) -> dict[str, Any]:
     ]
     if differences:
         hint = ""
-        if any(name.startswith("seed_source") for name in differences):
+        if {shape["sampler"], shape["batch_sampler"]} & set(_LOAD_BALANCING) and any(
+            name.startswith("batches") for name in differences
+        ):
+            hint = (
+                " (a load-balancing sampler's state resumes only on the world size it was taken on: the "
+                "sampler splits an epoch among ranks by complexity, groups of num_replicas samples sorted by "
+                "cost, not by DistributedSampler's layout, which is the one a state taken on W ranks is split "
+                "again from; a different number of batches per rank means another world size, or another "
+                "dataset, batch_fn or drop_last. Resume on the same world size, or start the epoch again)"
+            )
+        elif any(name.startswith("seed_source") for name in differences):
             hint = (
                 " (seed_source: the random order came from the loader's generator= in one loader and from "
                 "torch's global generator in the other; build both the same way)"

@@ -26,13 +26,14 @@ from ..checks import check_int
 from ..metrics.exposition import MetricsServer, serve_collector
 from ..metrics.names import TRAINER_METRICS
 from .flow import CALL_SECONDS, LIVE_POOLS, PROCESS_FLOW, FlowSnapshot
+from .records import WorkerState
 
 __all__ = ["METRICS_PORT_ENV", "TrainerCollector", "serve_metrics", "serve_metrics_from_environment"]
 
 METRICS_PORT_ENV = "RPCDL_METRICS_PORT"
 """``PORT`` or ``HOST:PORT``: where a trainer serves its metrics (loopback when no host is given)."""
 
-_WORKER_STATES = ("active", "down", "probing", "excluded")
+_WORKER_STATES = tuple(state.value for state in WorkerState)
 
 
 class TrainerCollector:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from .process import StopSignals, append_address, process_exists
+from .process import StopSignals, add_address, process_exists, remove_address
 from .registration import Registration
 
 log = logging.getLogger("rpcdl.worker")
@@ -137,15 +137,18 @@ def serve_until_stopped(
 ) -> None:
     """Serve with a started ``worker`` until SIGTERM or SIGINT (or ``watch_pid`` gone), then leave well.
 
-    Ready: the address goes to ``address_file`` and ``on_ready``, and the
-    registration starts beating. Told to stop: the registration leaves the
-    registry, the worker drains (:meth:`~rpcdl.server.worker.Worker.drain`)
-    for up to ``grace`` seconds, a second signal cutting it short, and stops.
+    Ready: the address goes to ``address_file`` (once: a line left by a
+    worker killed on this port stays the only one) and ``on_ready``, and the
+    registration starts beating. Told to stop: the worker drains
+    (:meth:`~rpcdl.server.worker.Worker.drain`), its line leaves the address
+    file and the registration the registry, for up to ``grace`` seconds, a
+    second signal cutting it short, and it stops.
 
     Args:
         worker: the worker, started.
         grace: the drain timeout, seconds.
-        address_file: a file to append the address to, or ``None``.
+        address_file: a file listing the address while the worker serves
+            (:func:`~rpcdl.server.process.add_address`), or ``None``.
         on_ready: called with the worker once it is ready.
         registration: the worker's entry in a registry, not started yet, or ``None``.
         watch_pid: stop when the process with this pid is gone, or ``None``.
@@ -154,7 +157,7 @@ def serve_until_stopped(
     drained = False
     try:
         if address_file is not None:
-            append_address(address_file, worker.address)
+            add_address(address_file, worker.address)
         if registration is not None:
             registration.start()
         on_ready(worker)
@@ -167,6 +170,8 @@ def serve_until_stopped(
         reason = stop.describe() or reason
         log.info("rpcdl worker %s stopping (%s): draining for up to %gs", worker.address, reason, grace)
         worker.drain(grace, reason)
+        if address_file is not None:
+            _unlist(address_file, worker.address)
         if registration is not None:
             registration.leave()
         end = drain_process(worker, grace, lambda: stop.again(SAME_SIGNAL_WINDOW))
@@ -187,8 +192,18 @@ def serve_until_stopped(
         else:
             log.info("rpcdl worker %s drained", worker.address)
     finally:
+        if address_file is not None and not drained:  # stopped by an error: the line goes all the same
+            _unlist(address_file, worker.address)
         if registration is not None:
             registration.leave()
         worker.stop(0.0 if drained else grace)
         stop.restore()
     log.info("rpcdl worker %s left", worker.address)
+
+
+def _unlist(address_file: str | os.PathLike, address: str) -> None:
+    """Remove the worker's line from its address file; a file that cannot be written is said, not raised."""
+    try:
+        remove_address(address_file, address)
+    except OSError as exc:
+        log.warning("rpcdl worker %s: could not remove its line from %s: %s", address, os.fspath(address_file), exc)

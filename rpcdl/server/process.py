@@ -1,14 +1,19 @@
-"""The process around a worker: stop signals, the parent it follows, the address file.
+"""The process around a worker: stop signals, the parent it follows, its line in the address file.
 
 Threading: :class:`StopSignals` handlers run in the main thread and only note
 when each signal came, which the main thread polls; nothing here starts a thread.
+An address file is shared by processes: every change takes an exclusive lock
+on it (``flock``), which any thread may take (:func:`add_address`, :func:`remove_address`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
+import stat
+import tempfile
 import threading
 import time
 from typing import Any
@@ -80,17 +85,119 @@ def process_exists(pid: int) -> bool:
         return True
 
 
-def append_address(path: str | os.PathLike, address: str) -> None:
-    """Append ``address`` as one line to the file ``path``, under an exclusive lock.
+def add_address(path: str | os.PathLike, address: str) -> bool:
+    """Add ``address`` as one line of the file ``path`` unless a line lists it already; return whether it was added.
 
-    Many workers may share one file (a Slurm job step, say): the lock keeps
-    their lines whole.
+    The file (``rpcdl worker --address-file``) holds one line per live worker;
+    a worker restarted on its port after a kill, whose line is still there, is
+    not listed twice. Many workers may share one file (a Slurm job step, say):
+    every change happens under an exclusive lock on the file and rewrites it
+    whole, to a temporary file in the same folder renamed over it, so that a
+    trainer watching it (:class:`~rpcdl.data.sources.FileSource`) reads the old
+    list or the new one, never half of one. A writer that waited for the lock
+    while another renamed a new file in place locks the new one. Other lines
+    (comments, other workers) are kept as they are.
+
+    Args:
+        path: the file (created when missing).
+        address: the worker's ``"host:port"``.
+
+    Returns:
+        ``True`` when the line was added, ``False`` when the address was listed already.
+
+    Example::
+
+        >>> add_address("workers.txt", "10.0.0.5:6543")  # doctest: +SKIP
+        True
     """
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with _LockedFile(path) as locked:
+        lines = locked.lines()
+        if any(_listed(line) == address for line in lines):
+            return False
+        locked.replace([*lines, address])
+    return True
+
+
+def remove_address(path: str | os.PathLike, address: str) -> bool:
+    """Remove the lines of ``path`` that list ``address``; return whether there was one.
+
+    A worker calls it as it drains; ``rpcdl worker --procs`` calls it for a
+    child that died. A missing file lists nothing (it is not created). The
+    change is made as :func:`add_address` makes one.
+
+    Args:
+        path: the file.
+        address: the worker's ``"host:port"``.
+
+    Returns:
+        ``True`` when a line was removed.
+
+    Example::
+
+        >>> remove_address("workers.txt", "10.0.0.5:6543")  # doctest: +SKIP
+        True
+    """
+    if not os.path.exists(path):
+        return False
+    with _LockedFile(path) as locked:
+        lines = locked.lines()
+        kept = [line for line in lines if _listed(line) != address]
+        if len(kept) == len(lines):
+            return False
+        locked.replace(kept)
+    return True
+
+
+def _listed(line: str) -> str:
+    """The address a line of an address file lists (``""`` for a blank line or a comment)."""
+    return line.split("#", 1)[0].strip()
+
+
+class _LockedFile:
+    """The file at ``path`` (created if missing), opened and locked exclusively for one change."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._fd = -1
+
+    def __enter__(self) -> _LockedFile:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                held, now = os.fstat(fd), os.stat(self.path)
+            except FileNotFoundError:  # removed while we waited: open it again
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                self._fd = fd
+                return self
+            os.close(fd)  # another writer renamed a new file in place while we waited: lock that one
+
+    def __exit__(self, *exc_info: Any) -> None:
+        os.close(self._fd)  # closing the last descriptor lets go of the lock
+
+    def lines(self) -> list[str]:
+        """The file's lines, without their ends."""
+        with os.fdopen(os.dup(self._fd), encoding="utf-8") as handle:
+            handle.seek(0)
+            return handle.read().splitlines()
+
+    def replace(self, lines: list[str]) -> None:
+        """Write ``lines`` to a temporary file beside it and rename that over it (the lock is still held)."""
+        folder, name = os.path.split(os.path.abspath(self.path))
+        fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
         try:
-            handle.write(address + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write("".join(line + "\n" for line in lines))
+                handle.flush()
+                os.fchmod(handle.fileno(), stat.S_IMODE(os.fstat(self._fd).st_mode))
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise

@@ -9,6 +9,7 @@ which sets an :class:`threading.Event` and joins the thread.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from typing import Any
@@ -16,6 +17,14 @@ from typing import Any
 from ..registry import RegistryURL, beat, leave
 
 log = logging.getLogger("rpcdl.worker")
+
+
+class _Beat(enum.Enum):
+    """Where the heartbeat stands (the heartbeat thread's own)."""
+
+    NOT_YET = "not yet"  #: no beat written yet
+    JOINED = "joined"  #: the last beat was written
+    FAILING = "failing"  #: the last beat failed (said once)
 
 
 class Registration:
@@ -51,15 +60,17 @@ class Registration:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        failing = False
+        state = _Beat.NOT_YET
         while True:
             try:
                 joined = beat(self.url, self._client, self.address)
-                if failing or joined:
-                    log.info("rpcdl worker %s: registered in %s", self.address, self._where())
-                failing = False
+                if state is _Beat.NOT_YET:
+                    log.info("rpcdl worker %s: joined registry %s", self.address, self._where())
+                elif state is _Beat.FAILING or joined:  # back after a failure, or after its entry expired
+                    log.info("rpcdl worker %s: registered in %s now", self.address, self._where())
+                state = _Beat.JOINED
             except Exception as exc:  # redis-py's errors, and OSError: the worker serves on regardless
-                if not failing:
+                if state is not _Beat.FAILING:
                     log.warning(
                         "rpcdl worker %s: could not register in %s (%s); trying again every %.1fs",
                         self.address,
@@ -67,7 +78,7 @@ class Registration:
                         exc,
                         self.url.heartbeat,
                     )
-                failing = True
+                state = _Beat.FAILING
             if self._leaving.wait(self.url.heartbeat):
                 break
         try:

@@ -1,14 +1,22 @@
 """``rpcdl worker --procs N``: N worker processes kept running until the supervisor is told to stop.
 
-A child that dies (killed, out of memory, a crash) is logged with the cause
-(the signal's name or the exit code) and started again after a backoff that
-doubles while it keeps dying young. SIGTERM or SIGINT to the supervisor
-drains every child (each gets SIGTERM: it tells its clients it leaves, answers
-its calls in flight and exits 0); a second signal is passed on, so they stop
-at once; a child still there after the drain timeout and a margin is killed.
+A child is *starting* until it prints its ready line (its ``HOST:PORT``, the
+first line of its standard output, which the supervisor reads and passes on
+to its own with the rest), then *running*. A child that dies once it has
+served (killed, out of memory, a crash) is logged with the cause (the
+signal's name or the exit code), its line is removed from the address file
+(it could not remove it itself when killed) and it is started again after a
+backoff that doubles while it keeps dying young. A child that dies before it
+was ever ready fails the same way each time (its port is in use, its import
+fails): the supervisor drains the others and exits 1, the child's own error
+above its last line. SIGTERM or SIGINT to the supervisor drains every child
+(each gets SIGTERM: it tells its clients it leaves, answers its calls in
+flight and exits 0); a second signal is passed on, so they stop at once; a
+child still there after the drain timeout and a margin is killed.
 
 Threading: everything runs in the main thread of the supervisor, which owns
-every field here; the signal handlers only count signals
+every field here (it reads the children's output without blocking, at each
+tick); the signal handlers only count signals
 (``rpcdl.server.process.StopSignals``), which that thread polls.
 """
 
@@ -16,10 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from typing import IO, TextIO
+
+from .process import remove_address
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -74,13 +87,69 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+class ChildOutput:
+    """A child's standard output, read without blocking and passed on line by line; its first line is the ready line.
+
+    Args:
+        pipe: the read end of the child's standard output (``Popen.stdout``; made non-blocking here and read
+            with ``os.read`` only).
+        out: where its lines go on (the supervisor's standard output).
+    """
+
+    def __init__(self, pipe: IO[bytes], out: TextIO) -> None:
+        self._pipe = pipe
+        self._out = out
+        self._partial = b""
+        self.first_line: str | None = None  #: the ready line once it came (``None`` before: a state of the child)
+        os.set_blocking(pipe.fileno(), False)
+
+    def read(self) -> None:
+        """Pass on the complete lines that came since the last read."""
+        while True:
+            try:
+                chunk = os.read(self._pipe.fileno(), 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            *lines, self._partial = (self._partial + chunk).split(b"\n")
+            for line in lines:
+                text = line.decode("utf-8", "replace")
+                if self.first_line is None:
+                    self.first_line = text.strip()
+                self._out.write(text + "\n")
+            self._out.flush()
+
+    def close(self) -> None:
+        """Pass on what is left (the child ended) and close the pipe."""
+        self.read()
+        if self._partial:
+            self._out.write(self._partial.decode("utf-8", "replace") + "\n")
+            self._out.flush()
+            self._partial = b""
+        self._pipe.close()
+
+
 @dataclasses.dataclass
-class Running:
-    """A child process that runs."""
+class Starting:
+    """A child process started and not ready yet (it has not printed its address)."""
 
     process: subprocess.Popen
+    output: ChildOutput
     started: float  #: ``time.monotonic()`` when it started
     wait: float  #: the backoff it waited before this start (``0`` for the first)
+    served_before: bool  #: whether an earlier process of this child was ready once
+
+
+@dataclasses.dataclass
+class Running:
+    """A child process that is ready and serves at ``address``."""
+
+    process: subprocess.Popen
+    output: ChildOutput
+    started: float  #: ``time.monotonic()`` when it started
+    wait: float  #: the backoff it waited before this start (``0`` for the first)
+    address: str  #: its ready line
 
 
 @dataclasses.dataclass
@@ -89,6 +158,7 @@ class Waiting:
 
     restart_at: float
     wait: float
+    served_before: bool  #: whether a process of this child was ready once
 
 
 @dataclasses.dataclass
@@ -96,6 +166,10 @@ class Ended:
     """A child stopped for good (the supervisor stops)."""
 
     returncode: int
+
+
+class FailedAtStart(Exception):
+    """A child died before it was ever ready: starting it again would fail the same way."""
 
 
 class Supervisor:
@@ -106,7 +180,10 @@ class Supervisor:
         count: how many children.
         drain_timeout: the children's drain timeout (``--drain-timeout``).
         backoff: the waits before restarts.
-        spawn: starts a command (default :class:`subprocess.Popen`).
+        spawn: starts a command with its standard output a pipe (default: :class:`subprocess.Popen`
+            with ``stdout=subprocess.PIPE``).
+        address_file: the children's ``--address-file``, whose line of a child that died is removed here.
+        out: where the children's standard output goes on (default: ``sys.stdout``).
     """
 
     def __init__(
@@ -115,13 +192,19 @@ class Supervisor:
         count: int,
         drain_timeout: float,
         backoff: Backoff | None = None,
-        spawn: Callable[[list[str]], subprocess.Popen] = subprocess.Popen,
+        spawn: Callable[[list[str]], subprocess.Popen] | None = None,
+        address_file: str | os.PathLike | None = None,
+        out: TextIO | None = None,
     ) -> None:
         self._command_for = command_for
         self._drain_timeout = drain_timeout
         self._backoff = backoff or Backoff()
-        self._spawn = spawn
-        self._children: list[Running | Waiting | Ended] = [Waiting(0.0, 0.0) for _ in range(count)]
+        self._spawn = spawn or (lambda command: subprocess.Popen(command, stdout=subprocess.PIPE))
+        self._address_file = address_file
+        self._out = out or sys.stdout
+        self._children: list[Starting | Running | Waiting | Ended] = [
+            Waiting(0.0, 0.0, served_before=False) for _ in range(count)
+        ]
         self.restarts = 0  #: children started again after they died
 
     def run(self, told: Callable[[], bool], told_again: Callable[[], bool]) -> int:
@@ -132,48 +215,87 @@ class Supervisor:
             told_again: whether a second one came (the children then stop at once).
 
         Returns:
-            0 once stopped (the children's own ends are logged).
+            0 once stopped (the children's own ends are logged); 1 when a child died before it was ever
+            ready (the others are drained first).
         """
-        while not told():
-            now = time.monotonic()
-            for index, child in enumerate(self._children):
-                if isinstance(child, Waiting) and now >= child.restart_at:
-                    self._start(index, child.wait)
-                elif isinstance(child, Running) and child.process.poll() is not None:
-                    self._died(index, child, now)
-            time.sleep(_TICK)
+        try:
+            while not told():
+                self._tick(time.monotonic())
+                time.sleep(_TICK)
+        except FailedAtStart as exc:
+            log.error("rpcdl worker: %s; stopping", exc)
+            self._drain(told_again)
+            return 1
         self._drain(told_again)
         return 0
 
-    def _start(self, index: int, wait: float) -> None:
+    def _tick(self, now: float) -> None:
+        for index, child in enumerate(self._children):
+            if isinstance(child, Waiting) and now >= child.restart_at:
+                self._start(index, child.wait, child.served_before)
+            elif isinstance(child, (Starting, Running)):
+                child.output.read()
+                if child.process.poll() is not None:
+                    self._died(index, child, now)
+                elif isinstance(child, Starting) and child.output.first_line is not None:
+                    address = child.output.first_line
+                    self._children[index] = Running(child.process, child.output, child.started, child.wait, address)
+
+    def _start(self, index: int, wait: float, served_before: bool) -> None:
         process = self._spawn(self._command_for(index))
+        if process.stdout is None:
+            raise ValueError("spawn must start the child with stdout=subprocess.PIPE: its ready line is read")
+        output = ChildOutput(process.stdout, self._out)
         if wait > 0.0:
             self.restarts += 1
             log.info("rpcdl worker process %d started again (pid %d)", index, process.pid)
-        self._children[index] = Running(process, time.monotonic(), wait)
+        self._children[index] = Starting(process, output, time.monotonic(), wait, served_before)
 
-    def _died(self, index: int, child: Running, now: float) -> None:
+    def _died(self, index: int, child: Starting | Running, now: float) -> None:
+        child.output.close()
+        if isinstance(child, Running):
+            self._unlist(child.address)
+        elif child.output.first_line is not None:  # it printed its line and died before this tick saw it
+            self._unlist(child.output.first_line)
+        why = describe_exit(child.process.returncode)
+        if isinstance(child, Starting) and child.output.first_line is None and not child.served_before:
+            self._children[index] = Ended(child.process.returncode)
+            raise FailedAtStart(
+                f"process {index} (pid {child.process.pid}) {why} before it was ready (its error is above): "
+                "it would fail the same way again"
+            )
         ran_for = now - child.started
         wait = self._backoff.next(child.wait, ran_for)
         log.warning(
             "rpcdl worker process %d (pid %d) %s after %.1fs; starting it again in %.1fs",
             index,
             child.process.pid,
-            describe_exit(child.process.returncode),
+            why,
             ran_for,
             wait,
         )
-        self._children[index] = Waiting(now + wait, wait)
+        self._children[index] = Waiting(now + wait, wait, served_before=True)
+
+    def _unlist(self, address: str) -> None:
+        """Remove a dead child's line from the address file (killed, it could not)."""
+        if self._address_file is None:
+            return
+        try:
+            remove_address(self._address_file, address)
+        except OSError as exc:
+            log.warning("rpcdl worker: could not remove %s from %s: %s", address, os.fspath(self._address_file), exc)
 
     def _drain(self, told_again: Callable[[], bool]) -> None:
         """SIGTERM to every child, a second one if a second signal comes, SIGKILL after the timeout and margin."""
         passed_on = False
-        running = [child for child in self._children if isinstance(child, Running)]
+        running = [child for child in self._children if isinstance(child, (Starting, Running))]
         log.info("rpcdl worker: stopping, draining %d process(es) for up to %gs", len(running), self._drain_timeout)
         for child in running:
             _signal(child.process, signal.SIGTERM)
         deadline = time.monotonic() + self._drain_timeout + EXIT_MARGIN
         while any(child.process.poll() is None for child in running):
+            for child in running:
+                child.output.read()
             if not passed_on and told_again():
                 passed_on = True
                 log.warning("rpcdl worker: a second signal: stopping the processes at once")
@@ -185,12 +307,16 @@ class Supervisor:
                 break
             time.sleep(_TICK)
         for index, child in enumerate(self._children):
-            if isinstance(child, Running):
+            if isinstance(child, (Starting, Running)):
                 code = child.process.wait()
+                child.output.close()
                 self._children[index] = Ended(code)
                 if code != 0:
                     log.warning("rpcdl worker process %d (pid %d) %s", index, child.process.pid, describe_exit(code))
-            else:
+                    address = child.address if isinstance(child, Running) else child.output.first_line
+                    if address:
+                        self._unlist(address)
+            elif not isinstance(child, Ended):
                 self._children[index] = Ended(0)
 
 

@@ -324,7 +324,9 @@ def server_negotiate(
         client, and the segment the client confirmed it maps, if any.
 
     The verdict is sent to the client before an error is raised here, so both
-    sides know why a connection was refused.
+    sides know why a connection was refused. The errors' messages say why, not
+    who: the worker's log line names the peer once (``refused connection from
+    PEER: WHY``).
 
     Raises:
         ProtocolError: the peer is not an rpcdl client or speaks another version.
@@ -339,7 +341,7 @@ def server_negotiate(
         sock, len(MAGIC), "hello", deadline
     )  # alone first: a stranger's short request is refused at once
     if magic != MAGIC:
-        raise ProtocolError(f"{peer} is not an rpcdl client (bad magic bytes)")
+        raise ProtocolError("not an rpcdl client (bad magic bytes)")
     _, version, client_flags, client_nonce = _HELLO.unpack(
         magic + _recv_exact(sock, _HELLO.size - len(MAGIC), "hello", deadline)
     )
@@ -351,7 +353,7 @@ def server_negotiate(
     proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
     _send(sock, _WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof), deadline)
     if version != VERSION:
-        reason = f"client {peer} speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
+        reason = f"the client speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
         _send_verdict(sock, reason, deadline)
         raise ProtocolError(reason)
     client_proof = _recv_exact(sock, 32, "proof", deadline)
@@ -365,7 +367,7 @@ def server_negotiate(
         reason = "token mismatch: the client holds a different token"
     _send_verdict(sock, reason, deadline)
     if reason:
-        raise AuthenticationError(f"refused {peer}: {reason}")
+        raise AuthenticationError(reason)
     observer = bool(client_flags & _OBSERVER)
     if not flags & _SHARED_MEMORY:
         return Agreement(mode, observer=observer)

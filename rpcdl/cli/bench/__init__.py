@@ -120,8 +120,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure the link to the --workers instead of the scenarios: ping p50/p99, the raw rate the workers "
         "stream at, rpcdl image batches and compressible batches (compression off/on/auto) as ratios of it",
     )
-    link.add_argument("--token-file", type=existing_file, help="file holding the workers' token (else RPCDL_TOKEN)")
-    link.add_argument("--tls-ca", type=existing_file, help="CA file to verify TLS workers with (else RPCDL_TLS_CA)")
+    link.add_argument(
+        "--token-file",
+        metavar="FILE",
+        type=existing_file,
+        help="file holding the workers' token (default: $RPCDL_TOKEN or $RPCDL_TOKEN_FILE)",
+    )
+    link.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        type=existing_file,
+        help="CA file to verify TLS workers with (default: $RPCDL_TLS_CA)",
+    )
     link.add_argument(
         "--link-seconds", type=positive_float, default=2.0, help="seconds per rate measured (default: %(default)s)"
     )
