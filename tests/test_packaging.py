@@ -17,12 +17,33 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
-        check=True, timeout=300,
-    )  # fmt: skip
+    # offline: the build backend installed here (setuptools), not one fetched into an isolated environment
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet"]
+    subprocess.run([*command, "-w", str(out), str(ROOT)], check=True, timeout=300)
     (built,) = out.glob("rpcdl-*.whl")
     return built
+
+
+def _source_packages() -> set[str]:
+    """Every package of the source tree, as the wheel names it (``integrations/`` and ``configs/`` map into it)."""
+    found = set()
+    for folder, prefix in ((ROOT / "rpcdl", "rpcdl"), (ROOT / "integrations", "rpcdl/integrations")):
+        for init in folder.rglob("__init__.py"):
+            found.add("/".join([prefix, *init.parent.relative_to(folder).parts]))
+    return found | {"rpcdl/configs"}
+
+
+def test_wheel_holds_every_package_and_no_test_or_benchmark_harness(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for package in sorted(_source_packages()):
+        assert f"{package}/__init__.py" in names, f"{package} is missing from the wheel (pyproject's packages)"
+    assert not [name for name in names if name.startswith(("tests/", "benchmarks/"))]
+    modules = {name.rsplit("/", 1)[-1] for name in names if name.startswith("rpcdl/")}
+    for harness in ("netns_cluster.py", "cluster.py", "pki.py", "targets.py", "harness.py", "conftest.py"):
+        assert harness not in modules, f"{harness} is test or benchmark harness, not what users run"
+    assert "rpcdl/cli/bench/__init__.py" in names  # rpcdl bench stays: users measure their fleets with it
+    report = zipfile.ZipFile(wheel).read("rpcdl/cli/bench/report.py").decode()
+    assert "rpcdataloader" not in report and "TARGETS" not in report  # the project's own goals stay in benchmarks/
 
 
 def test_wheel_maps_integrations_into_the_package(wheel):
