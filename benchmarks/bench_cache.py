@@ -14,13 +14,17 @@ epoch, measured side by side in this run, with the caches' hits and misses.
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 import rpcdl
 from rpcdl.data.cache.cached import CachedDataset
@@ -70,7 +74,7 @@ def run_epochs(dataset: rpcdl.RPCDataset, batch_size: int, epochs: int) -> list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--delay", type=float, default=0.02, help="seconds per sample (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2)
@@ -101,6 +105,7 @@ def main() -> None:
         f"{args.samples} samples of {args.delay * 1000:g} ms on {args.workers} workers, batches of {args.batch_size}; "
         f"baseline: {baseline:.3f} s per uncached epoch"
     )
+    print(harness.describe_machine())
     print(f"{'backend':<9} {'epoch':>5} {'seconds':>8} {'vs no cache':>12} {'speed-up':>9} {'hits':>5} {'misses':>6}")
     for name, epochs in results.items():
         for epoch, (seconds, hits, misses) in enumerate(epochs):
@@ -112,7 +117,7 @@ def main() -> None:
     if args.epochs > 1:
         print("median of the epochs after the first, as a ratio of the uncached epoch:")
         for name, epochs in results.items():
-            later = statistics.median(seconds for seconds, _, _ in epochs[1:])
+            later = harness.median(seconds for seconds, _, _ in epochs[1:])
             print(f"  {name:<9} {later / baseline:.3f} ({baseline / later:.1f}x)")
 
 

@@ -1,4 +1,5 @@
-"""``rpcdl bench`` with rpcdataloader and torch.distributed.rpc beside it, when they are installed.
+"""``rpcdl bench`` with rpcdataloader and torch.distributed.rpc beside it, when they are installed, judged
+against the project's targets (``targets.py``).
 
 Takes the options of ``rpcdl bench`` (``--help``). Example::
 
@@ -13,8 +14,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import available
+from targets import judge
 
 from rpcdl.cli.bench import main
 
 if __name__ == "__main__":
-    sys.exit(main(extra_systems=available()))
+    sys.exit(main(extra_systems=available(), judge=judge))

@@ -24,7 +24,6 @@ claim: the wait of the slowest batch is compared with the loader's timeout
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import subprocess
@@ -36,6 +35,10 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 import rpcdl
 from rpcdl.data.sources import FileSource, Fleet
@@ -68,7 +71,7 @@ def start_worker() -> tuple[subprocess.Popen, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--log", default=str(Path(__file__).with_name("fleet_rehearsal.log")))
     args = parser.parse_args()
@@ -92,6 +95,7 @@ def main() -> None:
         started = [start_worker() for _ in range(2)]
         processes += [p for p, _ in started]
         list_workers([a for _, a in started])
+        say("machine: %s", harness.describe_machine())
         say("fleet: %s", lines)
         dataset = rpcdl.RPCDataset(Fleet(FileSource(listing), interval=0.5), Slow, SAMPLES)
         loader = rpcdl.RPCDataloader(dataset, batch_size=BATCH, shuffle=True, max_batches_per_call=1)

@@ -35,15 +35,19 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 SYSTEMS = ("gpu", "rpcdl-tcp", "rpcdl-shm", "torch", "torch-own", "decode")
 CROP = 224
@@ -301,7 +305,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"device {args.device}, trainer on cores {trainer_cores}, {len(worker_cores)} workers on cores "
         f"{worker_cores}, batches of {args.batch_size}, {args.steps} steps after {args.warmup}, "
-        f"load average {os.getloadavg()}",
+        f"load average {harness.load_average()}",
         flush=True,
     )
     command = [
@@ -321,24 +325,32 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         args.cores,
         *(["--quick"] if args.quick else []),
     ]
-    figures: dict[str, list[float]] = {system: [] for system in args.systems}
-    for round_index in range(args.rounds):
-        shift = round_index % len(args.systems)
-        for system in args.systems[shift:] + args.systems[:shift]:
-            process = subprocess.Popen(
-                [*command, "--system", system], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            try:
-                json.loads(process.stdout.readline())  # ready
-                process.stdin.write("go\n")
-                process.stdin.flush()
-                figures[system].append(json.loads(process.stdout.readline())["images_per_second"])
-            finally:
-                process.stdin.close()
-                process.wait(timeout=120)
-                process.stdout.close()
-            print(f"round {round_index + 1} {system}: {figures[system][-1]:.1f} images/s", flush=True)
-    medians = {system: statistics.median(values) for system, values in figures.items()}
+
+    def measure(system: str) -> float:
+        process = subprocess.Popen(
+            [*command, "--system", system], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            json.loads(process.stdout.readline())  # ready
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            return json.loads(process.stdout.readline())["images_per_second"]
+        finally:
+            process.stdin.close()
+            process.wait(timeout=120)
+            process.stdout.close()
+
+    def show(index: int, this_round: dict[str, float]) -> None:
+        for system, value in this_round.items():
+            print(f"round {index} {system}: {value:.1f} images/s", flush=True)
+
+    figures = harness.interleave(
+        {system: (lambda system=system: measure(system)) for system in args.systems},
+        args.rounds,
+        rotate=True,
+        after_round=show,
+    )
+    medians = harness.medians(figures)
     report: dict[str, Any] = {
         "device": args.device,
         "device_name": _device_name(args.device),
@@ -359,9 +371,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         report["ratios"][system] = ratios
         shown = ", ".join(f"{ratio:.2f}x {name}" for name, ratio in ratios.items())
         print(f"  {system:10s} {value:10.1f}  {shown}")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=1)
+    harness.save_json(args.json, report)
     return report
 
 
@@ -372,7 +382,7 @@ def _device_name(device: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, rounds=3, json_file=True)
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     parser.add_argument("--quick", action="store_true", help="a tiny network, small batches, a few steps")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
@@ -382,8 +392,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per round (default 50, 4 quick)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before measuring (default 10, 2 quick)")
     parser.add_argument("--prefetch", type=int, default=4, help="batches in flight per worker")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--cores", help=argparse.SUPPRESS)
     args = parser.parse_args()

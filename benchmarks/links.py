@@ -1,7 +1,7 @@
 """Image batches across real links: rpcdl beside rpcdataloader and raw streams, on the same shaped links.
 
 Two worker hosts, each a network namespace behind its own veth link shaped by
-``tbf`` (see :mod:`rpcdl.cli.bench.cluster`); the trainer is this process. For
+``tbf`` (see ``tests/netns_cluster.py``); the trainer is this process. For
 each link rate, every system moves the same batches of 64 x uint8[3, 224, 224]
 (random bytes drawn once and reused: incompressible) from both hosts, round
 after round, interleaved; the table gives medians in MB/s and rpcdl's ratio to
@@ -28,12 +28,9 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -43,9 +40,14 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the cluster in a box and the certificates
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
+from netns_cluster import Cluster, Host, unavailable
+from pki import make_ca, make_certificate
+
 import rpcdl
-from rpcdl.cli.bench.cluster import Cluster, Host, unavailable
-from rpcdl.cli.bench.pki import make_ca, make_certificate
 from rpcdl.cli.bench.workloads import (
     IMAGE_BATCH,
     IMAGE_BATCH_BYTES,
@@ -305,27 +307,6 @@ class CompressionRun:
         rpcdl.shutdown()
 
 
-def interleaved_rounds(
-    measures: dict[str, Callable[[], float]],
-    rounds: int,
-    describe: Callable[[int, dict[str, list[float]]], str],
-    warmed_up: Callable[[], object] = lambda: None,
-) -> dict[str, list[float]]:
-    """Each measure once to warm up, then ``rounds`` rounds of all in turn (a burst of load hits them alike).
-
-    Prints ``describe(round, samples)`` after each round; returns each measure's samples.
-    """
-    for measure in measures.values():
-        measure()
-    warmed_up()
-    samples: dict[str, list[float]] = {name: [] for name in measures}
-    for round_ in range(1, rounds + 1):
-        for name, measure in measures.items():
-            samples[name].append(measure())
-        print(describe(round_, samples))
-    return samples
-
-
 COMPRESSION_HOSTS = 1  # one link: on a small machine two hosts' compression and decompression compete for its cores
 COMPRESSION_CASES = (  # (link, dataset, modes)
     ("1gbit", SmoothImageDataset, ["off", "on", "auto"]),
@@ -338,18 +319,19 @@ def run_compression(rate: str, dataset: type, modes: list[str], rounds: int, bat
         run = CompressionRun(cluster, Path(directory), batches, dataset, modes)
         measures: dict[str, Callable[[], float]] = {mode: (lambda m=mode: run.measure(m)) for mode in modes}
         measures["socket"] = lambda: socket_rate(cluster, batches)
-        samples = interleaved_rounds(  # the warm-up lets 'auto' decide
+        samples = harness.interleave(  # the warm-up lets 'auto' decide
             measures,
             rounds,
-            lambda round_, s: (
-                f"  {rate} {dataset.__name__} round {round_}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in s.items())
+            warmup=1,
+            after_round=lambda round_, r: print(
+                f"  {rate} {dataset.__name__} round {round_}: " + ", ".join(f"{n} {v:,.0f}" for n, v in r.items())
             ),
         )
         states = {mode: run.states(mode) for mode in modes}
         run.close()
     return {
         "samples_mb_s": samples,
-        "median_mb_s": {n: statistics.median(v) for n, v in samples.items()},
+        "median_mb_s": harness.medians(samples),
         "states": states,
     }
 
@@ -389,25 +371,24 @@ def run_rate(
                 "TLS socket", lambda: systems.measure_tls_socket(peer_cpu), lambda: peer_cpu[-1]
             ),
         }
-        samples = interleaved_rounds(  # the warm-up opens connections, builds datasets, grows heaps
+        samples = harness.interleave(  # the warm-up opens connections, builds datasets, grows heaps
             measures,
             rounds,
-            lambda round_, s: (
+            warmup=1,
+            after_warmup=meter.samples.clear,
+            after_round=lambda round_, r: print(
                 f"  {rate} round {round_}: "
-                + ", ".join(f"{n} {v[-1]:,.0f} ({meter.samples[n][-1]:.2f} CPU s/GB)" for n, v in s.items())
+                + ", ".join(f"{n} {v:,.0f} ({meter.samples[n][-1]:.2f} CPU s/GB)" for n, v in r.items())
             ),
-            warmed_up=meter.samples.clear,
         )
         systems.close()
     return samples, meter.samples
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, rounds=5, json_file=True)
     parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"], help="link rates (tbf), e.g. 10gbit 1gbit")
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per rate (default: %(default)s)")
     parser.add_argument("--batches", type=int, default=12, help="batches per host per round (default: %(default)s)")
-    parser.add_argument("--json", metavar="FILE", help="save the samples and medians")
     parser.add_argument(
         "--parallel", type=int, default=1, help="rpcdl workers' --parallel: calls run at once (default: %(default)s)"
     )
@@ -424,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"links: cannot make a cluster in a box: {reason}", file=sys.stderr)
         return 2
     os.environ["RPCDL_TOKEN"] = TOKEN  # the trainer's side of the token the workers were given
+    print(harness.describe_machine())
     results: dict = {}
     if "compression" in args.cases:
         compression = {}
@@ -432,13 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         print_compression(compression)
         results["compression"] = compression
     if "systems" not in args.cases:
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
+        harness.save_json(args.json, results)
         return 0
     for rate in args.rates:
         samples, cpu = run_rate(rate, args.rounds, args.batches, args.parallel)
-        medians = {name: statistics.median(values) for name, values in samples.items()}
-        cpu_medians = {name: round(statistics.median(values), 3) for name, values in cpu.items()}
+        medians = harness.medians(samples)
+        cpu_medians = {name: round(value, 3) for name, value in harness.medians(cpu).items()}
         results[rate] = {"samples_mb_s": samples, "median_mb_s": medians, "cpu_s_per_gb": cpu_medians}
     print("\nMB/s, medians; ratios are rpcdl's (or rpcdl TLS's) to the other system in the same run")
     print(f"{'link':>8}  {'rpcdl':>7}  {'TLS':>7}  {'rpcdataloader':>13}  {'socket':>7}  ", end="")
@@ -454,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         cpu = result["cpu_s_per_gb"]
         print(f"{'':>8}  CPU s per GB, all processes: " + ", ".join(f"{n} {v:.2f}" for n, v in cpu.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    harness.save_json(args.json, results)
     return 0
 
 

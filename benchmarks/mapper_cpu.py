@@ -6,11 +6,9 @@ This measures what the rates hide: the CPU seconds per item of the client
 process (every thread) and of its worker processes, and the calls that
 carried the items (how many, how many items each).
 
-The calls matter: a call's own cost (about 150-600 µs of worker CPU, as
-measured on a loaded 2-core machine) is shared by the items of its chunk,
-and a chunk holds what the client pulled from the source within
-``rpcdl.data.chunks.FILL_SECONDS`` (1 ms) of wall time, about 115 items here
-(the source's ``state_dict()`` per item costs most of the client's time). A
+The calls matter: a call's own worker CPU is shared by the items of its
+chunk, and a chunk holds what the client pulled from the source within
+``rpcdl.data.chunks.FILL_SECONDS`` (1 ms) of wall time. A
 preempted client pulls fewer, so on a busy machine the CPU per item follows
 the load. ``--fill-seconds 1`` lets every chunk fill to the bound, which takes
 that out: then two versions compare on their code alone. Run it with each
@@ -21,13 +19,14 @@ interpreter (a baseline's too), in turns::
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
-import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 import rpcdl
 import rpcdl.data.chunks
@@ -66,11 +65,9 @@ class ChunkLog:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, rounds=3, json_file=True)
     parser.add_argument("--items", type=int, default=40000, help="items mapped per round")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fill-seconds", type=float, default=None, help="override FILL_SECONDS (1: full chunks)")
-    parser.add_argument("--json", type=Path, default=None, help="write the rounds here")
     args = parser.parse_args()
     from torchdata.nodes import IterableWrapper
 
@@ -79,14 +76,14 @@ def main() -> None:
     if args.fill_seconds is not None:
         rpcdl.data.chunks.FILL_SECONDS = args.fill_seconds
     log = ChunkLog()
-    rounds = []
     with rpcdl.local_workers(2) as workers:
         node = RPCMapper(IterableWrapper(itertools.count()), workers, increment)
         node.reset()
         for _ in range(10000):  # warm-up: the chunk size grows to its bound
             next(node)
         kids = children(os.getpid())
-        for _ in range(args.rounds):
+
+        def one_round() -> dict[str, float]:
             log.sizes.clear()
             client, worker = process_cpu(os.getpid()), sum(process_cpu(kid) for kid in kids)
             for _ in range(args.items):
@@ -94,29 +91,29 @@ def main() -> None:
             client = process_cpu(os.getpid()) - client
             worker = sum(process_cpu(kid) for kid in kids) - worker
             calls = max(1, len(log.sizes))
-            rounds.append(
-                {
-                    "client_us_per_item": client / args.items * 1e6,
-                    "workers_us_per_item": worker / args.items * 1e6,
-                    "calls": len(log.sizes),
-                    "mean_chunk": args.items / calls,
-                    "workers_us_per_call": worker / calls * 1e6,
-                }
-            )
+            return {
+                "client_us_per_item": client / args.items * 1e6,
+                "workers_us_per_item": worker / args.items * 1e6,
+                "calls": len(log.sizes),
+                "mean_chunk": args.items / calls,
+                "workers_us_per_call": worker / calls * 1e6,
+            }
+
+        rounds = harness.interleave({"mapper": one_round}, args.rounds)["mapper"]
         node.reset()
     for row in rounds:
         print(" ".join(f"{key} {value:.1f}" for key, value in row.items()))
     print(
         sys.executable,
         "medians: client us/item",
-        round(statistics.median(row["client_us_per_item"] for row in rounds), 1),
+        round(harness.median(row["client_us_per_item"] for row in rounds), 1),
         "workers us/item",
-        round(statistics.median(row["workers_us_per_item"] for row in rounds), 2),
+        round(harness.median(row["workers_us_per_item"] for row in rounds), 2),
         "mean chunk",
-        round(statistics.median(row["mean_chunk"] for row in rounds)),
+        round(harness.median(row["mean_chunk"] for row in rounds)),
     )
-    if args.json is not None:
-        args.json.write_text(json.dumps({"python": sys.executable, "rounds": rounds}, indent=1))
+    print(harness.describe_machine())
+    harness.save_json(args.json, {"python": sys.executable, "rounds": rounds})
 
 
 if __name__ == "__main__":

@@ -27,12 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 POLL_ENV = "RPCDL_POLL_MICROSECONDS"
 
@@ -245,7 +249,7 @@ def run_variant(
         for job in [*jobs, *hogs]:
             if job.stdout.readline().strip() != "ready":
                 raise RuntimeError("a trainer failed to start")
-        loads_before = os.getloadavg()[0]
+        loads_before = (harness.load_average() or [0.0])[0]
         throttled_before = quota.throttled() if quota else (0, 0.0)
         for job in [*hogs, *jobs]:
             job.stdin.write("go\n")
@@ -279,69 +283,59 @@ def run_variant(
 
 
 def driver(args: argparse.Namespace) -> None:
-    variants = [(python, poll) for python in args.python for poll in args.poll]
-    names = [f"{python} poll={poll}" for python, poll in variants]
-    figures: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    variants = {f"{python} poll={poll}": (python, poll) for python in args.python for poll in args.poll}
     quota = CpuQuota(args.cpu_quota) if args.cpu_quota else None
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            _rounds(args, variants, names, figures, scratch, quota)
+            figures = harness.interleave(
+                {
+                    name: (lambda python=python, poll=poll: run_variant(python, poll, args, scratch, quota))
+                    for name, (python, poll) in variants.items()
+                },
+                args.rounds,
+                rotate=True,
+                after_round=_show,
+            )
     finally:
         if quota is not None:
             quota.remove()
-    _summary(args, names, figures)
+    _summary(args, list(variants), figures)
 
 
-def _rounds(
-    args: argparse.Namespace,
-    variants: list[tuple[str, str]],
-    names: list[str],
-    figures: dict[str, list[dict[str, Any]]],
-    scratch: str,
-    quota: CpuQuota | None,
-) -> None:
-    for round_index in range(args.rounds):
-        shift = round_index % len(variants)
-        for (python, poll), name in (
-            list(zip(variants, names, strict=True))[shift:] + list(zip(variants, names, strict=True))[:shift]
-        ):
-            result = run_variant(python, poll, args, scratch, quota)
-            figures[name].append(result)
-            print(
-                f"round {round_index + 1} {name}: jobs {result['walls']} s, trainers' CPU "
-                f"{result['trainer_cpu']:.2f} s, workers' CPU {result['worker_cpu']:.2f} s, "
-                f"involuntary switches {result['nivcsw']}, other jobs' loops/s {result['hog_rate']:.0f}, "
-                f"throttled {result['throttled_periods']} periods ({result['throttled_seconds']:.2f} s), "
-                f"load {result['load']:.2f}",
-                flush=True,
-            )
+def _show(index: int, this_round: dict[str, dict[str, Any]]) -> None:
+    for name, result in this_round.items():
+        print(
+            f"round {index} {name}: jobs {result['walls']} s, trainers' CPU "
+            f"{result['trainer_cpu']:.2f} s, workers' CPU {result['worker_cpu']:.2f} s, "
+            f"involuntary switches {result['nivcsw']}, other jobs' loops/s {result['hog_rate']:.0f}, "
+            f"throttled {result['throttled_periods']} periods ({result['throttled_seconds']:.2f} s), "
+            f"load {result['load']:.2f}",
+            flush=True,
+        )
 
 
 def _summary(args: argparse.Namespace, names: list[str], figures: dict[str, list[dict[str, Any]]]) -> None:
-    first = statistics.median(result["wall"] for result in figures[names[0]])
+    first = harness.median(result["wall"] for result in figures[names[0]])
     print("\nmedians over the rounds (wall: the slower job):")
     for name in names:
         runs = figures[name]
-        wall = statistics.median(result["wall"] for result in runs)
+        wall = harness.median(result["wall"] for result in runs)
         print(
             f"  {name}: wall {wall:.2f} s ({wall / first:.2f}x the first), trainers' CPU "
-            f"{statistics.median(r['trainer_cpu'] for r in runs):.2f} s, workers' CPU "
-            f"{statistics.median(r['worker_cpu'] for r in runs):.2f} s, other jobs' loops/s "
-            f"{statistics.median(r['hog_rate'] for r in runs):.0f}"
+            f"{harness.median(r['trainer_cpu'] for r in runs):.2f} s, workers' CPU "
+            f"{harness.median(r['worker_cpu'] for r in runs):.2f} s, other jobs' loops/s "
+            f"{harness.median(r['hog_rate'] for r in runs):.0f}"
         )
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=1)
+    harness.save_json(args.json, {"rounds": figures})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, rounds=3, json_file=True)
     parser.add_argument("--trainer", nargs="+", dest="workers", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--hog", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hogs", type=int, default=0, help="CPU-bound processes (other jobs) running beside the jobs")
     parser.add_argument("--python", action="append", help="an interpreter to run (repeat; default: this one)")
     parser.add_argument("--poll", action="append", help="'default' or microseconds (repeat; default: default, 0)")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="trainer processes sharing the workers")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=1024, help="samples per epoch")
@@ -356,7 +350,6 @@ def main() -> None:
     parser.add_argument(
         "--cpu-quota", type=float, help="hold the jobs and workers to this many CPUs of time in a cgroup (root)"
     )
-    parser.add_argument("--json", help="write every round's figures here")
     args = parser.parse_args()
     if args.hog:
         hog()

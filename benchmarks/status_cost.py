@@ -18,14 +18,17 @@ It prints the medians and the ratios status / stats. Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 import rpcdl
 
@@ -45,9 +48,7 @@ def measure(command: list[str], report: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    args = harness.parser(__doc__, rounds=7).parse_args()
     if not os.path.exists("/usr/bin/time"):
         print("needs GNU time (apt-get install time) for the peak RSS of each command", file=sys.stderr)
         return 2
@@ -62,15 +63,14 @@ def main() -> int:
             "refused": [sys.executable, "-m", "rpcdl", "status", "--json", refused],
             "python": [sys.executable, "-c", "pass"],
         }
-        figures: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
-        for _ in range(args.rounds):
-            for name, command in commands.items():
-                figures[name].append(measure(command, report))
+        figures = harness.interleave(
+            {name: (lambda command=command: measure(command, report)) for name, command in commands.items()},
+            args.rounds,
+        )
     medians = {
-        name: (statistics.median(s for s, _ in runs), statistics.median(m for _, m in runs))
-        for name, runs in figures.items()
+        name: (harness.median(s for s, _ in runs), harness.median(m for _, m in runs)) for name, runs in figures.items()
     }
-    print(f"{args.rounds} rounds, medians (each a fresh process)")
+    print(f"{args.rounds} rounds, medians (each a fresh process); {harness.describe_machine()}")
     print(f"{'command':<10}{'wall s':>9}{'peak RSS MB':>14}")
     for name, (seconds, megabytes) in medians.items():
         print(f"{name:<10}{seconds:>9.3f}{megabytes:>14.1f}")

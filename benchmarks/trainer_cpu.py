@@ -42,12 +42,16 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 SYSTEMS = ("socket", "torch", "rpcdl-tcp", "rpcdl-shm", "frames")
 BATCH = 64
@@ -237,21 +241,19 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
                 ]
             profiler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
-        rounds: list[dict[str, dict[str, float]]] = []
-        print(f"load average before: {os.getloadavg()}")
-        for index in range(args.rounds):
-            shift = index % len(args.systems)
-            measured = {}
-            for system in args.systems[shift:] + args.systems[:shift]:
-                process = trainers[system]
-                process.stdin.write("go\n")
-                process.stdin.flush()
-                figures = json.loads(process.stdout.readline())
-                figures["cpu_per_gb"] = figures["cpu"] / (figures["bytes"] / 1e9)
-                measured[system] = figures
-            rounds.append(measured)
+        print(f"load average before: {harness.load_average()}")
+
+        def measure(system: str) -> dict[str, float]:
+            process = trainers[system]
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            figures = json.loads(process.stdout.readline())
+            figures["cpu_per_gb"] = figures["cpu"] / (figures["bytes"] / 1e9)
+            return figures
+
+        def show(index: int, measured: dict[str, dict[str, float]]) -> None:
             floor = measured.get("socket", {}).get("cpu_per_gb")
-            print(f"round {index + 1}:")
+            print(f"round {index}:")
             for system in args.systems:
                 figures = measured[system]
                 ratio = f" = {figures['cpu_per_gb'] / floor:.2f}x socket" if floor else ""
@@ -261,16 +263,22 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
                     f"{figures['bytes'] / 1e6 / figures['wall']:.0f} MB/s)",
                     flush=True,
                 )
-        print(f"load average after: {os.getloadavg()}")
+
+        samples = harness.interleave(
+            {system: (lambda system=system: measure(system)) for system in args.systems},
+            args.rounds,
+            rotate=True,
+            after_round=show,
+        )
+        rounds = [{system: samples[system][index] for system in args.systems} for index in range(args.rounds)]
+        print(f"load average after: {harness.load_average()}")
         print("medians over the rounds (ratio: median of the rounds' ratios to the socket):")
         for system in args.systems:
-            per_gb = statistics.median(measured[system]["cpu_per_gb"] for measured in rounds)
+            per_gb = harness.median(measured[system]["cpu_per_gb"] for measured in rounds)
             ratios = [m[system]["cpu_per_gb"] / m["socket"]["cpu_per_gb"] for m in rounds if "socket" in m]
-            ratio = f", {statistics.median(ratios):.2f}x socket" if ratios else ""
+            ratio = f", {harness.median(ratios):.2f}x socket" if ratios else ""
             print(f"  {system:21s} {per_gb:.3f} CPU s/GB{ratio}")
-        if args.json:
-            with open(args.json, "w") as out:
-                json.dump({"load_average": os.getloadavg(), "rounds": rounds}, out, indent=1)
+        harness.save_json(args.json, {"rounds": rounds})
     finally:
         if profiler is not None:
             profiler.send_signal(2)  # SIGINT: py-spy writes its file
@@ -283,7 +291,7 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, rounds=3, json_file=True)
     parser.add_argument("--trainer", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:4]))
     parser.add_argument(
@@ -291,12 +299,10 @@ def main() -> None:
         metavar="PYTHON",
         help="also run the rpcdl systems with this interpreter (the rpcdl it imports): a before/after in one run",
     )
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=48, help="batches per round (9.6 MB each)")
     parser.add_argument("--profile", help="py-spy record this system's trainer during the rounds")
     parser.add_argument("--profiler", choices=("py-spy", "perf"), default="py-spy")
     parser.add_argument("--profile-out", default="profile.svg", help="py-spy: .json for speedscope; perf: perf.data")
-    parser.add_argument("--json", help="write every round's figures here")
     args = parser.parse_args()
     if args.trainer:
         trainer(args.trainer, args.batches)

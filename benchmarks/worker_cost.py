@@ -34,15 +34,19 @@ import argparse
 import os
 import pickle
 import socket
-import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import default_collate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
 
 from rpcdl.cli.bench.workloads import SmallDataset, noop
 from rpcdl.data.fetch import fetch_batch
@@ -175,7 +179,7 @@ def latency(client: RawClient, worker: WorkerProcess, calls: int) -> dict[str, f
         read()
         times.append(time.perf_counter() - started)
     cpu = worker.cpu_seconds() - cpu
-    return {"worker_us_per_call": cpu / calls * 1e6, "p50_us": statistics.median(times) * 1e6}
+    return {"worker_us_per_call": cpu / calls * 1e6, "p50_us": harness.median(times) * 1e6}
 
 
 def _windowed(client: RawClient, worker: WorkerProcess, frames: list[bytes], calls: int, window: int) -> dict:
@@ -245,10 +249,9 @@ def run_round(python: str, args: argparse.Namespace) -> dict[str, dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, rounds=3)
     parser.add_argument("--python", action="append", help="interpreter running the worker (repeat to compare)")
     parser.add_argument("--scenario", nargs="+", default=["latency", "pipelined", "small"])
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5000, help="calls per round (pipelined: 4 times as many)")
     parser.add_argument("--window", type=int, default=64, help="pipelined calls in flight")
     parser.add_argument("--floor", action="store_true", help="also measure the floor loop (no-op scenarios)")
@@ -258,17 +261,22 @@ def main(argv: list[str] | None = None) -> int:
         serve_floor()
         return 0
     pythons = (args.python or [sys.executable]) + ([_FLOOR] if args.floor else [])
-    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
-    for round_index in range(args.rounds):
-        for python in pythons:
-            for scenario, figures in run_round(python, args).items():
-                rows.setdefault((python, scenario), []).append(figures)
+
+    def show(index: int, this_round: dict[str, dict[str, dict[str, float]]]) -> None:
+        for python, scenarios in this_round.items():
+            for scenario, figures in scenarios.items():
                 shown = "  ".join(f"{k} {v:.1f}" for k, v in figures.items())
-                print(f"round {round_index + 1} {python}: {scenario:9s} {shown}", flush=True)
-    print("\nmedians over rounds:")
-    for (python, scenario), runs in rows.items():
-        shown = "  ".join(f"{k} {statistics.median(r[k] for r in runs):.1f}" for k in runs[0])
-        print(f"{scenario:9s} {shown}   [{python}]")
+                print(f"round {index} {python}: {scenario:9s} {shown}", flush=True)
+
+    samples = harness.interleave(
+        {python: (lambda python=python: run_round(python, args)) for python in pythons}, args.rounds, after_round=show
+    )
+    print(f"\nmedians over rounds; {harness.describe_machine()}")
+    for python, runs in samples.items():
+        for scenario in runs[0]:
+            figures = [run[scenario] for run in runs]
+            shown = "  ".join(f"{k} {harness.median(f[k] for f in figures):.1f}" for k in figures[0])
+            print(f"{scenario:9s} {shown}   [{python}]")
     return 0
 
 

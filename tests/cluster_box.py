@@ -6,9 +6,9 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import pytest
+from netns_cluster import Cluster, unavailable
 
 import rpcdl
-from rpcdl.cli.bench.cluster import Cluster, unavailable
 
 
 def skip_without_namespaces() -> None:

@@ -89,7 +89,7 @@ def test_link_command_mistakes_are_named(tmp_path, options, says):
 
 
 def test_the_link_report_across_a_cluster_host_with_tls(tmp_path, monkeypatch):
-    from rpcdl.cli.bench.pki import make_ca, make_certificate
+    from pki import make_ca, make_certificate
 
     with cluster_of_workers(tmp_path, TOKEN, [()]) as box:
         host = box.hosts[0]

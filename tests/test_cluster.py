@@ -16,9 +16,9 @@ import helpers
 import pytest
 import torch
 from cluster_box import cluster_of_workers, skip_without_namespaces
+from netns_cluster import Cluster
 
 import rpcdl
-from rpcdl.cli.bench.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,7 +144,7 @@ def test_a_link_throttled_mid_epoch_is_treated_as_a_straggler(cluster, with_toke
 
 
 def test_tls_across_the_cluster(cluster, with_token, tmp_path, monkeypatch):
-    from rpcdl.cli.bench.pki import make_ca, make_certificate
+    from pki import make_ca, make_certificate
 
     make_ca(tmp_path, "ca")
     host = cluster.hosts[1]

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 import pytest
+from pki import make_ca, make_certificate
 
 import rpcdl
-from rpcdl.cli.bench.pki import make_ca, make_certificate
 from rpcdl.errors import WorkerFull
 from rpcdl.local import child_environment
 from rpcdl.rpc import dial

@@ -55,6 +55,28 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+def _source_packages() -> set[str]:
+    """Every package of the source tree, as the wheel names it (``integrations/`` and ``configs/`` map into it)."""
+    found = set()
+    for folder, prefix in ((ROOT / "rpcdl", "rpcdl"), (ROOT / "integrations", "rpcdl/integrations")):
+        for init in folder.rglob("__init__.py"):
+            found.add("/".join([prefix, *init.parent.relative_to(folder).parts]))
+    return found | {"rpcdl/configs"}
+
+
+def test_wheel_holds_every_package_and_no_test_or_benchmark_harness(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for package in sorted(_source_packages()):
+        assert f"{package}/__init__.py" in names, f"{package} is missing from the wheel (pyproject's packages)"
+    assert not [name for name in names if name.startswith(("tests/", "benchmarks/"))]
+    modules = {name.rsplit("/", 1)[-1] for name in names if name.startswith("rpcdl/")}
+    for harness in ("netns_cluster.py", "cluster.py", "pki.py", "targets.py", "harness.py", "conftest.py"):
+        assert harness not in modules, f"{harness} is test or benchmark harness, not what users run"
+    assert "rpcdl/cli/bench/__init__.py" in names  # rpcdl bench stays: users measure their fleets with it
+    report = zipfile.ZipFile(wheel).read("rpcdl/cli/bench/report.py").decode()
+    assert "rpcdataloader" not in report and "TARGETS" not in report  # the project's own goals stay in benchmarks/
+
+
 def test_wheel_maps_integrations_into_the_package(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for expected in (

@@ -8,8 +8,8 @@ import threading
 import time
 
 import pytest
+from pki import make_ca, make_certificate
 
-from rpcdl.cli.bench.pki import make_ca, make_certificate
 from rpcdl.transport.tls_stream import TLSStream
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,9 +5,9 @@ requiring grad), ``None``, a bool, an int, a float, a str, or a tuple, list or
 dict (str keys) of plain answers: what a ``__getitem__`` or a collate function
 returns most often. Pickling one through the pickler calls its Python-level
 ``reducer_override`` for every object and builds each tensor's reduction with
-several torch operations (~20 us a tensor); writing its opcodes here costs a
-few. The bytes are those the pickler writes (protocol 5, one frame, the same
-memo), so nothing on the wire changes; anything else is left to the pickler.
+several torch operations; writing its opcodes here costs a few Python
+operations. The bytes are those the pickler writes (protocol 5, one frame, the
+same memo), so nothing on the wire changes; anything else is left to the pickler.
 
 Threading: :meth:`PlainPickles.dumps` keeps a message's state in locals; the cache of
 dtypes' names is filled once per dtype (two threads filling it write equal entries).

@@ -105,14 +105,6 @@ class Server(Protocol):
         ...
 
 
-# Members read on every call, as module constants: Python 3.11's EnumType has a __getattr__, which takes
-# every ``Turn.LENT`` off the interpreter's attribute cache (~110 ns each here). Spelled out, the dozen
-# lookups of a call cost 1.5 us of the 8 us the worker spends on a pipelined call (benchmarks/worker_cost.py).
-_SERVING, _CLOSED = SessionState.SERVING, SessionState.CLOSED
-_OFFERED, _READING, _LENT = Turn.OFFERED, Turn.READING, Turn.LENT
-_CALL, _RESULT = Kind.CALL, Kind.RESULT
-
-
 class _HeldAnswers:
     """The answers one service thread holds back, encoded: made, changed and sent by that thread only."""
 
@@ -155,8 +147,7 @@ class ClientConnection:
         self.call_context = (peer, StoreView(worker.store, self, worker.timeout), None, segment)
         self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
         self.poller = Poller(sock, worker.poll_window)  # for the next call of a caller that awaits each answer
-        # the lock alone where nobody waits: a Condition's ``with`` is a Python call more each time,
-        # 1 us of the 8 a pipelined call costs (benchmarks/worker_cost.py)
+        # the lock alone where nobody waits: a Condition's ``with`` is a Python call more on every call
         self._lock = threading.Lock()
         self._turn_offered = threading.Condition(self._lock)  # or the session closed
         self._state = SessionState.SERVING
@@ -174,7 +165,7 @@ class ClientConnection:
     def closed(self) -> bool:
         """Whether the connection is closed."""
         with self._lock:
-            return self._state is _CLOSED
+            return self._state is SessionState.CLOSED
 
     def start(self) -> None:
         """Start the service threads."""
@@ -199,7 +190,7 @@ class ClientConnection:
     def send(self, frame: Frame, answers_call: bool = False) -> None:
         """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
         that cannot take it is closed."""
-        is_result = frame.kind is _RESULT
+        is_result = frame.kind is Kind.RESULT
         if frame.buffers:
             in_segment = is_result and self.segment is not None and self.segment.place(frame)
             if is_result and not in_segment:
@@ -243,9 +234,9 @@ class ClientConnection:
     def close(self) -> None:
         """Close the connection (once) and have the worker forget it and the RRefs it held."""
         with self._lock:  # never held during a send, which may block for the whole timeout
-            if self._state is _CLOSED:
+            if self._state is SessionState.CLOSED:
                 return
-            self._state = _CLOSED
+            self._state = SessionState.CLOSED
             self._turn_offered.notify_all()
         shutdown_socket(self.sock)
         if self.segment is not None:
@@ -271,8 +262,8 @@ class ClientConnection:
     def offer_if_lent_before(self, moment: float) -> None:
         """Offer the turn to the standby if it was lent before ``moment`` (``time.monotonic()``)."""
         with self._lock:
-            if self._turn is _LENT and self._lent_at <= moment and self._state is not _CLOSED:
-                self._turn = _OFFERED
+            if self._turn is Turn.LENT and self._lent_at <= moment and self._state is not SessionState.CLOSED:
+                self._turn = Turn.OFFERED
                 self._turn_offered.notify()
 
     # ------------------------------------------------------------------ the read turn
@@ -287,12 +278,12 @@ class ClientConnection:
         """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
         with self._lock:
             self._standby_waits = True
-            while self._turn is not _OFFERED and self._state is not _CLOSED:
+            while self._turn is not Turn.OFFERED and self._state is not SessionState.CLOSED:
                 self._turn_offered.wait()
             self._standby_waits = False
-            if self._state is _CLOSED:
+            if self._state is SessionState.CLOSED:
                 return False
-            self._turn = _READING
+            self._turn = Turn.READING
             return True
 
     def _read_while_holding(self, held: _HeldAnswers) -> None:
@@ -316,7 +307,7 @@ class ClientConnection:
                 waiting = reader.holds_frame
                 continue
             bytes_in, self._counted = reader.bytes_read - self._counted, reader.bytes_read
-            is_call = frame.kind is _CALL
+            is_call = frame.kind is Kind.CALL
             worker.counters.received(bytes_in, is_call)
             try:
                 if is_call:
@@ -348,17 +339,17 @@ class ClientConnection:
         """
         worker = self.worker
         with self._lock:
-            serving = self._state is _SERVING
+            serving = self._state is SessionState.SERVING
             if serving:
                 if frame.ref:  # before the turn is lent: a call using the RRef, read next, waits for this one
                     worker.store.expect(frame.ref, self)
                 free_after = worker.slots.take() if self._standby_waits else None
                 if free_after is not None:
                     if free_after:
-                        self._turn = _OFFERED
+                        self._turn = Turn.OFFERED
                         self._turn_offered.notify()
                     else:
-                        self._turn, self._lent_at = _LENT, time.monotonic()
+                        self._turn, self._lent_at = Turn.LENT, time.monotonic()
         if not serving:
             worker.counters.add(calls_rejected=1)
             self.send(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()), answers_call=True)
@@ -399,9 +390,9 @@ class ClientConnection:
     def _take_back(self) -> bool:
         """Take the turn back after a call if nobody took it; ``False``: the other thread reads (or closed)."""
         with self._lock:
-            if self._state is _CLOSED or self._turn is _READING:
+            if self._state is SessionState.CLOSED or self._turn is Turn.READING:
                 return False
-            self._turn = _READING
+            self._turn = Turn.READING
             return True
 
 

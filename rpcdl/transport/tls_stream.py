@@ -87,16 +87,9 @@ class TLSStream:
         return read
 
     def _read(self, size: int, view: memoryview) -> int:
-        """One record, through the C object under :meth:`ssl.SSLSocket.recv_into` (two Python frames fewer)."""
-        sslobj = getattr(self._tls, "_sslobj", None)
-        if sslobj is None:  # closed (or another Python): the socket's own method, which says so
-            return self._tls.recv_into(view, size)
-        try:
-            return sslobj.read(size, view)
-        except ssl.SSLEOFError:  # the peer closed without a TLS close_notify: an end, as SSLSocket has it
-            if self._tls.suppress_ragged_eofs:
-                return 0
-            raise
+        """One record into ``view``; 0 at the end (a peer that closed without a TLS close_notify included, as
+        :class:`ssl.SSLSocket` has it with ``suppress_ragged_eofs``)."""
+        return self._tls.recv_into(view, size)
 
     def send(self, data) -> int:
         """Send ``data`` whole (TLS cannot send part of a record); return its length.

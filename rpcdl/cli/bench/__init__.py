@@ -8,7 +8,8 @@ floors, a raw loopback socket (a ping-pong of bytes) and a minimal
 framed-pickle RPC (length-prefixed pickles, a one-thread server, a reader
 thread), and torchdata's ``ParallelMapper(method="process")``;
 ``benchmarks/compare.py`` adds rpcdataloader and torch.distributed.rpc through
-``main()``'s ``extra_systems``.
+``main()``'s ``extra_systems``, and judges the project's own targets through
+its ``judge``.
 
 Scenarios (two workers unless said):
 
@@ -34,7 +35,8 @@ import os
 import sys
 import time
 from argparse import SUPPRESS
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..args import (
     Deprecated,
@@ -46,7 +48,7 @@ from ..args import (
     silent_worker,
 )
 from .floors import FramedPickleSystem, ParallelMapperSystem
-from .report import evaluate_targets, format_table, format_targets, machine_info, plot
+from .report import Figure, format_table, machine_info, plot
 from .scenarios import Bench, Sizes
 from .systems import RpcdlSystem, SocketSystem, System, TorchLoaderSystem
 from .workloads import SCENARIOS
@@ -104,11 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="tiny sizes: checks that everything runs, in seconds (no target judged, no memory ratio shown)",
+        help="tiny sizes: checks that everything runs, in seconds (no memory ratio shown)",
     )
-    parser.add_argument(
-        "--json", metavar="FILE", type=new_file, help="write the figures, the machine and the targets to FILE"
-    )
+    parser.add_argument("--json", metavar="FILE", type=new_file, help="write the figures and the machine to FILE")
     parser.add_argument(
         "--plot", metavar="FILE.png", type=new_file, help="draw the figures into FILE.png (needs matplotlib)"
     )
@@ -137,8 +137,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
-    """Run ``rpcdl bench`` with parsed arguments; return the exit code."""
+#: Judges figures: called with them and whether the run is large enough to judge (not ``--quick``); returns
+#: the lines to print under ``targets:`` and the verdicts to save under ``"targets"`` in the JSON.
+Judge = Callable[[Sequence[Figure], bool], tuple[str, list[dict[str, Any]]]]
+
+
+def run(args: argparse.Namespace, extra_systems: Sequence[System] = (), judge: Judge | None = None) -> int:
+    """Run ``rpcdl bench`` with parsed arguments.
+
+    Args:
+        args: the parsed options (:func:`add_arguments`).
+        extra_systems: more systems to measure beside the built-in ones.
+        judge: judges the figures against goals of the caller's (``benchmarks/targets.py``); none by default.
+
+    Returns:
+        the exit code: 0, or 2 for a worker that does not answer or a missing package.
+
+    Example::
+
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> run(parser.parse_args(["--quick", "--scenario", "latency"]))  # doctest: +SKIP
+        0
+    """
     # Its loops take batches and do nothing else: that they wait for data is what they measure, not news.
     logging.getLogger("rpcdl.dataloader.wait").setLevel(logging.ERROR)
     sizes = Sizes.quick() if args.quick else Sizes()
@@ -178,7 +199,7 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     finally:
         bench.close()
     machine["load_average_after"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    targets = evaluate_targets(figures, judged=not args.quick)
+    verdicts, targets = judge(figures, not args.quick) if judge is not None else ("", None)
     workers = f"{len(args.workers)} given" if args.workers else f"{local} local"
     print(f"rpcdl bench: {workers} workers, {sizes.rounds} rounds, medians; ratios are rpcdl's median / the other's")
     print(
@@ -187,9 +208,10 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     )
     print()
     print(format_table(figures, names, judged=not args.quick))
-    print()
-    print("targets:")
-    print(format_targets(targets))
+    if judge is not None:
+        print()
+        print("targets:")
+        print(verdicts)
     for note in bench.notes:
         print(f"note: {note}")
     if args.json:
@@ -202,9 +224,10 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
             "rounds": sizes.rounds,
             "systems": names,
             "figures": [figure.as_dict() for figure in figures],
-            "targets": targets,
             "notes": bench.notes,
         }
+        if targets is not None:
+            document["targets"] = targets
         with open(args.json, "w") as handle:
             json.dump(document, handle, indent=2)
     if args.plot:
@@ -212,11 +235,25 @@ def run(args: argparse.Namespace, extra_systems: Sequence[System] = ()) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, extra_systems: Sequence[System] = ()) -> int:
-    """``rpcdl bench`` as a function, with more systems to compare (benchmarks/compare.py)."""
+def main(argv: Sequence[str] | None = None, extra_systems: Sequence[System] = (), judge: Judge | None = None) -> int:
+    """``rpcdl bench`` as a function, with more systems to compare and a judge of the figures.
+
+    Args:
+        argv: the options (default: ``sys.argv[1:]``).
+        extra_systems: more systems to measure beside the built-in ones.
+        judge: judges the figures (see :func:`run`).
+
+    Returns:
+        the exit code.
+
+    Example::
+
+        >>> main(["--quick", "--scenario", "latency", "--no-progress"])  # doctest: +SKIP
+        0
+    """
     parser = argparse.ArgumentParser(prog="rpcdl bench", description=DESCRIPTION)
     add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = " ".join([os.path.basename(sys.argv[0]), *argv])
-    return run(args, extra_systems)
+    return run(args, extra_systems, judge)

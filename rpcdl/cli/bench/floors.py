@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...local import stop_process
-from .systems import Bench, System, start_peer
+from .systems import Bench, Releasable, System, start_peer
 from .workloads import FRAMED, LENGTH, PARALLEL_MAPPER, accept_one, increment, noop
 
 # ---------------------------------------------------------------------------- framed-pickle RPC
@@ -133,13 +133,7 @@ class ParallelMapperSystem(System):
 
         node = ParallelMapper(IterableWrapper(itertools.count()), increment, num_workers=workers, method="process")
         node.reset()
-        return node
+        return Releasable(node)
 
     def release_mapper(self, mapper: Any) -> None:
-        inner = getattr(mapper, "_it", None)
-        while inner is not None:  # the iterator that owns the processes, under torchdata's wrappers
-            shutdown = getattr(inner, "_shutdown", None)
-            if callable(shutdown):
-                shutdown()
-                return
-            inner = getattr(inner, "_it", None)
+        mapper.release()

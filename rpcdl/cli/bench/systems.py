@@ -167,6 +167,48 @@ class RpcdlSystem(System):
         loader.dataset.release()
 
 
+class Releasable:
+    """A loader or mapper of another library, held by this object alone, whose processes stop when it is released.
+
+    torch's DataLoader (persistent workers) and torchdata's ParallelMapper stop
+    their worker processes when their iterator is collected, and have no public
+    method to stop them earlier. The bench holds this object instead, and
+    :meth:`release` lets go of the only reference, so their own finalizers run.
+
+    Args:
+        held: the loader (an iterable of epochs) or mapper (an iterator); nothing else may refer to it.
+    """
+
+    def __init__(self, held: Any) -> None:
+        self._held: Any = held  # then _RELEASED
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._held)
+
+    def __next__(self) -> Any:
+        return next(self._held)
+
+    def release(self) -> None:
+        """Let go of the loader or mapper, and collect what is left of it."""
+        import gc
+
+        self._held = _RELEASED
+        gc.collect()  # what is left of its iterator may be held in reference cycles
+
+
+class _Released:
+    """What a :class:`Releasable` holds once released."""
+
+    def __iter__(self) -> Iterator[Any]:
+        raise RuntimeError("this loader or mapper was released: make a new one")
+
+    def __next__(self) -> Any:
+        raise RuntimeError("this loader or mapper was released: make a new one")
+
+
+_RELEASED = _Released()
+
+
 class TorchLoaderSystem(System):
     """torch.utils.data.DataLoader with as many worker processes as rpcdl has workers."""
 
@@ -180,22 +222,19 @@ class TorchLoaderSystem(System):
 
         # more worker processes than CPUs is the point of the io scenario: no warning about it
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-        return DataLoader(
-            spec.dataset(*spec.args),
-            batch_size=spec.batch_size,
-            num_workers=spec.workers,
-            persistent_workers=True,
-            prefetch_factor=PREFETCH,
-            worker_init_fn=functools.partial(slow_torch_worker, spec.slow_worker),
+        return Releasable(
+            DataLoader(
+                spec.dataset(*spec.args),
+                batch_size=spec.batch_size,
+                num_workers=spec.workers,
+                persistent_workers=True,
+                prefetch_factor=PREFETCH,
+                worker_init_fn=functools.partial(slow_torch_worker, spec.slow_worker),
+            )
         )
 
     def release_loader(self, loader: Any) -> None:
-        # torch has no public way to stop a DataLoader's persistent workers now rather than when
-        # its iterator is collected: ask that iterator as its own finalizer does
-        iterator = getattr(loader, "_iterator", None)  # private-ok: torch's iterator of persistent workers
-        if iterator is not None:
-            iterator._shutdown_workers()  # private-ok: what torch's iterator runs when collected
-            loader._iterator = None  # private-ok: the next iter() starts workers again
+        loader.release()
 
 
 def start_peer(module: str, server: str) -> tuple[subprocess.Popen, socket.socket]:

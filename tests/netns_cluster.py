@@ -27,8 +27,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ...checks import check_int
-from ...local import child_environment, read_ready_line, stop_process
+from rpcdl.checks import check_int
+from rpcdl.local import child_environment, read_ready_line, stop_process
 
 _NAME_PREFIX = "rpcdl"
 _clusters_made = itertools.count()
