@@ -32,7 +32,7 @@ __all__ = ["METRICS_PORT_ENV", "TrainerCollector", "serve_metrics", "serve_metri
 METRICS_PORT_ENV = "RPCDL_METRICS_PORT"
 """``PORT`` or ``HOST:PORT``: where a trainer serves its metrics (loopback when no host is given)."""
 
-_WORKER_STATES = ("active", "down", "probing", "excluded")
+_WORKER_STATES = ("active", "down", "probing", "draining", "standby", "left", "excluded")
 
 
 class TrainerCollector:
