@@ -25,14 +25,14 @@ back to it, and its idle connection is closed.
 Threading: the pool runs no thread of its own. Its state (:class:`PoolState`:
 the workers' records, the records in use, the reserve, the state of every call
 in flight, the registry of passes, the fleet version it follows and its count
-of answers) is guarded by
-ONE lock, which every access holds: the threads
+of answers) is guarded by ONE lock, which every access holds: the threads
 advancing its passes (several at once, one per pass) take it for each step,
 and readers (:meth:`WorkerPool.states`, :meth:`WorkerPool.windows`) to copy
 what they show. Nothing waits while holding it: a pass reads answers and pulls
 from its source outside it, and what must not run under it (handing dropped
 calls' answers to the connections' threads, starting revivals, closing idle
-connections, logging) is done by the thread leaving it, after it lets go (:meth:`PoolState.__exit__`).
+connections, logging) is done by the thread leaving it, after it lets go
+(:meth:`PoolState.__exit__`).
 The fleet's own lock is a leaf taken under the pool's, for a copy of its
 latest list (its thread never takes the pool's). Other threads reach the pool
 through queues only: a revival's future puts a
