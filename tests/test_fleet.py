@@ -120,11 +120,12 @@ def test_own_workers_first_the_others_in_reserve_once_none_of_the_own_is_left():
         _send(policy, own, 0.0, 0)
     assert policy.pick(slots, now=0.0) is None  # own window full: wait rather than take another rank's
     assert policy.pass_window(slots) == policy.window(own)
-    assert policy.call_on_standby(slots, now=1.0) == []
+    assert not policy.wants_standby(slots, now=1.0, last_called=-1e9, reserve=1)
     policy.take_down(own, ConnectionResetError("gone"), now=1.0)
     assert policy.pick(slots, now=1.0) is other  # the others' active workers take over at once
     other.state = WorkerState.DOWN
-    assert policy.call_on_standby(slots, now=2.0) == [reserve]  # nothing active: the reserve is set up
+    assert policy.wants_standby(slots, now=2.0, last_called=-1e9, reserve=1)  # nothing active: call one
+    policy.call_standby(reserve, now=2.0)
     assert reserve.state is WorkerState.DOWN and reserve.probe_at == 2.0
 
 

@@ -250,3 +250,32 @@ def test_a_worker_sent_sigterm_mid_epoch_drains_and_the_epoch_ends_exactly_once_
     assert workers.processes[0].wait(_WAIT) == 0  # drained, exit 0
     _eventually(lambda: is_leaving(workers[0]), "the client to hear LEAVING")
     assert sorted(i for batch in loader for i in batch.tolist()) == list(range(96))  # the next epoch, on one
+
+
+def test_a_worker_sent_sigterm_mid_epoch_answers_its_calls_in_flight_itself(spawn_workers):
+    """Its calls in flight are awaited (it drains them), not sent again elsewhere: the batches they make are
+    its own, and every sample comes once. Out of order, so that no copy of a late batch goes elsewhere."""
+    workers = spawn_workers(2)
+    n = 96
+    dataset = rpcdl.RPCDataset(list(workers), helpers.RangeDataset, n, 0.04)  # 0.16 s a batch
+    loader = rpcdl.RPCDataloader(
+        dataset, batch_size=4, timeout=60, in_order=False, max_batches_per_call=1, prefetch_factor=4
+    )
+    leaving = workers[0]
+    before: dict[str, int] = {}
+
+    def signal_when_busy(index: int) -> None:
+        if index == 5:  # a window of 4 calls in flight at each worker
+            before["served"] = loader.batches_served[leaving]
+            before["in_flight"] = loader.worker_windows()[leaving]["in_flight"]
+            workers.processes[0].send_signal(signal.SIGTERM)
+
+    seen = []
+    for index, batch in enumerate(loader):
+        seen.extend(batch.tolist())
+        signal_when_busy(index)
+    assert sorted(seen) == list(range(n))
+    assert before["in_flight"] >= 2, before
+    assert loader.batches_served[leaving] - before["served"] >= before["in_flight"], (before, loader.batches_served)
+    assert workers.processes[0].wait(_WAIT) == 0  # drained, exit 0
+    assert loader.worker_states()[leaving] in ("down", "probing")

@@ -16,8 +16,14 @@ import torch
 from rpcdl import DatasetMismatch
 from rpcdl.data.probes import Revival
 from rpcdl.data.records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
-from rpcdl.data.scheduling_policy import MAX_PROBE_DELAY, AllDownWatch, SchedulingPolicy
-from rpcdl.errors import WorkerTimeout, WorkerUnavailable
+from rpcdl.data.scheduling_policy import (
+    DEFAULT_DRAIN_WAIT,
+    DRAIN_MARGIN,
+    MAX_PROBE_DELAY,
+    AllDownWatch,
+    SchedulingPolicy,
+)
+from rpcdl.errors import WorkerLeaving, WorkerTimeout, WorkerUnavailable
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -251,3 +257,32 @@ def test_answers_read_late_do_not_change_the_window():
     slot.in_flight.clear()
     policy.observe(slot, late, 5.02)  # read as it came: measured
     assert slot.rtt == pytest.approx(0.02)
+
+
+def test_a_leaving_worker_takes_no_task_and_its_calls_are_awaited_until_its_drain_timeout():
+    policy = SchedulingPolicy(prefetch_factor=2, timeout=120.0)
+    leaving, other = WorkerSlot("a:1", 0), WorkerSlot("b:2", 1)
+    slots = [leaving, other]
+    first, second = _send(policy, leaving, 0.0), _send(policy, leaving, 0.0)
+    notice = WorkerLeaving("a:1 is leaving", "a:1")
+    assert policy.drain(leaving, notice, now=1.0, seconds=10.0)
+    assert not policy.drain(leaving, notice, now=1.5, seconds=10.0)  # once
+    assert leaving.state is WorkerState.DRAINING and leaving.drain_until == 11.0 + DRAIN_MARGIN
+    assert policy.pick(slots, now=1.0) is other and policy.pick(slots, 1.0, anyone=True) is other
+    assert first.live and second.live  # nothing orphaned: they are awaited
+    assert policy.wait_time([leaving], now=1.0, awaiting_head=False) == pytest.approx(0.5)
+    assert policy.wait_time([leaving], now=10.9 + DRAIN_MARGIN, awaiting_head=False) == pytest.approx(0.1)
+    assert policy.drains_ended(slots, now=5.0) == ([], [])
+    watch = AllDownWatch(timeout=0.0)
+    assert watch.check([leaving], now=5.0) is None  # its calls may still answer
+    leaving.in_flight.discard(first)
+    assert policy.drains_ended(slots, now=20.0) == ([], [leaving])  # past its time with a call left: take out
+    leaving.in_flight.discard(second)
+    assert policy.drains_ended(slots, now=20.0) == ([leaving], [])  # none left: down, probed later
+    assert leaving.state is WorkerState.DOWN and leaving.probe_at > 20.0
+    unsaid = WorkerSlot("c:3", 2)
+    assert policy.drain(unsaid, notice, now=0.0, seconds=None)
+    assert unsaid.drain_until == DEFAULT_DRAIN_WAIT + DRAIN_MARGIN
+    task = Task(0, None)
+    task.timeouts = 1
+    assert policy.gives_up(task, [unsaid, other])  # a leaving worker cannot serve it

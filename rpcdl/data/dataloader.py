@@ -266,8 +266,9 @@ class RPCDataloader:
         return self._flow.snapshot()
 
     def worker_states(self) -> dict[str, str]:
-        """Each worker's state: ``active``, ``down``, ``probing``, ``excluded``, ``standby`` (another rank's,
-        used once this rank's own are gone) or ``left`` (its source no longer lists it)."""
+        """Each worker's state: ``active``, ``down``, ``probing``, ``excluded``, ``draining`` (it said it is
+        leaving: its calls in flight finish), ``standby`` (another rank's, used once this rank's own are gone)
+        or ``left`` (its source no longer lists it)."""
         return self._pool.states()
 
     def worker_windows(self) -> dict[str, dict[str, Any]]:

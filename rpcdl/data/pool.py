@@ -12,19 +12,27 @@ The workers come from a :class:`~rpcdl.data.sources.Fleet`: a fixed list, or
 a source that changes. At each step a pass takes in the fleet's changes
 (:meth:`PoolState.follow_fleet`): a worker that joins is set up (a revival)
 and then given tasks, one that leaves is given none while its calls in flight
-finish; the other ranks' workers wait in reserve (``STANDBY``) until none of
-this client's own is active.
+finish, one that says it is leaving (``DRAINING``) too, within its drain timeout.
+
+What a step costs does not grow with the fleet: only this client's own share
+and the other ranks' workers it called on have a record a step looks at
+(``PoolState.in_use``); the others wait in reserve (``STANDBY``), a list of
+addresses sorted by this client's hash of them, rebuilt only when the fleet
+changes. When none of its own is active and a pass waits for data, they are
+called on one at a time, from the top of that list; one no longer needed goes
+back to it, and its idle connection is closed.
 
 Threading: the pool runs no thread of its own. Its state (:class:`PoolState`:
-the workers' records, the state of every call in flight, the registry of
-passes, the fleet version it follows and its count of answers) is guarded by
-ONE lock, which every access holds: the threads
+the workers' records, the records in use, the reserve, the state of every call
+in flight, the registry of passes, the fleet version it follows and its count
+of answers) is guarded by ONE lock, which every access holds: the threads
 advancing its passes (several at once, one per pass) take it for each step,
 and readers (:meth:`WorkerPool.states`, :meth:`WorkerPool.windows`) to copy
 what they show. Nothing waits while holding it: a pass reads answers and pulls
 from its source outside it, and what must not run under it (handing dropped
-calls' answers to the connections' threads, starting revivals, logging) is
-done by the thread leaving it, after it lets go (:meth:`PoolState.__exit__`).
+calls' answers to the connections' threads, starting revivals, closing idle
+connections, logging) is done by the thread leaving it, after it lets go
+(:meth:`PoolState.__exit__`).
 The fleet's own lock is a leaf taken under the pool's, for a copy of its
 latest list (its thread never takes the pool's). Other threads reach the pool
 through queues only: a revival's future puts a
@@ -39,11 +47,14 @@ of any pass or reader (:meth:`PoolState.reclaim_dropped`).
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
+import hashlib
 import itertools
 import logging
 import queue
+import random
 import threading
 import time
 import weakref
@@ -53,13 +64,14 @@ from typing import Any
 import torch
 
 from ..errors import WorkerHung
-from ..rpc.client import read_in_background
+from ..rpc.client import drain_timeout, read_in_background
+from ..rpc.pool import close_idle_connections_to
 from .events import WAKE, Orphaned, post_probe_end
 from .flow import CALL_SECONDS
 from .probes import PROBE_TIMEOUT, PingSetup, Revival, WorkerSetup
 from .records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
-from .scheduling_policy import SchedulingPolicy, active
-from .sources import Fleet
+from .scheduling_policy import AllDownWatch, SchedulingPolicy, active
+from .sources import Fleet, Membership
 
 __all__ = ["PassRecord", "PoolState", "Registration", "WorkerPool"]
 
@@ -95,10 +107,14 @@ class PoolState:
 
     Every method is called holding the lock. What must not run under the lock
     (handing dropped answers to the connections' threads, starting revivals,
-    logging) is queued here and done by the thread leaving it.
+    closing connections, logging) is queued here and done by the thread leaving it.
 
     Attributes:
-        slots: the workers' records, in the order of their addresses.
+        slots: every worker given a record (its index is its place here): this
+            client's own share, the others' workers it called on, those that left.
+        in_use: the records a step looks at: the own share and the others'
+            workers called on (not those back in reserve, nor those that left
+            with no call in flight). Per-step work grows with these alone.
         policy: the decisions.
         clock: the time in seconds, monotonic.
     """
@@ -110,13 +126,20 @@ class PoolState:
         self.answers = 0  # answers from all the workers so far (see SchedulingPolicy.hung)
         membership = fleet.membership()
         self._version = membership.version
-        # The workers listed now are set up by their dataset before the pool begins (those that failed to build
-        # it are revived at their first call); the others' wait in reserve until this client's own are gone.
         self.slots: list[WorkerSlot] = []
-        for index, address in enumerate(membership.addresses):
-            own = address in membership.own
-            self.slots.append(WorkerSlot(address, index, own, WorkerState.ACTIVE if own else WorkerState.STANDBY))
-        self._by_address = {slot.address: slot for slot in self.slots}
+        self.in_use: list[WorkerSlot] = []
+        self._by_address: dict[str, WorkerSlot] = {}
+        # The others' workers not in use, ascending by this client's key for them (see _standby_key): the
+        # next called is the last. Not scanned per step.
+        self._reserve: list[tuple[bytes, str]] = []
+        self._salt = random.getrandbits(64).to_bytes(8, "big")  # jitter: a restarted rank picks others
+        self._last_called = -float("inf")
+        # The workers listed now in this client's share are set up by their dataset before the pool begins
+        # (those that failed to build it are revived at their first call).
+        for address in membership.addresses:
+            if address in membership.own:
+                self._add_slot(address, True, WorkerState.ACTIVE)
+        self._fill_reserve(membership)
         self._setup = setup
         self._lock = threading.Lock()
         self._passes: dict[int, PassRecord] = {}
@@ -124,6 +147,7 @@ class PoolState:
         self._probe_events: queue.SimpleQueue = queue.SimpleQueue()  # revivals' ends, from any thread
         self._unread: list[torch.futures.Future] = []  # calls let go: their answers go to the connections' threads
         self._to_probe: list[WorkerSlot] = []
+        self._to_close: list[str] = []  # others' workers back in reserve: their idle connections close
         self._notes: list[tuple[int, str, tuple]] = []  # log lines
 
     def __enter__(self) -> PoolState:
@@ -131,12 +155,13 @@ class PoolState:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if not (self._unread or self._notes or self._to_probe):  # the usual step: nothing left for after
+        if not (self._unread or self._notes or self._to_probe or self._to_close):  # the usual step
             self._lock.release()
             return
         unread, self._unread = self._unread, []
         notes, self._notes = self._notes, []
         probing, self._to_probe = self._to_probe, []
+        closing, self._to_close = self._to_close, []
         starts = [(slot, slot.address, slot.failure) for slot in probing]
         waiting = tuple(weakref.ref(record.events) for record in self._passes.values()) if probing else ()
         self._lock.release()
@@ -144,51 +169,109 @@ class PoolState:
             log.log(level, message, *args)
         if unread:
             read_in_background(unread)  # nobody reads for them any more; a worker must not block sending them
+        for address in closing:
+            close_idle_connections_to(address, "another rank's worker this rank no longer needs")
         for slot, address, failure in starts:
             self._start_probe(slot, address, failure, waiting)
+
+    # ------------------------------------------------------------------ records
+
+    def slot(self, index: int) -> WorkerSlot:
+        """The record of the worker at ``index`` (an :class:`~rpcdl.data.records.Attempt`'s ``worker``)."""
+        return self.slots[index]
+
+    def slot_addresses(self) -> set[str]:
+        """The addresses of the workers given a record."""
+        return set(self._by_address)
+
+    def reserve(self) -> list[str]:
+        """The others' workers in reserve (``STANDBY``, not in use), the next to be called first."""
+        return [address for _, address in reversed(self._reserve)]
+
+    def _add_slot(self, address: str, own: bool, state: WorkerState) -> WorkerSlot:
+        slot = WorkerSlot(address, len(self.slots), own, state)
+        self.slots.append(slot)
+        self.in_use.append(slot)
+        self._by_address[address] = slot
+        return slot
+
+    def _use(self, slot: WorkerSlot) -> None:
+        if all(used is not slot for used in self.in_use):
+            self.in_use.append(slot)
+
+    def _standby_key(self, address: str) -> bytes:
+        """This client's order of the others' workers: a hash of (rank, address) and a salt of its own, so that
+        ranks whose own workers are gone call on different ones."""
+        text = f"{self.fleet.rank}|{address}".encode()
+        return hashlib.blake2b(text, digest_size=8, key=self._salt).digest()
+
+    def _fill_reserve(self, membership: Membership) -> None:
+        """The reserve anew: the listed workers of other ranks that have no record in use (O(W log W), at a
+        change of the fleet only)."""
+        reserve = []
+        for address in membership.addresses:
+            if address in membership.own:
+                continue
+            slot = self._by_address.get(address)
+            if slot is None or slot.state is WorkerState.STANDBY:
+                reserve.append((self._standby_key(address), address))
+        reserve.sort()
+        self._reserve = reserve
+
+    def _keep_in_use(self) -> None:
+        """Drop from ``in_use`` the records back in reserve and those that left with no call in flight."""
+        self.in_use = [
+            slot
+            for slot in self.in_use
+            if slot.state is not WorkerState.STANDBY and (slot.state is not WorkerState.LEFT or slot.in_flight)
+        ]
 
     # ------------------------------------------------------------------ the fleet
 
     def follow_fleet(self) -> None:
-        """Take in the fleet's changes since the last look: a worker that joined is set up and then given
-        tasks; one that left is given none (its calls in flight finish); shares are updated."""
+        """Take in the fleet's changes since the last look: a worker that joined this client's share is set up
+        and then given tasks; one that joined another's waits in reserve, untouched; one that left is given
+        none (its calls in flight finish); shares are updated."""
         membership = self.fleet.membership()  # the fleet's lock is a leaf: held for a copy
         if membership.version == self._version:
             return
         self._version = membership.version
         listed = set(membership.addresses)
         now = self.clock()
-        for address in membership.addresses:
+        for address in membership.own:
             slot = self._by_address.get(address)
-            own = address in membership.own
             if slot is None:
-                slot = WorkerSlot(address, len(self.slots), own, WorkerState.DOWN if own else WorkerState.STANDBY)
+                slot = self._add_slot(address, True, WorkerState.DOWN)
                 slot.probe_at = now
-                self.slots.append(slot)
-                self._by_address[address] = slot
                 self._notes.append((logging.WARNING, "worker %s joined (from %s)", (address, self.fleet.describe())))
             elif slot.state is WorkerState.LEFT:
                 slot.state, slot.probe_at, slot.failure = WorkerState.DOWN, now, None
                 self._notes.append((logging.WARNING, "worker %s is listed again", (address,)))
-            slot.preferred = own
-            if own and slot.state is WorkerState.STANDBY:
+                self._use(slot)
+            elif slot.state is WorkerState.STANDBY:  # another rank's before, in reserve: now this one's own
                 slot.state, slot.probe_at = WorkerState.DOWN, now
-        self._to_probe.extend(self.policy.probes_due(self.slots, now))  # those that joined: set up now
+                self._use(slot)
         for slot in self.slots:
+            slot.preferred = slot.address in membership.own  # one no longer own goes back to reserve when idle
             if slot.address not in listed and slot.state not in (WorkerState.LEFT, WorkerState.EXCLUDED):
+                if slot.state is not WorkerState.STANDBY:
+                    message = "worker %s left %s: it is given no more calls (%d in flight finish)"
+                    self._notes.append(
+                        (logging.WARNING, message, (slot.address, self.fleet.describe(), len(slot.in_flight)))
+                    )
                 slot.state = WorkerState.LEFT
-                slot.preferred = False
-                message = "worker %s left %s: it is given no more calls (%d in flight finish)"
-                self._notes.append(
-                    (logging.WARNING, message, (slot.address, self.fleet.describe(), len(slot.in_flight)))
-                )
+            elif slot.state is WorkerState.LEFT and not (slot.preferred or slot.in_flight) and slot.address in listed:
+                slot.state = WorkerState.STANDBY  # another rank's, listed again: back in reserve, untouched
+        self._keep_in_use()
+        self._fill_reserve(membership)
+        self._to_probe.extend(self.policy.probes_due(self.in_use, now))  # those that joined: set up now
 
     def hung(self) -> list[tuple[WorkerSlot, WorkerHung]]:
         """The active workers that stopped answering while the others went on, each with the error that
         takes it out (see :meth:`SchedulingPolicy.hung`)."""
         return [
             (slot, WorkerHung(f"worker {slot.address}: {why}"))
-            for slot, why in self.policy.hung(self.slots, self.clock(), self.answers)
+            for slot, why in self.policy.hung(self.in_use, self.clock(), self.answers, reserve=bool(self._reserve))
         ]
 
     # ------------------------------------------------------------------ passes
@@ -198,7 +281,7 @@ class PoolState:
         probed at once."""
         self.reclaim_dropped()
         self.follow_fleet()
-        self.policy.probe_all_down_now(self.slots, self.clock())
+        self.policy.probe_all_down_now(self.in_use, self.clock())
         record = PassRecord(next(self._numbers), owner, events)
         self._passes[record.number] = record
         return record
@@ -222,7 +305,7 @@ class PoolState:
             self._let_go({record.number for record in dropped})
 
     def _let_go(self, owners: set[int]) -> None:
-        for slot in self.slots:
+        for slot in self.in_use:  # a record out of use has no call in flight
             gone = [attempt for attempt in slot.in_flight if attempt.owner in owners]
             for attempt in gone:
                 slot.in_flight.discard(attempt)
@@ -233,19 +316,19 @@ class PoolState:
 
     def pass_window(self) -> int:
         """How many tasks a pass may hold pulled and not handed out."""
-        return self.policy.pass_window(self.slots)
+        return self.policy.pass_window(self.in_use)
 
     def pick(self) -> WorkerSlot | None:
         """The worker to send a new task to now, if any."""
-        return self.policy.pick(self.slots, self.clock())
+        return self.policy.pick(self.in_use, self.clock())
 
     def hedge(self, head: Task) -> WorkerSlot | None:
         """Another worker to send a copy of ``head`` (the task a consumer waits for) to, if it needs one."""
-        return self.policy.hedge(head, self.slots, self.clock())
+        return self.policy.hedge(head, self.in_use, self.clock())
 
     def wait_time(self, awaiting_head: bool) -> float:
         """How long a pass may wait for an answer before it must act."""
-        return self.policy.wait_time(self.slots, self.clock(), awaiting_head)
+        return self.policy.wait_time(self.in_use, self.clock(), awaiting_head)
 
     def sent(self, attempt: Attempt) -> None:
         """Count ``attempt``, a call just made, against its worker."""
@@ -253,7 +336,7 @@ class PoolState:
 
     def in_flight(self) -> list[torch.futures.Future]:
         """The futures of every call in flight, of every pass."""
-        return [attempt.future for slot in self.slots for attempt in slot.in_flight]
+        return [attempt.future for slot in self.in_use for attempt in slot.in_flight]
 
     def answered(self, attempt: Attempt, worker_failed: bool) -> bool:
         """The answer of ``attempt`` is being handled by its pass: it leaves its worker's calls in flight.
@@ -282,7 +365,7 @@ class PoolState:
         if len(self._passes) < 2:  # a pass alone: the calls in flight are its own
             return
         number = reader.number
-        for slot in self.slots:
+        for slot in self.in_use:
             answered = [a for a in slot.in_flight if a.owner != number and a.future.done()]
             for attempt in answered:
                 slot.in_flight.discard(attempt)
@@ -297,9 +380,24 @@ class PoolState:
         slot = self.slots[attempt.worker]
         self.policy.observe(slot, attempt, now, answers=self.answers, measure_link=measure_link)
 
+    def drain(self, slot: WorkerSlot, notice: BaseException) -> None:
+        """``slot`` said it is leaving (``notice``: a call it refused): no new task goes to it, its calls in
+        flight are awaited for as long as it said it drains (see :meth:`SchedulingPolicy.drain`)."""
+        seconds = drain_timeout(slot.address)
+        if self.policy.drain(slot, notice, self.clock(), seconds):
+            wait = "its drain timeout" if seconds is None else f"{seconds:g}s"
+            message = "worker %s is leaving: it is given no more calls; its %d in flight are awaited (up to %s)"
+            self._notes.append((logging.INFO, message, (slot.address, len(slot.in_flight), wait)))
+
+    def drains_ended(self) -> list[WorkerSlot]:
+        """The draining workers whose drain time passed with calls still in flight: to take out (their calls
+        go elsewhere). Those with none left are ``DOWN`` from now on."""
+        _, overdue = self.policy.drains_ended(self.in_use, self.clock())
+        return overdue
+
     def gives_up(self, task: Task) -> bool:
         """Whether ``task`` timed out on as many workers as could serve it."""
-        return self.policy.gives_up(task, self.slots)
+        return self.policy.gives_up(task, self.in_use, reserve=len(self._reserve))
 
     def take_down(self, slot: WorkerSlot, failure: BaseException, by: PassRecord) -> list[Attempt]:
         """Take a failed worker out; its calls in flight are orphaned.
@@ -313,7 +411,7 @@ class PoolState:
             return []
         if slot.state in (WorkerState.ACTIVE, WorkerState.LEFT) and isinstance(failure, WorkerHung):
             self._notes.append((logging.WARNING, "routing around worker %s: %s", (slot.address, failure)))
-        elif slot.state is WorkerState.ACTIVE:
+        elif slot.state is WorkerState.ACTIVE or (slot.state is WorkerState.DRAINING and slot.in_flight):
             self._notes.append((logging.WARNING, "worker %s is down: %s", (slot.address, failure)))
         own = []
         for attempt in self.policy.take_down(slot, failure, self.clock()):
@@ -328,14 +426,35 @@ class PoolState:
 
     # ------------------------------------------------------------------ revival
 
+    def no_worker_left(self, watch: AllDownWatch) -> str | None:
+        """``None`` while a worker serves or may come back in time; else the error a pass raises (see
+        :meth:`AllDownWatch.check <rpcdl.data.scheduling_policy.AllDownWatch.check>`)."""
+        return watch.check(self.in_use, self.clock(), reserve=len(self._reserve))
+
     def start_due_probes(self) -> None:
-        """Revive the workers whose probe is due (they are ``PROBING`` from now on); when none of this
-        client's own workers is left, the others' in reserve are set up first."""
-        called = self.policy.call_on_standby(self.slots, self.clock())
-        if called:
-            names = ", ".join(slot.address for slot in called)
-            self._notes.append((logging.WARNING, "none of this rank's own workers is left: using %s", (names,)))
-        self._to_probe.extend(self.policy.probes_due(self.slots, self.clock()))
+        """The pass waits for data: revive the workers whose probe is due (they are ``PROBING`` from now on).
+        When none of this client's own workers is active, one of the others' in reserve is called on (set up
+        first), one at a time (see :meth:`SchedulingPolicy.wants_standby`); those no longer needed go back to
+        the reserve, and their connections close."""
+        now = self.clock()
+        released = self.policy.idle_standbys(self.in_use, now)
+        for slot in released:
+            bisect.insort(self._reserve, (self._standby_key(slot.address), slot.address))
+            self._to_close.append(slot.address)
+        if released or any(slot.state is WorkerState.LEFT and not slot.in_flight for slot in self.in_use):
+            self._keep_in_use()
+        if self.policy.wants_standby(self.in_use, now, self._last_called, len(self._reserve)):
+            _, address = self._reserve.pop()
+            slot = self._by_address.get(address)
+            if slot is None:
+                slot = self._add_slot(address, False, WorkerState.STANDBY)
+            else:
+                self._use(slot)
+            self.policy.call_standby(slot, now)
+            self._last_called = now
+            message = "none of this rank's own workers is left: using %s (another rank's; %d more in reserve)"
+            self._notes.append((logging.WARNING, message, (address, len(self._reserve))))
+        self._to_probe.extend(self.policy.probes_due(self.in_use, now))
 
     def handle_probe_ends(self) -> None:
         """Handle the revivals that ended: the workers rejoin, are probed again, or wait for their next probe."""
@@ -415,7 +534,9 @@ class WorkerPool:
     def workers(self) -> list[str]:
         """Every worker the pool knows of, those that left included, in the order it learnt of them."""
         with self._state as state:
-            return [slot.address for slot in state.slots]
+            known = [slot.address for slot in state.slots]
+            given = state.slot_addresses()
+            return known + [address for address in state.reserve() if address not in given]
 
     def locked(self) -> PoolState:
         """The pool's state, to enter (``with pool.locked() as state:``): entering takes the pool's lock."""
@@ -427,12 +548,14 @@ class WorkerPool:
         with self._state as state:
             state.reclaim_dropped()
             state.follow_fleet()
-            return {slot.address: slot.state.value for slot in state.slots}
+            states = dict.fromkeys(state.reserve(), WorkerState.STANDBY.value)
+            states.update((slot.address, slot.state.value) for slot in state.slots)
+            return states
 
     def active(self) -> list[tuple[int, str]]:
         """The workers that may be given tasks: their index in the pool and address."""
         with self._state as state:
-            return [(slot.index, slot.address) for slot in active(state.slots)]
+            return [(slot.index, slot.address) for slot in active(state.in_use)]
 
     def windows(self) -> dict[str, dict[str, Any]]:
         """Each worker's scheduling state: ``state``, calls ``in_flight`` (all passes), the ``window`` of calls
@@ -440,7 +563,18 @@ class WorkerPool:
         round trip ``rtt`` and its average ``round_trip`` over the last window of answers."""
         with self._state as state:
             state.reclaim_dropped()
-            return {
+            reserve = {
+                address: {
+                    "state": WorkerState.STANDBY.value,
+                    "in_flight": 0,
+                    "window": 0,
+                    "service_time": None,
+                    "rtt": None,
+                    "round_trip": None,
+                }
+                for address in state.reserve()
+            }
+            return reserve | {
                 slot.address: {
                     "state": slot.state.value,
                     "in_flight": len(slot.in_flight),

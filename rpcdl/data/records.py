@@ -35,6 +35,7 @@ class WorkerState(enum.Enum):
     EXCLUDED = "excluded"  #: cannot serve, its dataset differs say; never used again
     STANDBY = "standby"  #: another rank's worker in reserve, set up and used once this rank's own are gone
     LEFT = "left"  #: no longer listed by its source; given no tasks while its calls in flight finish
+    DRAINING = "draining"  #: said it is leaving; given no tasks, its calls in flight awaited until ``drain_until``
 
 
 class WorkerSlot:
@@ -48,6 +49,8 @@ class WorkerSlot:
     flight (``None``: ``prefetch_factor``), adapted by
     :meth:`rpcdl.data.scheduling_policy.SchedulingPolicy.observe`.
     ``failure``: what took it out last (``None`` while it never failed).
+    ``drain_until``: while it drains (it said it is leaving), the time by
+    the pool's clock until which its calls in flight are awaited.
     ``preferred``: whether it is in this client's own share of the fleet
     (a rank's ``workers[rank::world_size]``); the others are used only when
     none of the own ones is active.
@@ -63,6 +66,7 @@ class WorkerSlot:
         "address",
         "answers",
         "downs",
+        "drain_until",
         "failure",
         "in_flight",
         "index",
@@ -102,6 +106,7 @@ class WorkerSlot:
         self.probes = 0  # probes ended, whatever they found
         self.downs = 0  # times it was taken out
         self.failure: BaseException | None = None
+        self.drain_until = 0.0  # while DRAINING: when its calls in flight stop being awaited
         self.quiet_mark = 0  # the pool's count of answers when it last answered, or was sent a call idle
 
     def expected_done(self, default: float) -> float:

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RPCDLError, WorkerTimeout
+from ..errors import RPCDLError, WorkerLeaving, WorkerTimeout
 from ..rpc.client import answers_read_here, outside_held_blocks, read_answers, sent_together
 from .events import Answered, Orphaned, PassEvent, post
 from .guard import EntryGuard
@@ -72,6 +72,10 @@ __all__ = ["Call", "Dispatch", "NoWorkersLeft", "PassState"]
 #: Sends a task to the worker at an address and returns the call's future. Raising a transient
 #: error or :class:`~rpcdl.errors.RRefNotFound` takes the worker out.
 Call = Callable[[Task, str], torch.futures.Future]
+
+
+#: The states of a worker whose calls in flight may still answer: a failure there takes it out.
+_SERVING = (WorkerState.ACTIVE, WorkerState.DRAINING)
 
 
 class NoWorkersLeft(RPCDLError, RuntimeError):
@@ -269,7 +273,10 @@ class Dispatch(Iterator[Task]):
         try:
             future = self._call(task, slot.address)  # held by sent_together: it leaves after the lock is let go
         except Exception as exc:
-            if is_worker_failure(exc):
+            if isinstance(exc, WorkerLeaving):
+                shared.drain(slot, exc)
+                self._retry(task)
+            elif is_worker_failure(exc):
                 self._take_down(shared, slot, exc)
                 self._retry(task)
             else:  # the payload cannot be sent: the error is its result
@@ -296,7 +303,9 @@ class Dispatch(Iterator[Task]):
         shared.release_answered(self._record)
         for slot, failure in shared.hung():  # after the answers that came: their workers are not silent
             self._take_down(shared, slot, failure)
-        return self._all_down.check(shared.slots, shared.clock())
+        for slot in shared.drains_ended():
+            self._take_down(shared, slot, WorkerTimeout(f"worker {slot.address} drained past its drain timeout"))
+        return shared.no_worker_left(self._all_down)
 
     def _take_events(self, timeout: float) -> list[PassEvent]:
         events: list[PassEvent] = []
@@ -323,14 +332,20 @@ class Dispatch(Iterator[Task]):
             if live and task is not None and task.state is TaskState.PENDING:
                 self._finish(shared, task, slot, value=value)
             return
+        if isinstance(error, WorkerLeaving):  # not run there: its calls in flight still answer
+            shared.drain(slot, error)
+            if live and task is not None and task.state is TaskState.PENDING:
+                self._retry(task)
+                self._sort_waiting()
+            return
         if not live or task is None or task.state is TaskState.DONE:
-            if is_worker_failure(error) and slot.state is WorkerState.ACTIVE:
+            if is_worker_failure(error) and slot.state in _SERVING:
                 self._take_down(shared, slot, error)  # a copy elsewhere saved the task, yet this worker failed
             return
         if not is_worker_failure(error):
             self._finish(shared, task, slot, error=error)
             return
-        if slot.state is WorkerState.ACTIVE:  # else another pass took it out already
+        if slot.state in _SERVING:  # else another pass took it out already
             self._take_down(shared, slot, error)
         if isinstance(error, WorkerTimeout):
             task.timeouts += 1

@@ -38,8 +38,15 @@ holds the pool's lock):
    ``PROBING`` until they end), and either none can come back or ``timeout``
    seconds have passed since one was active.
 8. While one of this client's own workers (``preferred``) is active, only
-   own workers are given new tasks; the others' (``STANDBY`` until first
-   needed) take tasks, and copies of late ones, when none of its own is.
+   own workers are given new tasks; the others' take tasks, and copies of
+   late ones, when none of its own is. The others' wait in reserve
+   (``STANDBY``: no slot scanned per batch, no connection) until the client
+   waits for data with none of its own active: then they are called one at a
+   time (:meth:`SchedulingPolicy.wants_standby`), the next only once the one
+   before was set up (or failed) and, while one serves, only after
+   ``STANDBY_GROW_AFTER`` seconds more of waiting. One idle for
+   ``STANDBY_IDLE`` seconds, or down while an own worker is active, goes
+   back to the reserve (:meth:`SchedulingPolicy.idle_standbys`).
 9. An active worker with calls in flight that has not answered for
    ``HUNG_FACTOR`` times the longer of its own and the best service
    time (at least ``HUNG_FLOOR`` seconds), while the others answered
@@ -48,6 +55,11 @@ holds the pool's lock):
    The only active worker of a client with others' workers in reserve is
    judged against its own measured service time alone (at least
    ``HUNG_ALONE_FLOOR`` seconds); a client's only worker is not judged.
+10. A worker that said it is leaving (``DRAINING``) is given no new task;
+    its calls in flight are awaited until ``drain_until`` (its drain timeout
+    and ``DRAIN_MARGIN``), and go elsewhere only if it fails first or that
+    time passes. Once none is left in flight it is ``DOWN`` (probed, as a
+    worker restarted at its address may serve again).
 """
 
 from __future__ import annotations
@@ -60,6 +72,8 @@ from .probes import Revival
 from .records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, TaskState, WorkerSlot, WorkerState
 
 __all__ = [
+    "DEFAULT_DRAIN_WAIT",
+    "DRAIN_MARGIN",
     "HEDGE_FACTOR",
     "HUNG_ALONE_FLOOR",
     "HUNG_ANSWERS",
@@ -68,6 +82,8 @@ __all__ = [
     "MAX_PROBE_DELAY",
     "MAX_WINDOW_FACTOR",
     "SLOW_FACTOR",
+    "STANDBY_GROW_AFTER",
+    "STANDBY_IDLE",
     "AllDownWatch",
     "SchedulingPolicy",
     "active",
@@ -86,6 +102,16 @@ HUNG_FACTOR = 10.0  # silent for this many service times (its own or the best, t
 HUNG_FLOOR = 1.0  # seconds of silence never taken for a hang, however fast the workers
 HUNG_ANSWERS = 3  # answers the other workers gave during that silence (they are not all waiting on the client)
 HUNG_ALONE_FLOOR = 5.0  # seconds of silence of a rank's only active worker before the reserve takes over
+#: Seconds a worker of another rank, called on while none of this rank's own is active, may stay idle before it
+#: goes back to the reserve (its connection is closed). Read when a policy is made: tests shorten it.
+STANDBY_IDLE = 60.0
+#: Seconds a rank served by others' workers only waits for data before it calls one more.
+STANDBY_GROW_AFTER = 10.0
+#: Seconds a leaving worker's calls in flight are awaited when its notice did not say how long it drains
+#: (the default of ``rpcdl worker --drain-timeout``).
+DEFAULT_DRAIN_WAIT = 30.0
+#: Seconds added to a leaving worker's drain timeout: its last answers are still on their way when it ends.
+DRAIN_MARGIN = 1.0
 _SERVICE_WEIGHT = 0.5  # weight of a new sample in the service-time average (it follows changes fast)
 _GROW_BELOW = 0.5  # calls waiting at a worker whose window was full: fewer, and the window grows by one
 _LEAVE_FLOOR_BELOW = 0.25  # the same, to grow past prefetch_factor: round trips on loopback are noisy
@@ -110,6 +136,8 @@ class SchedulingPolicy:
         timeout: how long to wait for a worker to come back when none is left.
         max_window: calls in flight per worker at most, however long its link's
             round trip (default: ``4 * prefetch_factor``).
+        standby_idle: seconds another rank's worker in use may idle before it
+            goes back to the reserve (default: ``STANDBY_IDLE``).
 
     Example::
 
@@ -119,10 +147,13 @@ class SchedulingPolicy:
         '127.0.0.1:1'
     """
 
-    def __init__(self, *, prefetch_factor: int, timeout: float, max_window: int | None = None):
+    def __init__(
+        self, *, prefetch_factor: int, timeout: float, max_window: int | None = None, standby_idle: float | None = None
+    ):
         self.prefetch_factor = prefetch_factor
         self.timeout = float(timeout)
         self.max_window = max(max_window or MAX_WINDOW_FACTOR * prefetch_factor, prefetch_factor)
+        self.standby_idle = STANDBY_IDLE if standby_idle is None else float(standby_idle)
 
     # ------------------------------------------------------------------ windows
 
@@ -261,7 +292,9 @@ class SchedulingPolicy:
         if len(live) != 1:
             return None
         attempt = live[0]
-        here = slots[attempt.worker]
+        here = next((slot for slot in slots if slot.index == attempt.worker), None)
+        if here is None:  # its worker went back to the reserve: nothing to compare with
+            return None
         default = self.default_service_time(slots)
         age = now - attempt.sent_at
         late = age >= max(HEDGE_FACTOR * default, MIN_HEDGE_AGE)
@@ -295,20 +328,26 @@ class SchedulingPolicy:
         slot.in_flight.clear()
         return orphans
 
-    def gives_up(self, task: Task, slots: Sequence[WorkerSlot]) -> bool:
-        """Whether ``task`` timed out on as many workers as could serve it: its timeout is its result."""
-        return task.timeouts >= sum(slot.state not in (WorkerState.EXCLUDED, WorkerState.LEFT) for slot in slots)
+    def gives_up(self, task: Task, slots: Sequence[WorkerSlot], reserve: int = 0) -> bool:
+        """Whether ``task`` timed out on as many workers as could serve it (those of ``slots`` and the
+        ``reserve`` others' workers not called yet): its timeout is its result."""
+        gone = (WorkerState.EXCLUDED, WorkerState.LEFT, WorkerState.DRAINING)
+        return task.timeouts >= reserve + sum(slot.state not in gone for slot in slots)
 
-    def hung(self, slots: Sequence[WorkerSlot], now: float, answers: int) -> list[tuple[WorkerSlot, str]]:
+    def hung(
+        self, slots: Sequence[WorkerSlot], now: float, answers: int, reserve: bool | None = None
+    ) -> list[tuple[WorkerSlot, str]]:
         """The active workers that stopped answering while the others went on (invariant 9), each with why.
 
         Args:
             answers: how many answers the pool has had from all its workers so far.
+            reserve: whether others' workers wait in reserve (default: whether one of ``slots`` is ``STANDBY``).
         """
         found = []
         default = self.default_service_time(slots)
         active_now = [slot for slot in slots if slot.state is WorkerState.ACTIVE]
-        reserve = any(slot.state is WorkerState.STANDBY for slot in slots)
+        if reserve is None:
+            reserve = any(slot.state is WorkerState.STANDBY for slot in slots)
         for slot in slots:  # those that left finish their calls in flight: they are judged too
             if slot.state not in (WorkerState.ACTIVE, WorkerState.LEFT) or not slot.in_flight:
                 continue
@@ -336,17 +375,73 @@ class SchedulingPolicy:
             found.append((slot, why))
         return found
 
-    def call_on_standby(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
-        """When no worker is active (this client's own are gone or hung), the others' held in reserve are
-        set up now (they are ``DOWN`` with a probe due from now on). Not only once the own workers' probes
-        failed: a probe of a worker never reached (not started yet) waits for the connect grace."""
-        if any(slot.state is WorkerState.ACTIVE for slot in slots):
-            return []
-        called = [slot for slot in slots if slot.state is WorkerState.STANDBY]
-        for slot in called:
-            slot.state = WorkerState.DOWN
-            slot.probe_at = now
-        return called
+    def drain(self, slot: WorkerSlot, notice: BaseException, now: float, seconds: float | None) -> bool:
+        """``slot`` said it is leaving (``notice``, a call it refused): it is given no new task, and its calls
+        in flight are awaited for ``seconds`` (its drain timeout; ``None``: ``DEFAULT_DRAIN_WAIT``) and
+        ``DRAIN_MARGIN`` (invariant 10).
+
+        Returns:
+            whether it began to drain now (it was active).
+        """
+        if slot.state is not WorkerState.ACTIVE:
+            return False
+        slot.state = WorkerState.DRAINING
+        slot.failure = notice
+        slot.drain_until = now + (DEFAULT_DRAIN_WAIT if seconds is None else seconds) + DRAIN_MARGIN
+        return True
+
+    def drains_ended(self, slots: Sequence[WorkerSlot], now: float) -> tuple[list[WorkerSlot], list[WorkerSlot]]:
+        """The draining workers whose drain is over: those with no call left in flight (they are ``DOWN``
+        from now on, probed as any worker taken out), and those whose ``drain_until`` passed with calls still
+        in flight (to be taken out: their calls go elsewhere).
+
+        Returns:
+            ``(drained, overdue)``.
+        """
+        drained, overdue = [], []
+        for slot in slots:
+            if slot.state is not WorkerState.DRAINING:
+                continue
+            if not slot.in_flight:
+                slot.state = WorkerState.DOWN
+                slot.downs += 1
+                self._schedule_probe(slot, now)
+                drained.append(slot)
+            elif now >= slot.drain_until:
+                overdue.append(slot)
+        return drained, overdue
+
+    def wants_standby(self, slots: Sequence[WorkerSlot], now: float, last_called: float, reserve: int) -> bool:
+        """Whether a client that waits for data should call one more of the others' workers in reserve
+        (invariant 8): ``reserve`` of them wait, none of its own in ``slots`` is active, none called is being
+        set up (one at a time), and either none is active at all or the last was called (at ``last_called``)
+        ``STANDBY_GROW_AFTER`` seconds ago or more."""
+        if not reserve or own_active(slots):
+            return False
+        if any(not slot.preferred and slot.state is WorkerState.PROBING for slot in slots):
+            return False
+        return not any_active(slots) or now - last_called >= STANDBY_GROW_AFTER
+
+    def call_standby(self, slot: WorkerSlot, now: float) -> None:
+        """``slot``, another rank's worker in reserve, is called on: it is set up now (``DOWN``, its probe due)."""
+        slot.state = WorkerState.DOWN
+        slot.probe_at = now
+        slot.probe_delay = FIRST_PROBE_DELAY
+
+    def idle_standbys(self, slots: Sequence[WorkerSlot], now: float) -> list[WorkerSlot]:
+        """The others' workers this client no longer needs, back to the reserve (``STANDBY``) from now on:
+        those with no call in flight that idled ``standby_idle`` seconds, or that are down while one of
+        its own workers is active (invariant 8)."""
+        own = own_active(slots)
+        released = []
+        for slot in slots:
+            if slot.preferred or slot.in_flight:
+                continue
+            idle = now - max(slot.last_done, slot.last_sent, slot.probe_at) >= self.standby_idle
+            if (slot.state is WorkerState.ACTIVE and idle) or (slot.state is WorkerState.DOWN and own):
+                slot.state = WorkerState.STANDBY
+                released.append(slot)
+        return released
 
     def probe_all_down_now(self, slots: Sequence[WorkerSlot], now: float) -> None:
         """A new pass begins: the workers that are down are probed at once."""
@@ -401,6 +496,8 @@ class SchedulingPolicy:
         for slot in slots:
             if slot.state is WorkerState.DOWN and slot.probe_at < deadline:
                 deadline = slot.probe_at
+            elif slot.state is WorkerState.DRAINING and slot.drain_until < deadline:
+                deadline = slot.drain_until
         if awaiting_head:
             deadline = min(deadline, now + max(MIN_HEDGE_AGE, self.default_service_time(slots)))
         return max(0.0, deadline - now)
@@ -428,9 +525,10 @@ class AllDownWatch:
         self.all_down_since: float | None = None
         self._counts_then: dict[str, tuple[int, int]] = {}  # each worker's (probes, downs) when the wait began
 
-    def check(self, slots: Sequence[WorkerSlot], now: float) -> str | None:
+    def check(self, slots: Sequence[WorkerSlot], now: float, reserve: int = 0) -> str | None:
         """``None`` while a worker is active or may still come back in time; else the error to raise,
-        naming every worker, its state and its last failure."""
+        naming every worker, its state and its last failure. ``reserve``: how many others' workers wait in
+        reserve, not called yet (they may serve: the pass waits ``timeout`` for them)."""
         if any_active(slots):
             self.all_down_since = None
             return None
@@ -440,11 +538,15 @@ class AllDownWatch:
             self._counts_then = then = {slot.address: (slot.probes, slot.downs) for slot in slots}
         if any(slot.state is WorkerState.PROBING for slot in slots):
             return None  # a probe that ends in failure has its own timeout
+        if any(slot.state is WorkerState.DRAINING and slot.in_flight for slot in slots):
+            return None  # its calls in flight still answer, up to its drain_until
         recoverable = [slot for slot in slots if slot.state not in (WorkerState.EXCLUDED, WorkerState.LEFT)]
         unasked = any(slot.probes == then.get(slot.address, (0, 0))[0] for slot in recoverable)
-        if (recoverable or self.joins) and (now - self.all_down_since < self.timeout or unasked):
+        if (recoverable or reserve or self.joins) and (now - self.all_down_since < self.timeout or unasked):
             return None
         details = "; ".join(f"{slot.address} ({slot.state.value}: {slot.failure})" for slot in slots)
+        if reserve:
+            details += f"; {reserve} other ranks' workers not tried"
         return f"no worker is left (waited {self.timeout:g}s for one to come back): {details}"
 
 

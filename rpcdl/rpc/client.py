@@ -34,7 +34,7 @@ from .calls import Call, pending_call
 from .connection import IDLE_TICK, Connection
 from .held import answers_read_here, outside_held_blocks, send_held, sent_together
 from .invoke import call_and_wait, check_address, prepare, submit
-from .leaving import add_leaving_listener, is_leaving, remove_leaving_listener
+from .leaving import add_leaving_listener, drain_timeout, is_leaving, remove_leaving_listener
 from .pool import connection_to, shutdown
 from .rref import RRef, held_rref, new_uid
 
@@ -43,6 +43,7 @@ __all__ = [
     "add_leaving_listener",
     "answers_read_here",
     "connection_to",
+    "drain_timeout",
     "is_leaving",
     "outside_held_blocks",
     "ping",

@@ -599,11 +599,12 @@ class Connection:
         that ended the reading closes the connection: the stream may have stopped inside a frame."""
         answered = []
         reason = None
+        drain_timeout = 0.0
         if any(frame.kind is Kind.LEAVING for frame in frames):  # the worker drains: no call of ours goes there now
             notices = [frame for frame in frames if frame.kind is Kind.LEAVING]
             frames = [frame for frame in frames if frame.kind is not Kind.LEAVING]
             try:
-                reason = decode_leaving(notices[-1].payload)[1]
+                drain_timeout, reason = decode_leaving(notices[-1].payload)
             except ProtocolError as exc:
                 error = error or exc
         unexpected = frames[-1] if frames and frames[-1].kind not in ANSWERS else None
@@ -625,7 +626,7 @@ class Connection:
         if waiting is not None and isinstance(state, Closed):
             waiting.future.fail(state.error())
         if reason is not None:
-            worker_left(self.address, reason)
+            worker_left(self.address, reason, drain_timeout)
         for frame, call in answered:
             deliver(self.address, self, frame, call)
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good

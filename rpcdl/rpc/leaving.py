@@ -4,7 +4,10 @@ A worker that drains (SIGTERM, SIGINT, :meth:`rpcdl.Worker.drain`) sends each
 client a ``LEAVING`` frame (:mod:`rpcdl.transport.control`). The connection that
 reads it records the address here and stops taking calls for it
 (:class:`~rpcdl.rpc.state.Leaving`); the data layer learns of it from
-:func:`is_leaving` or a listener, and routes its calls elsewhere at once.
+:func:`is_leaving`, a listener, or a new call failing with
+:class:`~rpcdl.errors.WorkerLeaving`: it sends the worker no new call and
+awaits the calls in flight there for as long as the worker drains
+(:func:`drain_timeout`).
 
 An address stays leaving until a connection to it completes a handshake
 again (a worker serves there anew): meanwhile a new connection to it is not
@@ -12,8 +15,8 @@ retried for the connect grace, so a call to a worker that has left fails at
 once instead of waiting for it to come back.
 
 Threading model: any thread (a connection's thread, a caller reading
-answers) records and asks; one lock, ``_lock``, guards the set of leaving
-addresses and the list of listeners. Listeners are called outside the lock, in
+answers) records and asks; one lock, ``_lock``, guards the leaving
+addresses (with their drain timeouts) and the list of listeners. Listeners are called outside the lock, in
 the thread that read the frame; a forked child starts with neither.
 """
 
@@ -28,7 +31,7 @@ from .._lifecycle import in_forked_child
 log = logging.getLogger("rpcdl.client")
 
 _lock = threading.Lock()
-_leaving: set[str] = set()
+_leaving: dict[str, float] = {}  # address -> the seconds its LEAVING notice said it drains
 _listeners: list[Callable[[str], object]] = []
 
 
@@ -49,6 +52,26 @@ def is_leaving(address: str) -> bool:
     """
     with _lock:
         return address in _leaving
+
+
+def drain_timeout(address: str) -> float | None:
+    """How long the worker at ``address`` said it lets its calls in flight finish, if it said it is leaving.
+
+    Args:
+        address: the worker, ``"host:port"`` as calls name it.
+
+    Returns:
+        the seconds of its ``LEAVING`` notice (``rpcdl worker --drain-timeout``),
+        or ``None`` when it did not say it is leaving (or a worker serves
+        there again since).
+
+    Example::
+
+        >>> drain_timeout("127.0.0.1:1") is None
+        True
+    """
+    with _lock:
+        return _leaving.get(address)
 
 
 def add_leaving_listener(callback: Callable[[str], object]) -> None:
@@ -84,10 +107,13 @@ def remove_leaving_listener(callback: Callable[[str], object]) -> None:
             _listeners.remove(callback)
 
 
-def worker_left(address: str, reason: str) -> None:
-    """Record that the worker at ``address`` is leaving (its ``LEAVING`` frame was read), and tell the listeners."""
+def worker_left(address: str, reason: str, drain_timeout: float = 0.0) -> None:
+    """Record that the worker at ``address`` is leaving (its ``LEAVING`` frame was read), and tell the listeners.
+
+    ``drain_timeout``: the seconds it said its calls in flight get to finish.
+    """
     with _lock:
-        _leaving.add(address)
+        _leaving[address] = drain_timeout
         listeners = list(_listeners)
     log.info("rpcdl worker %s is leaving (%s): no new calls go to it", address, reason)
     for callback in listeners:
@@ -100,12 +126,12 @@ def worker_left(address: str, reason: str) -> None:
 def worker_serves(address: str) -> None:
     """A connection to ``address`` completed its handshake: a worker serves there (again)."""
     with _lock:
-        _leaving.discard(address)
+        _leaving.pop(address, None)
 
 
 def _after_fork_in_child() -> None:
     global _lock, _leaving, _listeners
-    _lock, _leaving, _listeners = threading.Lock(), set(), []
+    _lock, _leaving, _listeners = threading.Lock(), {}, []
 
 
 in_forked_child(_after_fork_in_child)

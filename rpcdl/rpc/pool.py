@@ -121,6 +121,40 @@ def close_connections_to(address: str, reason: str) -> None:
         connection.close(reason)
 
 
+def close_idle_connections_to(address: str, reason: str) -> int:
+    """Close this process's connections to ``address`` that wait for no answer: a worker no longer needed.
+
+    A connection with calls pending is left open (another caller still uses
+    it). A call made on a connection as it closes is refused, and the next one
+    opens a new connection.
+
+    Args:
+        address: the worker, ``"host:port"`` as the connections were asked for.
+        reason: why, for the log and for a call that raced the close.
+
+    Returns:
+        how many connections were closed.
+
+    Example::
+
+        >>> close_idle_connections_to("127.0.0.1:6543", "no longer needed")  # doctest: +SKIP
+        1
+    """
+    global _pool
+    # Asked outside _pool_lock: a connection's lock is never taken under it.
+    idle = [c for key, c in _pool.items() if key[0] == address and c.status().pending == 0]
+    if not idle:
+        return 0
+    with _pool_lock:
+        closing = [c for c in _pool.values() if any(c is i for i in idle)]
+        _pool = {key: c for key, c in _pool.items() if not any(c is i for i in closing)}
+    for connection in closing:
+        connection.close(reason)
+    if closing:
+        log.info("closed the idle connection to %s: %s", address, reason)
+    return len(closing)
+
+
 def _after_fork_in_child() -> None:
     global _pool, _pool_lock
     _pool, _pool_lock = {}, threading.Lock()
