@@ -11,6 +11,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -78,6 +79,33 @@ def test_a_call_to_a_full_worker_fails_at_once_and_a_loader_goes_to_its_other_wo
         assert full.stats()["clients"] == 1
     finally:
         holder.close()
+
+
+def test_clients_racing_for_the_last_places_never_exceed_the_limit(embedded_worker, switching_often):
+    worker = embedded_worker(max_sessions=2)
+    outcomes: list = [None] * 6
+
+    def connect(i: int) -> None:
+        try:
+            outcomes[i] = _handshake(worker.address)
+        except SessionsFull as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=connect, args=(i,), name=f"test-client-{i}") for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    held = [outcome for outcome in outcomes if isinstance(outcome, socket.socket)]
+    try:
+        assert len(held) == 2 and sum(isinstance(outcome, SessionsFull) for outcome in outcomes) == 4
+        deadline = time.monotonic() + 10
+        while worker.stats()["clients"] != 2:  # the two sessions start as their handshakes end
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_max_sessions_is_checked():
