@@ -288,10 +288,11 @@ class RPCDataset(Dataset):
     def build_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address`` (or share the copy built there); the future gives ``(rref, length)``."""
         recipe = (self.factory, self.args, self.kwargs)
+        definition = None if self.per_trainer else self._definition()
         try:
-            if self.per_trainer:
+            if definition is None:
                 return rpc_async(address, _build, recipe, timeout=self.timeout)
-            return rpc_async(address, _build_shared, (self._definition(), *recipe), timeout=self.timeout)
+            return rpc_async(address, _build_shared, (definition, *recipe), timeout=self.timeout)
         except TypeError:  # a dataset argument that does not pickle: named as the user wrote it
             parts = {"the dataset class or factory": self.factory, **named_arguments(self.args, self.kwargs)}
             culprit = unpicklable_part(address, parts)
@@ -300,18 +301,14 @@ class RPCDataset(Dataset):
             name = getattr(self.factory, "__qualname__", "the dataset")
             raise TypeError(f"RPCDataset cannot send {name} and its arguments to worker {address}: {culprit}") from None
 
-    def _definition(self) -> bytes:
-        """The recipe pickled alike in every trainer with the same code: what a worker shares a copy by.
-
-        Raises:
-            TypeError: a part of the recipe does not pickle.
-        """
+    def _definition(self) -> bytes | None:
+        """The recipe pickled alike in every trainer with the same code, what a worker shares a copy by; ``None``
+        when it does not pickle so (then this trainer's copy is its own, and sending the recipe says what fails)."""
         try:
             return pickle_definition((self.factory, self.args, self.kwargs))
-        except TypeError:
-            raise
         except Exception as exc:  # pickle's own errors, and what a __reduce__ raised
-            raise TypeError(f"cannot pickle the dataset and its arguments: {exc}") from exc
+            log.debug("the dataset is built for this trainer alone: its definition does not pickle (%s)", exc)
+            return None
 
     def rebuild_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address`` again (it lost it, or never had it) and install it (:meth:`accept`).

@@ -476,7 +476,7 @@ def shared_rref(kind: str, definition: bytes, build: Callable[[], T]) -> RRef[T]
 
     The first call builds it (``build()``), calls that arrive meanwhile wait
     for that build; each caller holds its own reference, and the object is
-    freed once no caller holds one (see :meth:`RRefStore.share`). Returned
+    freed once no caller holds one (see ``RRefStore.share``). Returned
     from the call, it reaches the caller as a remote reference it holds.
 
     Args:

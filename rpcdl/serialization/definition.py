@@ -1,7 +1,7 @@
 """A definition: an object pickled so that every process with the same code pickles it to the same bytes.
 
 A worker shares one dataset among the trainers that send it the same
-definition (see :meth:`rpcdl.rpc.rref.RRefStore.share`), so the bytes must
+definition (see ``RRefStore.share`` in ``rpcdl.rpc.rref``), so the bytes must
 not depend on the process that pickled them. A message's pickle does:
 cloudpickle gives each class it pickles by value (one of ``__main__``, or of
 a user's own module, see :mod:`rpcdl.serialization.user_code`) an id drawn at
