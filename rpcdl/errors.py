@@ -86,6 +86,23 @@ class WorkerLeaving(WorkerUnavailable):
         return type(self), (str(self), self.address)
 
 
+class SessionsFull(WorkerUnavailable):
+    """The worker refused the connection: it serves as many clients (sessions) as it takes (``max_sessions``).
+
+    Transient (:func:`rpcdl.errors.is_transient`), but not retried on the spot:
+    sessions last, so a loader sends its batches to its other workers at once
+    and probes this one in the background until it takes the connection.
+
+    Example::
+
+        >>> try:  # doctest: +SKIP
+        ...     rpcdl.rpc_sync(full_worker, min, (1, 2))
+        ... except rpcdl.errors.SessionsFull as exc:
+        ...     print(rpcdl.errors.is_transient(exc))
+        True
+    """
+
+
 class UnknownHost(RPCDLError, LookupError):
     """A worker's host name does not resolve: a typo or a name not made yet; never retried as a worker not
     started yet (a source such as ``dns://NAME:PORT`` waits for its name instead)."""

@@ -150,6 +150,24 @@ class SlowBuildDataset(RangeDataset):
         super().__init__(n, delay)
 
 
+class Allocates(Dataset):
+    """Holds ``megabytes`` of memory it wrote (resident, not just reserved); item ``i`` is ``i``."""
+
+    def __init__(self, megabytes: int, n: int = 10):
+        self.block = bytearray(b"\x01") * (megabytes << 20)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def grow(self) -> int:
+        self.n += 1
+        return self.n
+
+
 def start_worker_process(*options: str) -> tuple[subprocess.Popen, str]:
     """An ``rpcdl worker`` process on a free loopback port with ``options``, and its address once it is ready.
 

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from ..logs import FORMATS
 from ..logs import configure as configure_logging
+from ..server.admission import DEFAULT_MAX_SESSIONS
 from ..transport.compression import COMPRESSION_ENV, MODES, resolve_mode
 from ..transport.security import (
     TLS_CERT_ENV,
@@ -68,6 +69,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--parallel", type=positive_int, default=1, help="calls run at once in each process (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=DEFAULT_MAX_SESSIONS,
+        metavar="N",
+        help="clients served at once by each process; one more is refused, once it proved its token, and its "
+        "loader uses its other workers (rpcdl status is never refused) (default: %(default)s)",
     )
     parser.add_argument(
         "--procs",
@@ -264,6 +273,7 @@ def run_worker_command(
             compression=args.compression,
             metrics_port=args.metrics_port,
             register=args.register,
+            max_sessions=args.max_sessions,
         )
     except OSError as exc:  # not a usage mistake: one line, exit 1 (another port is the user's choice)
         if exc.errno is not None:  # from the system: binding the worker's port failed

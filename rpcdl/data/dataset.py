@@ -1,5 +1,10 @@
 """RPCDataset: a dataset built on every worker, addressed through remote references.
 
+A worker keeps one copy per recipe, shared by the trainers that send it
+(the worker keys it on a digest of the recipe pickled alike in every trainer,
+:mod:`rpcdl.serialization.definition`, see :func:`rpcdl.rpc.rref.shared_rref`),
+unless a trainer asks for its own (``rpcdl_per_trainer=True``).
+
 The dataset keeps where it is built (one reference per worker) and its recipe;
 whether a worker is usable is its loader's pool's record alone
 (:mod:`rpcdl.data.pool`). A call that finds the dataset gone from a worker (it
@@ -43,12 +48,14 @@ from ..checks import check_loader_timeout
 from ..errors import DatasetMismatch, UnknownHost, WorkerTimeout, WorkerUnavailable
 from ..rpc.client import rpc_async
 from ..rpc.invoke import named_arguments, unpicklable_part
-from ..rpc.rref import RRef, RRefNotFound
+from ..rpc.rref import RRef, RRefNotFound, shared_rref
+from ..serialization.definition import pickle_definition
 from .first_copy import wait_for_first_copy
 from .probes import Revival, back_when, probe_async
 from .sources import Fleet, start_timeout
 
 log = logging.getLogger("rpcdl.dataset")
+_SHARED_KIND = "rpcdl.RPCDataset"  # what a worker's shared datasets are keyed under
 
 
 def _iterable_dataset_error(name: str) -> TypeError:
@@ -60,18 +67,40 @@ def _iterable_dataset_error(name: str) -> TypeError:
     )
 
 
-def _build(factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef, int | None]:
-    """Runs on a worker: build the dataset, keep it there, return a reference and its length."""
+def _make(factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Runs on a worker: build the dataset and check that it is map-style."""
     dataset = factory(*args, **kwargs)
     if isinstance(dataset, IterableDataset):
         raise _iterable_dataset_error(f"{getattr(factory, '__qualname__', factory)!s}(...)")
-    try:
-        length = len(dataset)
-    except TypeError:
-        length = None
-    items = "no length" if length is None else f"{length} items"
+    items = "no length" if _length_or_none(dataset) is None else f"{len(dataset)} items"
     log.info("dataset %s built (%s)", getattr(factory, "__qualname__", type(dataset).__qualname__), items)
-    return RRef(dataset), length
+    return dataset
+
+
+def _length_or_none(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _build(factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef, int | None]:
+    """Runs on a worker: build a dataset of this client's own, keep it there, return a reference and its length."""
+    dataset = _make(factory, args, kwargs)
+    return RRef(dataset), _length_or_none(dataset)
+
+
+def _build_shared(definition: bytes, factory: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[RRef, int | None]:
+    """Runs on a worker: the dataset every client sending this definition shares, built by the first.
+
+    ``definition`` is the recipe pickled alike in every trainer with the same
+    code (:func:`rpcdl.serialization.definition.pickle_definition`); the worker
+    keys the dataset on a digest of those bytes under its token (see
+    :func:`rpcdl.rpc.rref.shared_rref`). This client holds its own reference,
+    and the dataset is freed when no client holds one.
+    """
+    rref = shared_rref(_SHARED_KIND, definition, lambda: _make(factory, args, kwargs))
+    return rref, _length_or_none(rref.local_value())
 
 
 def _length(dataset: Any) -> int:
@@ -87,11 +116,21 @@ def _get_item(dataset: Any, index: Any) -> Any:
 
 
 class RPCDataset(Dataset):
-    """A dataset built on remote workers: each worker holds its own copy.
+    """A dataset built on remote workers: each worker holds one copy, shared by the trainers that send it.
 
     ``dataset(*args, **kwargs)`` runs on every worker; only a reference comes
     back. The recipe is kept, so a worker that restarts is given the dataset
     again, and its length is checked against the others'.
+
+    Trainers that send a worker the same recipe (the same pickled ``dataset``
+    and arguments, under the same token) share one instance there: the first
+    builds it, the others arriving meanwhile wait for that build (a build that
+    raises raises for each of them, and is not kept), and it is freed when the
+    last of them releases it. So 64 ranks borrowing one worker cost it one
+    copy, not 64. A method called through the dataset's RRef that changes the
+    dataset changes it for every trainer sharing it; a dataset that keeps
+    per-trainer state (a cursor, a cache filled per epoch) should be built
+    with ``rpcdl_per_trainer=True``.
 
     Args:
         workers: worker addresses, ``"host:port"``; or a worker source: a file
@@ -114,6 +153,10 @@ class RPCDataset(Dataset):
             worker that refuses connections or whose host name does not
             resolve yet is asked again meanwhile, and in the background once
             it is ready (see :doc:`/guides/fleets`). Keyword-only.
+        rpcdl_per_trainer: build a copy for this trainer alone on each worker
+            (``True``), instead of sharing the copy of every trainer that sends
+            the same recipe (``False``, the default). Keyword-only, named so
+            that it cannot clash with the dataset's own arguments.
 
     Raises:
         DatasetMismatch: workers built datasets of different lengths.
@@ -147,6 +190,7 @@ class RPCDataset(Dataset):
         *args: Any,
         rpcdl_timeout: float = 120.0,
         rpcdl_start_timeout: float | None = None,
+        rpcdl_per_trainer: bool = False,
         **kwargs: Any,
     ):
         self.fleet = workers if isinstance(workers, Fleet) else Fleet(workers)
@@ -155,6 +199,12 @@ class RPCDataset(Dataset):
         if isinstance(dataset, type) and issubclass(dataset, IterableDataset):
             raise _iterable_dataset_error(dataset.__qualname__)
         self.timeout = check_loader_timeout(rpcdl_timeout, "rpcdl_timeout")
+        if not isinstance(rpcdl_per_trainer, bool):
+            raise TypeError(
+                f"rpcdl_per_trainer must be True (a copy per trainer on each worker) or False (one copy per worker, "
+                f"shared by the trainers sending the same dataset), got {rpcdl_per_trainer!r}"
+            )
+        self.per_trainer = rpcdl_per_trainer
         self._timeout_given = float(rpcdl_timeout)
         self.factory = dataset
         self.args = args
@@ -203,9 +253,13 @@ class RPCDataset(Dataset):
             return self._rrefs.get(address)
 
     def build_async(self, address: str) -> torch.futures.Future:
-        """Build the dataset on ``address``; the future gives ``(rref, length)``."""
+        """Build the dataset on ``address`` (or share the copy built there); the future gives ``(rref, length)``."""
+        recipe = (self.factory, self.args, self.kwargs)
+        definition = None if self.per_trainer else self._definition()
         try:
-            return rpc_async(address, _build, (self.factory, self.args, self.kwargs), timeout=self.timeout)
+            if definition is None:
+                return rpc_async(address, _build, recipe, timeout=self.timeout)
+            return rpc_async(address, _build_shared, (definition, *recipe), timeout=self.timeout)
         except TypeError:  # a dataset argument that does not pickle: named as the user wrote it
             parts = {"the dataset class or factory": self.factory, **named_arguments(self.args, self.kwargs)}
             culprit = unpicklable_part(address, parts)
@@ -213,6 +267,15 @@ class RPCDataset(Dataset):
                 raise
             name = getattr(self.factory, "__qualname__", "the dataset")
             raise TypeError(f"RPCDataset cannot send {name} and its arguments to worker {address}: {culprit}") from None
+
+    def _definition(self) -> bytes | None:
+        """The recipe pickled alike in every trainer with the same code, what a worker shares a copy by; ``None``
+        when it does not pickle so (then this trainer's copy is its own, and sending the recipe says what fails)."""
+        try:
+            return pickle_definition((self.factory, self.args, self.kwargs))
+        except Exception as exc:  # pickle's own errors, and what a __reduce__ raised
+            log.debug("the dataset is built for this trainer alone: its definition does not pickle (%s)", exc)
+            return None
 
     def rebuild_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address`` again (it lost it, or never had it) and install it (:meth:`accept`).

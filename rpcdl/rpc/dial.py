@@ -48,6 +48,11 @@ What happens to each kind of failure:
   ``user_canceled`` alert (see :mod:`rpcdl.transport.handshake`):
   :class:`~rpcdl.errors.WorkerFull` says so, once on the logger,
   and the attempt is retried like a reset.
+* **Full of clients**: a worker that serves as many sessions as it takes
+  (``max_sessions``) says so in the handshake's verdict:
+  :class:`~rpcdl.errors.SessionsFull` is raised at once, not retried here
+  (sessions last): the data layer sends its calls to other workers and probes
+  this one later.
 * Anything else (a reset, a connect timeout) is retried until the calls
   waiting for the connection time out. Once connected, calls keep their full
   timeout: :data:`HELLO_ANSWER_TIMEOUT` bounds the handshake only.
@@ -66,7 +71,16 @@ from collections.abc import Callable
 
 from .._lifecycle import in_forked_child
 from ..checks import environment_number
-from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, UnknownHost, WorkerFull, WorkerUnavailable
+from ..errors import (
+    AuthenticationError,
+    HelloUnanswered,
+    ProtocolError,
+    SessionsFull,
+    UnknownHost,
+    WorkerFull,
+    WorkerUnavailable,
+)
+from ..open_files import raise_open_file_limit
 from ..transport.handshake import Agreement, client_negotiate, tls_refusal
 from ..transport.security import Token
 from .leaving import is_leaving
@@ -202,6 +216,7 @@ def dial(
         ProtocolError: the peer is not an rpcdl worker, or speaks another version.
         AuthenticationError: the tokens differ, or the TLS certificate fails verification.
     """
+    raise_open_file_limit()  # once per process: a trainer holds a socket per worker
     started = time.monotonic()
     delay = 0.02
     unanswered = 0
@@ -227,7 +242,7 @@ def dial(
             raise AuthenticationError(
                 f"TLS: the certificate of worker {address} failed verification: {exc.verify_message}"
             ) from None
-        except (AuthenticationError, ProtocolError):
+        except (AuthenticationError, ProtocolError, SessionsFull):
             _close_quietly(sock)
             raise
         except OSError as exc:

@@ -9,9 +9,12 @@ An RRef sent in a call to its owner arrives there as the object itself.
 
 Threading model:
 
-* **The worker's store** (:class:`RRefStore`): its entries are guarded by its
-  lock, taken by every access; the calls running on the worker's threads wait
-  for an entry's object on the entry's own event.
+* **The worker's store** (:class:`RRefStore`): its entries and its shared
+  objects (their records and holder counts) are guarded by its lock, taken by
+  every access; the calls running on the worker's threads wait for an entry's
+  object on the entry's own event, and for a shared object being built on the
+  record's own event. A shared object's value or error is written once, by
+  the thread that builds it, before that event is set, and read only after.
 * **This process's handles** (:class:`Handle`, one per remote object, shared by
   every RRef naming it): the registry ``_handles`` is guarded by
   ``_handles_lock``, taken by every access. A handle's death is noticed by a
@@ -28,9 +31,13 @@ Threading model:
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
+import logging
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
@@ -43,6 +50,8 @@ from .invoke import call_and_wait
 
 T = TypeVar("T")
 _MISSING = object()
+_SAY_WAITING_EVERY = 10.0  # seconds between two lines saying a call waits for another's build of a shared object
+log = logging.getLogger("rpcdl.worker")
 
 
 def new_uid() -> int:
@@ -51,14 +60,32 @@ def new_uid() -> int:
 
 
 class _Entry:
-    __slots__ = ("error", "holder", "ready", "released", "value")
+    __slots__ = ("error", "holder", "ready", "released", "shared", "value")
 
-    def __init__(self, holder: object):
+    def __init__(self, holder: object, shared: _Shared | None = None):
         self.value: Any = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.holder = holder
         self.released = False
+        self.shared = shared  # the shared object's record this entry holds a count of, if any
+
+
+class _Shared:
+    """One object shared by the entries of every holder that sent the same definition (see :meth:`RRefStore.share`).
+
+    ``holders`` counts the entries naming it and the calls building or awaiting
+    it; at zero the store forgets it, and the object goes with its last entry.
+    """
+
+    __slots__ = ("error", "holders", "key", "ready", "value")
+
+    def __init__(self, key: bytes):
+        self.key = key
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()  # set once built, or once the build raised
+        self.holders = 0
 
 
 class RRefStore:
@@ -71,12 +98,24 @@ class RRefStore:
     for it later (a call its session had read already, run after the
     disconnection was noticed) is freed as soon as it is complete.
 
+    An object may also be shared (:meth:`share`): the holders that send the same
+    definition (the same bytes, under the same credentials) get entries of
+    their own naming one object, built once and freed with the last entry.
+
     Threading model: every field is guarded by ``_lock``, taken by every
-    access; an entry's object is awaited on the entry's own event.
+    access; an entry's object is awaited on the entry's own event, a shared
+    object being built on its record's.
+
+    Args:
+        secret: the credentials every client of this worker proved (its token's
+            secret), or ``None``: a shared object's key is a digest of its
+            definition under them, so only clients holding them share it.
     """
 
-    def __init__(self):
+    def __init__(self, secret: bytes | None = None):
+        self._secret = secret
         self._entries: dict[int, _Entry] = {}
+        self._shared: dict[bytes, _Shared] = {}
         self._lock = threading.Lock()
         # holders released, by id, weakly (no callback: pruned under the lock); a live one is compared by identity
         self._gone: dict[int, weakref.ref] = {}
@@ -95,13 +134,112 @@ class RRefStore:
             if self._holder_gone(holder):
                 entry.released = True  # freed once complete
 
+    def shared_count(self) -> int:
+        """How many shared objects the store keeps (each built once, for every holder of its definition)."""
+        with self._lock:
+            return len(self._shared)
+
+    def share(self, kind: str, definition: bytes, build: Callable[[], Any], holder: object) -> tuple[int, Any]:
+        """Add an entry for ``holder`` naming the one object built from ``definition``; build it if none is kept.
+
+        Holders that send the same ``definition`` bytes for the same ``kind``
+        (under the store's credentials) share one object: the first builds it
+        (``build()``, in the calling thread), those arriving meanwhile wait for
+        that build, and the object is freed when the last entry naming it is
+        released. A build that raises raises for every call waiting for it,
+        and is not kept: the next call builds again.
+
+        Args:
+            kind: what the definition defines (a namespace: two kinds never share).
+            definition: the bytes defining the object (the pickled recipe the holder sent).
+            build: makes the object from ``definition``.
+            holder: the connection holding the new entry.
+
+        Returns:
+            ``(uid, object)``: the new entry's id and the shared object.
+
+        Raises:
+            Exception: what ``build`` raised, here or in the call that built it.
+
+        Example::
+
+            >>> store = RRefStore()
+            >>> a = store.share("list", b"recipe", lambda: [0] * 3, holder="trainer-1")
+            >>> b = store.share("list", b"recipe", lambda: [0] * 3, holder="trainer-2")
+            >>> a[1] is b[1], store.shared_count()
+            (True, 1)
+        """
+        key = self._key(kind, definition)
+        with self._lock:
+            record = self._shared.get(key)
+            builds = record is None
+            if record is None:
+                record = self._shared[key] = _Shared(key)
+            record.holders += 1  # the object stays while this call builds, awaits or holds it
+        if builds:
+            try:
+                record.value = build()
+            except BaseException as exc:
+                record.error = exc
+                with self._lock:
+                    self._unshare(record)
+                    if self._shared.get(key) is record:  # not kept: the next call builds again
+                        del self._shared[key]
+                record.ready.set()
+                raise
+            record.ready.set()
+        else:
+            self._await_build(record, kind)
+            if record.error is not None:
+                with self._lock:
+                    self._unshare(record)
+                raise raisable(record.error)  # the record's error stays free of this frame
+        uid = new_uid()
+        entry = _Entry(holder, record)
+        entry.value = record.value
+        entry.ready.set()
+        with self._lock:
+            if self._holder_gone(holder):
+                self._unshare(record)
+            else:
+                self._entries[uid] = entry
+        return uid, record.value
+
+    def _key(self, kind: str, definition: bytes) -> bytes:
+        named = kind.encode() + b"\0" + definition
+        if self._secret is None:
+            return hashlib.sha256(named).digest()
+        return hmac.new(self._secret, named, hashlib.sha256).digest()
+
+    def _await_build(self, record: _Shared, kind: str) -> None:
+        """Wait for another call's build of ``record``, saying every few seconds what is awaited."""
+        started = time.monotonic()
+        while not record.ready.wait(_SAY_WAITING_EVERY):
+            log.info(
+                "a call waits for another client's build of the same %s (for %.0fs): it shares that one",
+                kind,
+                time.monotonic() - started,
+            )
+
+    def _unshare(self, record: _Shared) -> None:
+        """One holder of ``record`` less (under ``_lock``); the last one forgets it."""
+        record.holders -= 1
+        if not record.holders and self._shared.get(record.key) is record:
+            del self._shared[record.key]
+
+    def _drop(self, uid: int, entry: _Entry) -> None:
+        """Forget entry ``uid`` (under ``_lock``), and its count of the shared object it names."""
+        del self._entries[uid]
+        if entry.shared is not None:
+            self._unshare(entry.shared)
+
     def complete(self, uid: int, value: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
             entry = self._entries.get(uid)
             if entry is None:
                 return
             if entry.released:
-                del self._entries[uid]
+                self._drop(uid, entry)
             else:
                 entry.value, entry.error = value, error
         entry.ready.set()
@@ -133,7 +271,7 @@ class RRefStore:
             if entry is None:
                 return
             if entry.ready.is_set():
-                del self._entries[uid]
+                self._drop(uid, entry)
             else:
                 entry.released = True
 
@@ -162,6 +300,10 @@ class StoreView:
 
     def resolve(self, uid: int) -> Any:
         return self.store.resolve(uid, self.timeout)
+
+    def share(self, kind: str, definition: bytes, build: Callable[[], Any]) -> tuple[int, Any]:
+        """:meth:`RRefStore.share` for this connection's holder."""
+        return self.store.share(kind, definition, build, self.holder)
 
 
 class Holder(Protocol):
@@ -327,6 +469,39 @@ class RRef(Generic[T]):
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def shared_rref(kind: str, definition: bytes, build: Callable[[], T]) -> RRef[T]:
+    """Run on a worker, in a call: a reference to the one object every client sending ``definition`` shares.
+
+    The first call builds it (``build()``), calls that arrive meanwhile wait
+    for that build; each caller holds its own reference, and the object is
+    freed once no caller holds one (see ``RRefStore.share``). Returned
+    from the call, it reaches the caller as a remote reference it holds.
+
+    Args:
+        kind: what the definition defines (objects of two kinds are never shared).
+        definition: the bytes the caller sent that define the object (a pickled recipe).
+        build: makes the object (it may raise: then every call waiting for it raises).
+
+    Returns:
+        an RRef to the shared object, for the caller.
+
+    Raises:
+        RuntimeError: not called by a worker running a call.
+
+    Example::
+
+        >>> def build_shared(recipe: bytes) -> RRef:  # sent to a worker with rpcdl.rpc_sync
+        ...     return shared_rref("my.lookup_table", recipe, lambda: pickle.loads(recipe))
+    """
+    view = current_peer()[1]
+    if not isinstance(view, StoreView):
+        raise RuntimeError("shared_rref() runs on a worker, in a call: send it there with rpcdl.rpc_sync")
+    uid, value = view.share(kind, definition, build)
+    rref: RRef[T] = RRef(value)
+    rref._uid_in_store = uid  # pickled in the answer as the entry just added, which the caller holds
+    return rref
 
 
 def remote_id(rref: RRef) -> int:

@@ -40,6 +40,9 @@ from dataclasses import dataclass
 
 from ..checks import environment_number
 
+#: Clients (sessions) a worker serves at once unless told otherwise (``Worker(max_sessions=)``,
+#: ``rpcdl worker --max-sessions``); one more is refused once its handshake proved its token.
+DEFAULT_MAX_SESSIONS = 1024
 MAX_HANDSHAKES_ENV = "RPCDL_MAX_HANDSHAKES"
 #: Connections in their handshake a worker holds at once, unless ``RPCDL_MAX_HANDSHAKES`` says otherwise.
 DEFAULT_MAX_HANDSHAKES = 256

@@ -9,10 +9,13 @@ queued (:meth:`Slots.take`, see :mod:`rpcdl.server.session`), else one of
 A thread whose call is done runs the next queued call in the same slot if
 there is one (no thread switch per call), else frees the slot; it frees the
 slot before sending a large answer, so the next call runs meanwhile. The
-queue is fair (:class:`~rpcdl.server.fair_queue.FairQueue`): each client's
-calls wait in their own line, in the order they arrived, and a freed slot
-takes the next call of the next client in turn, so a client with many calls
-queued cannot starve one with few. Nothing else is called under the lock.
+queue is fair by time (:class:`~rpcdl.server.fair_queue.FairQueue`): each
+client's calls wait in their own line, in the order they arrived; the thread
+that ran a call charges its duration, measured where it ran, to its client,
+and a freed slot takes the next call of the waiting client that has used the
+least time, so neither a client with many calls queued nor one with long
+calls can starve one with few or short ones. Nothing else is called under
+the lock.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
+from time import perf_counter
 
 from ..errors import ConnectionLost
 from ..rpc.rref import RRefStore
@@ -43,7 +47,7 @@ _OPEN = SlotsState.OPEN  # read on every call: see rpcdl.server.session for what
 
 
 class Slots:
-    """``parallel`` slots and the fair queue in front of them (a line per client, served in turns).
+    """``parallel`` slots and the fair queue in front of them (a line per client, equal shares of time).
 
     Args:
         parallel: how many calls run at once.
@@ -124,12 +128,15 @@ class Slots:
         """
         while True:
             queued = answer = None
+            started = perf_counter()
             try:
                 # a closed session has nobody to answer: its calls are not run
                 answer = self._refuse(frame) if session.closed else self._execute(session, frame)
             finally:
                 large = answer is not None and bool(answer.buffers) and answer.buffer_bytes >= LARGE_ANSWER
+                ran = perf_counter() - started
                 with self._lock:
+                    self._queue.charge(session, ran)
                     if self._queue and self._state is _OPEN and not large:
                         queued = self._queue.pop()
                     else:

@@ -17,10 +17,12 @@ Threads of a worker:
 * as the worker drains, the announcer thread (``rpcdl-leaving-ADDRESS``,
   :mod:`rpcdl.server.draining`) sends every client a ``LEAVING`` frame.
 
-Who owns what: the worker's lock (``_lock``) guards its :class:`Phase` and its
-set of sessions, for every read and write, so that a session is admitted only
-while the worker serves and a stop sees every session admitted, and the
-announcer thread once started. ``_stop_lock`` is held by the one thread that
+Who owns what: the worker's lock (``_lock``) guards its :class:`Phase`, its
+set of sessions, the count of clients among them and of the places reserved
+by handshakes past their verdict (``max_sessions`` bounds the two together),
+for every read and write, so that a session is admitted only while the worker
+serves, a stop sees every session admitted, and no more clients are taken
+than the limit, and the announcer thread once started. ``_stop_lock`` is held by the one thread that
 stops the worker (a second stop waits for it). The admission guards its own
 table of connections in their handshake (see its module). A session owns
 its own state (its module says how); the worker reaches it through its public
@@ -55,7 +57,8 @@ import torch
 from .._lifecycle import ExitPhase, at_exit
 from ..address import format_address, is_loopback, parse_address
 from ..checks import check_int, check_positive_int, check_timeout
-from ..errors import ProtocolError
+from ..errors import ProtocolError, SessionsFull
+from ..open_files import raise_open_file_limit
 from ..registry import RegistryURL
 from ..rpc import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ..rpc.rref import RRefStore
@@ -66,7 +69,7 @@ from ..transport.polling import window_from_environment
 from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits, io_stream
-from .admission import MAX_HANDSHAKES_ENV, Admission, Full, Pending, QuietLog, max_handshakes
+from .admission import DEFAULT_MAX_SESSIONS, MAX_HANDSHAKES_ENV, Admission, Full, Pending, QuietLog, max_handshakes
 from .calls import CallRunner
 from .counters import Counters
 from .draining import ANNOUNCE_WAIT, announce_leaving, serve_until_stopped
@@ -119,6 +122,12 @@ class Worker:
         shared_memory: bytes of the shared segment offered to each client on
             this host (see :mod:`rpcdl.transport.shm`); ``0`` turns it off; default
             ``RPCDL_SHM_BYTES``, else 256 MiB.
+        max_sessions: the most clients served at once (default
+            ``DEFAULT_MAX_SESSIONS``, 1024). A client past it is refused in
+            its handshake, once it proved its token, with
+            :class:`~rpcdl.errors.SessionsFull`: its loader takes its other
+            workers and probes this one later. ``rpcdl status`` is no client:
+            it is never refused so.
 
     A new connection has ``limits.handshake_timeout`` seconds from its accept
     (``RPCDL_HANDSHAKE_TIMEOUT``, default 10) for its whole handshake, TLS
@@ -154,11 +163,13 @@ class Worker:
         advertise: str | None = None,
         compression: str | None = None,
         shared_memory: int | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ):
         if not isinstance(host, str):
             raise TypeError(f"host must be a string such as '127.0.0.1' or '0.0.0.0', got {host!r}")
         check_int(port, "port", minimum=0, maximum=65535, meaning="0 picks a free port")
         self.parallel = check_positive_int(parallel, "parallel", "calls run at once")
+        self.max_sessions = check_positive_int(max_sessions, "max_sessions", "clients served at once")
         self.timeout = check_timeout(timeout)
         self.limits = limits or Limits()
         self.compression = resolve_mode(compression)
@@ -179,13 +190,15 @@ class Worker:
         if advertise is None:
             advertise = socket.gethostname() if host in _WILDCARDS else host
         self.address = format_address(advertise, bound_port)
-        self.store = RRefStore()
+        self.store = RRefStore(self._token.secret if self._token is not None else None)  # shared objects: per token
         self.counters = Counters()
         self.calls = CallRunner(self.store, self.limits, self.counters)
         self.slots = Slots(self.parallel, self.calls.run, self.store)
         self._lock = threading.Lock()
         self._phase = Phase.NEW
         self._connections: set[ClientConnection] = set()
+        self._clients = 0  # sessions among _connections that are not observers
+        self._reserved = 0  # clients past the verdict of their handshake, not yet sessions: they count as clients
         self._announcer: threading.Thread | None = None  # set with the phase DRAINING, under _lock
         self._stop_lock = threading.Lock()
         self._admission = Admission(max_handshakes(), self.limits.handshake_timeout)
@@ -218,6 +231,7 @@ class Worker:
             if self._phase is not Phase.NEW:
                 return self
             self._phase = Phase.SERVING
+            raise_open_file_limit()  # once per process: a worker holds a socket per client
             self.slots.start()
             for thread in self._threads:
                 thread.start()
@@ -337,7 +351,7 @@ class Worker:
         Returns:
             calls served, failed, rejected and in flight, batches made, bytes in
             and out, busy seconds, clients (``rpcdl status`` is an observer, not
-            a client), connections, RRefs held, whether it drains, and how it
+            a client) and the most it takes (``max_sessions``), connections, RRefs held, whether it drains, and how it
             serves (TLS, token, compression).
 
         Example::
@@ -366,10 +380,12 @@ class Worker:
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
             "clients": len(connections) - observers,
+            "max_sessions": self.max_sessions,
             "observers": observers,
             "connections_total": c["connections_total"],
             "connections_refused": c["connections_refused"],
             "rrefs": len(self.store),
+            "rrefs_shared": self.store.shared_count(),
             "draining": draining,
             "tls": self._ssl is not None,
             "authenticated": self._token is not None,
@@ -430,6 +446,13 @@ class Worker:
         """
         deadline = Deadline(self.limits.handshake_timeout, start=pending.accepted_at)
         agreed = Agreement("off")
+        reserved: list[bool] = []  # whether the verdict reserved a client's place (the one call of admit)
+
+        def admit(observer: bool) -> str:
+            full = self._reserve(observer)
+            reserved.append(not full and not observer)
+            return full
+
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
@@ -438,20 +461,48 @@ class Worker:
                     raise ConnectionAbortedError("evicted")
                 deadline.arm(sock)
                 sock.do_handshake()  # one call: the socket's timeout bounds it whole
-            agreed = server_negotiate(sock, self._token, peer, self.compression, self.shared_memory, deadline)
+            agreed = server_negotiate(
+                sock, self._token, peer, self.compression, self.shared_memory, deadline, admit=admit
+            )
             if not self._admission.leave(pending):  # evicted as it passed: its socket is shut down
                 raise ConnectionAbortedError("evicted")
             sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
+            if reserved and reserved[0]:
+                self._unreserve()
             if agreed.segment is not None:
                 agreed.segment.close()
-            if self._admission.leave(pending):
-                self._refuse(sock, peer, _why(exc))
-            else:
+            if not self._admission.leave(pending):
                 self._evicted(sock, peer)
+            elif isinstance(exc, SessionsFull):  # trainers retry a full worker: one warning per 10 s
+                self.counters.add(connections_refused=1)
+                self._quiet_log.warning("sessions", "refused connection from %s: %s", peer, exc)
+                shutdown_socket(sock)
+            else:
+                self._refuse(sock, peer, _why(exc))
             return
         compressor = Compressor(agreed.compression, loopback=is_loopback(parse_address(peer)[0]))
-        self.serve_socket(sock, peer, compressor, agreed.segment, observer=agreed.observer)
+        self.serve_socket(
+            sock, peer, compressor, agreed.segment, observer=agreed.observer, reserved=bool(reserved and reserved[0])
+        )
+
+    def _reserve(self, observer: bool) -> str:
+        """Reserve a client's place for a connection past its token check; ``""``, or why the worker is full."""
+        with self._lock:
+            if observer:
+                return ""
+            taken = self._clients + self._reserved
+            if taken < self.max_sessions:
+                self._reserved += 1
+                return ""
+        return (
+            f"it serves {taken} client(s), its limit (max_sessions={self.max_sessions}; rpcdl worker "
+            "--max-sessions N): use other workers, or start this one with a higher limit"
+        )
+
+    def _unreserve(self) -> None:
+        with self._lock:
+            self._reserved -= 1
 
     def serve_socket(
         self,
@@ -460,6 +511,7 @@ class Worker:
         compressor: Compressor | None = None,
         segment: WorkerSegment | None = None,
         observer: bool = False,
+        reserved: bool = False,
     ) -> ClientConnection:
         """Serve a client on ``sock``, connected and past the handshake; return its session.
 
@@ -469,12 +521,16 @@ class Worker:
             compressor: what compresses answers on it (default: none).
             segment: the shared segment agreed with a client on this host (default: answers on the socket).
             observer: the client only asks for counters (``rpcdl status``): not counted among the clients.
+            reserved: its handshake reserved its place among the clients (see ``max_sessions``); a session
+                served without that counts too, even past the limit.
         """
         connection = ClientConnection(self, sock, peer, compressor, segment, observer=observer)
         with self._lock:
+            self._reserved -= reserved
             admitted = self._phase is Phase.SERVING
             if admitted:
                 self._connections.add(connection)
+                self._clients += not observer
         if not admitted:  # the worker stops: closed at once, its socket and segment with it
             connection.close()
             return connection
@@ -489,6 +545,7 @@ class Worker:
             if connection not in self._connections:
                 return
             self._connections.discard(connection)
+            self._clients -= not connection.observer
         self.store.release_holder(connection)
         log.log(logging.DEBUG if connection.observer else logging.INFO, "client %s left", connection.peer)
 
@@ -580,6 +637,7 @@ def run_worker(
     watch_pid: int | None = None,
     metrics_port: int | None = None,
     register: str | None = None,
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
 ) -> None:
     """Listen and serve calls until SIGTERM or SIGINT (blocks).
 
@@ -608,6 +666,7 @@ def run_worker(
         register: a Redis registry to join while serving,
             ``redis://HOST:PORT[/DB]?key=KEY[&ttl=SECONDS]`` (see :mod:`rpcdl.registry`):
             the worker beats there until it drains, when it leaves it.
+        max_sessions: the most clients served at once (default 1024; see :class:`Worker`).
 
     Example::
 
@@ -626,6 +685,7 @@ def run_worker(
         ssl_context=ssl_context,
         advertise=advertise,
         compression=compression,
+        max_sessions=max_sessions,
     ).start()
     registration = Registration(RegistryURL.parse(register), worker.address) if register is not None else None
     announce_ready = on_ready if on_ready is not None else lambda started: print(started.address, flush=True)

@@ -27,6 +27,12 @@ holds it without the token ever crossing the wire; without a token they are zero
 A peer that answers the hello with anything else is named for what it seems to be
 (an HTTP server, a TLS endpoint, silence) instead of being retried.
 
+The verdict's status is 0 when the worker takes the connection, 1 when the
+client failed (its token, its version), and 2 when the client proved its
+token but the worker serves as many clients as it takes (its ``max_sessions``):
+the client raises :class:`~rpcdl.errors.SessionsFull`, and its loader goes to
+other workers. Only a client that proved the token learns that.
+
 A worker full of connections in their handshake may answer a new one, instead
 of a welcome, with a refusal and close it::
 
@@ -54,10 +60,11 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, WorkerFull
+from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, SessionsFull, WorkerFull
 from .compression import lz4_available, negotiate, resolve_mode
 from .security import Token
 
@@ -74,6 +81,8 @@ _HELLO = struct.Struct("!6sHB32s")
 _WELCOME = struct.Struct("!6sHB32s32s")
 _VERDICT = struct.Struct("!BH")
 _MAX_VERDICT_MESSAGE = 1024
+_REFUSED_VERDICT = 1  # the verdict's status: the client did not prove the token, or speaks another version
+_FULL = 2  # the verdict's status: the worker serves as many clients as it takes (SessionsFull)
 _HAS_TOKEN = 1
 _DECODES_LZ4 = 2  # hello: the client can decompress lz4
 _MODE_SHIFT = 2  # hello: the mode the client wants; welcome: the mode the connection uses
@@ -285,6 +294,8 @@ def client_negotiate(
         )
     if not hmac.compare_digest(worker_proof, _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)):
         raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
+    if status == _FULL:
+        raise SessionsFull(f"rpcdl worker {peer} is full: {message}")
     if status != 0:
         raise AuthenticationError(f"worker {peer} refused the connection: {message}")
     mode = _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
@@ -307,6 +318,7 @@ def server_negotiate(
     compression: str = "off",
     shared_memory: int = 0,
     deadline: Deadline | None = None,
+    admit: Callable[[bool], str] | None = None,
 ) -> Agreement:
     """Run the worker side of the handshake on an accepted socket.
 
@@ -318,6 +330,9 @@ def server_negotiate(
             :func:`rpcdl.transport.compression.resolve_mode`).
         shared_memory: bytes of the segment to offer a client on this host; 0: none.
         deadline: when the whole handshake must be over; each read and send waits at most for the time left.
+        admit: asked, once the client proved its token, whether the worker takes it (called with whether it
+            only observes); it returns ``""`` to take it, else why it is full, which the verdict tells the
+            client (:class:`~rpcdl.errors.SessionsFull` there).
 
     Returns:
         the compression mode of this connection, as the welcome told the
@@ -331,6 +346,7 @@ def server_negotiate(
     Raises:
         ProtocolError: the peer is not an rpcdl client or speaks another version.
         AuthenticationError: the peer does not prove it holds the worker's token.
+        SessionsFull: ``admit`` refused the client (the verdict told it so).
         TimeoutError: the deadline passed.
 
     Example::
@@ -365,10 +381,13 @@ def server_negotiate(
         reason = "this worker has no token but the client sent one"
     elif not hmac.compare_digest(client_proof, _proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
         reason = "token mismatch: the client holds a different token"
-    _send_verdict(sock, reason, deadline)
+    observer = bool(client_flags & _OBSERVER)
+    full = admit(observer) if admit is not None and not reason else ""
+    _send_verdict(sock, reason or full, deadline, _FULL if full else _REFUSED_VERDICT)
     if reason:
         raise AuthenticationError(reason)
-    observer = bool(client_flags & _OBSERVER)
+    if full:
+        raise SessionsFull(full)
     if not flags & _SHARED_MEMORY:
         return Agreement(mode, observer=observer)
     return Agreement(mode, _offer_segment(sock, peer, shared_memory, deadline), observer)
@@ -450,6 +469,6 @@ def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline
     return segment
 
 
-def _send_verdict(sock: socket.socket, reason: str, deadline: Deadline | None) -> None:
+def _send_verdict(sock: socket.socket, reason: str, deadline: Deadline | None, status: int = _REFUSED_VERDICT) -> None:
     message = reason.encode()[:_MAX_VERDICT_MESSAGE]
-    _send(sock, _VERDICT.pack(1 if reason else 0, len(message)) + message, deadline)
+    _send(sock, _VERDICT.pack(status if reason else 0, len(message)) + message, deadline)
