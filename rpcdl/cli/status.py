@@ -4,9 +4,12 @@ The workers are named as trainers name them: addresses, files listing them
 (read as the command starts), and sources (``dns://``, ``redis://``), which
 are asked for their addresses (:func:`rpcdl.data.sources.worker_source`)
 before each reading; a source that lists no worker keeps a row of its own,
-with why. Each worker is asked by its own thread (``rpcdl-status-HOST:PORT``) through
-:func:`rpcdl.cli.probe.ask_stats`, so one silent worker costs its timeout
-once, not once per worker; the main thread waits for them all and owns every
+with why. Each source (``rpcdl-status-SOURCE``), then each worker
+(``rpcdl-status-HOST:PORT``, through :func:`rpcdl.cli.probe.ask_stats`), is
+asked by its own thread, so one silent worker costs its timeout once, not
+once per worker. Each thread writes only its own slot of a list made for one
+reading; the main thread waits for them all (a source for at most the timeout:
+one that answers later writes a slot nobody reads again) and owns every
 reading and the table. A worker that cannot be asked keeps its row, with its
 state (refused, token mismatch, ...) and the reason in the last column.
 """
