@@ -129,16 +129,49 @@ def _forget_connections(address: str, reason: str) -> None:
 
 
 def read_ready_line(process: subprocess.Popen, timeout: float) -> str:
+    """The next non-empty line of ``process``'s standard output (a worker's ``HOST:PORT`` once it is ready).
+
+    The pipe is read a byte at a time, never past the line: what follows stays in the pipe for the next
+    call, so that the wait for it sees it (a buffered read would take two lines written at once, such as
+    the ready lines of ``rpcdl worker --procs``, and the second one's wait would not see it).
+
+    Args:
+        process: a child whose standard output is a pipe, read only through this function.
+        timeout: seconds to wait for the line.
+
+    Returns:
+        the line, stripped.
+
+    Raises:
+        RuntimeError: the process exited, or no line came within ``timeout``.
+    """
+    fd = process.stdout.fileno()
     deadline = time.monotonic() + timeout
+    line = bytearray()
     with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
+        selector.register(fd, selectors.EVENT_READ)
         while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"an rpcdl worker process exited with code {process.returncode} before it was ready")
-            if selector.select(timeout=0.1):
-                line = process.stdout.readline().strip()
-                if line:
-                    return line
+            if not selector.select(timeout=0.1):
+                if process.poll() is not None:
+                    raise RuntimeError(
+                        f"an rpcdl worker process exited with code {process.returncode} before it was ready"
+                    )
+                continue
+            byte = os.read(fd, 1)
+            if not byte:  # the pipe closed: the process ends, or closed its standard output
+                try:
+                    code = process.wait(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(
+                        "an rpcdl worker process closed its standard output before it was ready"
+                    ) from None
+                raise RuntimeError(f"an rpcdl worker process exited with code {code} before it was ready")
+            if byte != b"\n":
+                line += byte
+            elif line.strip():
+                return line.decode("utf-8", "replace").strip()
+            else:
+                line.clear()
     raise RuntimeError(f"an rpcdl worker process did not report ready within {timeout:g}s")
 
 

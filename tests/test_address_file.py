@@ -174,3 +174,13 @@ def test_a_busy_metrics_port_is_one_error_line_and_exit_1():
     errors = [line for line in process.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0], process.stderr
     assert "usage:" not in process.stderr
+
+
+def test_read_ready_line_reads_two_lines_written_at_once():
+    code = "import sys, time; sys.stdout.write('a:1\\n\\nb:2\\n'); sys.stdout.flush(); time.sleep(30)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert read_ready_line(process, 10.0) == "a:1"
+        assert read_ready_line(process, 10.0) == "b:2"  # it was in the pipe with the first, not lost to a buffer
+    finally:
+        stop_process(process, grace=1.0)
