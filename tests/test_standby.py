@@ -80,7 +80,9 @@ def test_one_standby_at_a_time_the_next_only_after_waiting_on():
     policy = SchedulingPolicy(prefetch_factor=2, timeout=120.0)
     own = _slot("a:1", 0, preferred=True)
     assert not policy.wants_standby([own], now=0.0, last_called=-1e9, reserve=5)  # its own serves
-    own.state = WorkerState.DOWN
+    own.state = WorkerState.PROBING  # listed (again): being set up, it comes first
+    assert not policy.wants_standby([own], now=0.0, last_called=-1e9, reserve=5)
+    own.state, own.failure = WorkerState.DOWN, ConnectionResetError("gone")  # it failed: not waited for
     assert not policy.wants_standby([own], now=0.0, last_called=-1e9, reserve=0)  # none in reserve
     assert policy.wants_standby([own], now=0.0, last_called=-1e9, reserve=5)  # nothing active: call one
     called = _slot("b:2", 1, preferred=False, state=WorkerState.STANDBY)

@@ -249,7 +249,7 @@ class PoolState:
                 self._notes.append((logging.WARNING, "worker %s is listed again", (address,)))
                 self._use(slot)
             elif slot.state is WorkerState.STANDBY:  # another rank's before, in reserve: now this one's own
-                slot.state, slot.probe_at = WorkerState.DOWN, now
+                slot.state, slot.probe_at, slot.failure = WorkerState.DOWN, now, None
                 self._use(slot)
         for slot in self.slots:
             slot.preferred = slot.address in membership.own  # one no longer own goes back to reserve when idle

@@ -413,13 +413,17 @@ class SchedulingPolicy:
 
     def wants_standby(self, slots: Sequence[WorkerSlot], now: float, last_called: float, reserve: int) -> bool:
         """Whether a client that waits for data should call one more of the others' workers in reserve
-        (invariant 8): ``reserve`` of them wait, none of its own in ``slots`` is active, none called is being
-        set up (one at a time), and either none is active at all or the last was called (at ``last_called``)
+        (invariant 8): ``reserve`` of them wait, none of its own in ``slots`` is active nor being set up
+        after it joined (a worker that failed is not waited for), none called is being set up (one at a
+        time), and either none is active at all or the last was called (at ``last_called``)
         ``STANDBY_GROW_AFTER`` seconds ago or more."""
         if not reserve or own_active(slots):
             return False
-        if any(not slot.preferred and slot.state is WorkerState.PROBING for slot in slots):
-            return False
+        for slot in slots:
+            if slot.state is WorkerState.PROBING and not slot.preferred:
+                return False  # one at a time
+            if slot.preferred and slot.failure is None and slot.state in (WorkerState.DOWN, WorkerState.PROBING):
+                return False  # an own worker that joined, or is listed again, is being set up: it comes first
         return not any_active(slots) or now - last_called >= STANDBY_GROW_AFTER
 
     def call_standby(self, slot: WorkerSlot, now: float) -> None:
