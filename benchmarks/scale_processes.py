@@ -87,6 +87,7 @@ def _trainers(address: str, count: int) -> int:
         if pid == 0:
             code = 1
             try:
+                os.close(go_write)  # once this process is gone, reading go ends
                 dataset = rpcdl.RPCDataset([address], Allocates, 100, rpcdl_timeout=300)
                 os.write(ready_write, b"1" if dataset[3] == 3 else b"0")
                 os.read(go_read, 1)

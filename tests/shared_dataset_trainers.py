@@ -12,9 +12,11 @@ import os
 import sys
 
 
-def trainer(address: str, ready: int, go: int) -> None:
+def trainer(address: str, ready: int, go: int, inherited: list[int]) -> None:
     code = 1
     try:
+        for fd in inherited:  # the write ends of the go pipes: once the parent is gone, reading go ends
+            os.close(fd)
         from helpers import Allocates
 
         import rpcdl
@@ -31,12 +33,13 @@ def main(address: str, count: int) -> int:
     import rpcdl  # noqa: F401  (imported once, before the forks)
 
     ready_read, ready_write = os.pipe()
-    children = []
+    children: list[tuple[int, int]] = []
     for _ in range(count):
         go_read, go_write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            trainer(address, ready_write, go_read)
+            trainer(address, ready_write, go_read, [go_write, *(go for _, go in children)])
+        os.close(go_read)
         children.append((pid, go_write))
     answers = b""
     while len(answers) < count:

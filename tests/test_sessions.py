@@ -129,6 +129,7 @@ def _soft_open_files(pid: int) -> tuple[str, str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(240)  # a worker and a client process import torch
 def test_worker_and_client_raise_their_open_file_limit_to_the_hard_limit(tmp_path):
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard <= 256:

@@ -235,6 +235,7 @@ def test_two_trainers_racing_build_once_and_a_failing_build_fails_both_and_is_no
 # ------------------------------------------------------------------ trainer processes
 
 
+@pytest.mark.timeout(300)  # a worker and a trainer process import torch: a minute or two on a busy machine
 def test_trainer_processes_sending_one_dataset_cost_the_worker_one_copy():
     trainers = 8
     process, address = start_worker_process("--parallel", "2")
