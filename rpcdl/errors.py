@@ -108,6 +108,26 @@ class UnknownHost(RPCDLError, LookupError):
     started yet (a source such as ``dns://NAME:PORT`` waits for its name instead)."""
 
 
+class SourceReadError(RPCDLError):
+    """A worker source could not be read now (a file missing or half-written, a name that does not resolve, a
+    registry that cannot be reached): not an empty list. The fleet (:class:`rpcdl.data.sources.Fleet`) keeps
+    its last list and asks again later; the message says what failed.
+
+    Example::
+
+        >>> from rpcdl.data.sources import FileSource
+        >>> FileSource("/no/such/workers.txt").addresses()
+        Traceback (most recent call last):
+          ...
+        rpcdl.errors.SourceReadError: the file /no/such/workers.txt does not exist
+    """
+
+
+class RegistryReset(RPCDLError):
+    """A Redis registry's epoch changed or went away (its server restarted without its data): its members are
+    registering again, and what it lists now is not the fleet yet (:class:`rpcdl.registry.RegistryReader`)."""
+
+
 class ConnectionLost(RPCDLError, ConnectionError):
     """The connection to a worker broke while a call was in flight."""
 

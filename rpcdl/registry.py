@@ -51,6 +51,8 @@ import urllib.parse
 import uuid
 from typing import Any
 
+from .errors import RegistryReset
+
 DEFAULT_KEY = "rpcdl:workers"
 DEFAULT_TTL = 15.0
 _SCHEMES = ("redis", "rediss")
@@ -257,11 +259,6 @@ def leave(url: RegistryURL, client: Any, address: str) -> None:
         client.incr(url.version_key)
 
 
-class RegistryReset(Exception):
-    """The registry's epoch changed or went away (the server restarted without its data): its members are
-    registering again, and what it lists now is not the fleet yet."""
-
-
 @dataclasses.dataclass(frozen=True)
 class _Unread:
     """Nothing read yet."""
@@ -291,7 +288,7 @@ class RegistryReader:
     and the epoch, and ``ZCOUNT`` of the live entries; the set itself is
     fetched (``ZRANGEBYSCORE``) only when the version moved or fewer entries
     are live than were listed (one expired). An epoch that changed or went
-    away means the server lost its data: :class:`RegistryReset` is raised
+    away means the server lost its data: :class:`~rpcdl.errors.RegistryReset` is raised
     until every live worker had time to beat again (half a ``ttl``).
 
     Args:

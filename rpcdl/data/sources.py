@@ -9,9 +9,10 @@ share of it (``workers[rank::world_size]`` for a fixed list; a balanced
 assignment for a changing source, :mod:`rpcdl.data.shares`, that a join or a
 leave disturbs little).
 
-A read that fails is no news: a source raises (:class:`SourceReadError` from
-the sources here: a file missing or half-written, a name that does not
-resolve, a registry that cannot be read), and the fleet keeps its last list,
+A read that fails is no news: a source raises
+(:class:`~rpcdl.errors.SourceReadError` from the sources here: a file missing
+or half-written, a name that does not resolve, a registry that cannot be
+read), and the fleet keeps its last list,
 says once that the source fails and once that it reads again, and asks again
 with exponential backoff and jitter. A worker leaves only when a read that
 succeeded no longer lists it.
@@ -48,7 +49,7 @@ from typing import Any
 
 from ..address import check_workers, format_address, parse_address
 from ..checks import check_int, check_positive_int, check_timeout, environment_number
-from ..errors import WorkerUnavailable
+from ..errors import SourceReadError, WorkerUnavailable
 from ..registry import RegistryReader, RegistryReset, RegistryURL
 from .shares import assignment
 
@@ -88,20 +89,6 @@ BACKOFF_INTERVALS = 16
 BACKOFF_CAP = 30.0
 
 
-class SourceReadError(Exception):
-    """A worker source could not be read now (a file missing or half-written, a name that does not resolve, a
-    registry that cannot be reached): not an empty list. The :class:`Fleet` keeps its last list and asks
-    again later; the message says what failed, for the log and for a trainer waiting for its first worker.
-
-    Example::
-
-        >>> FileSource("/no/such/workers.txt").addresses()
-        Traceback (most recent call last):
-          ...
-        rpcdl.data.sources.SourceReadError: the file /no/such/workers.txt does not exist
-    """
-
-
 def start_timeout(given: float | None = None) -> float:
     """Seconds to wait for the fleet to come up: ``given``, else ``RPCDL_START_TIMEOUT``, else 600.
 
@@ -131,7 +118,7 @@ class WorkerSource:
     ``addresses()`` returns the workers listed now; a worker it no longer
     lists leaves (its calls in flight finish, it is given no more). When the
     source cannot be read now (a service down, a timeout), raise instead of
-    returning ``[]``: any exception (:class:`~rpcdl.data.sources.SourceReadError` with a message
+    returning ``[]``: any exception (:class:`~rpcdl.errors.SourceReadError` with a message
     that says what failed reads best in the log) keeps the last list, is said
     once, and the source is asked again with exponential backoff and jitter.
     Returning ``[]`` means that no worker is listed: every worker leaves.
@@ -155,7 +142,7 @@ class WorkerSource:
         """The workers' ``HOST:PORT`` addresses now (an empty list while none is up).
 
         Raises:
-            Exception: the source cannot be read now (best a :class:`~rpcdl.data.sources.SourceReadError`):
+            Exception: the source cannot be read now (best a :class:`~rpcdl.errors.SourceReadError`):
                 the last list stands.
         """
         raise NotImplementedError
@@ -202,7 +189,7 @@ class FileSource(WorkerSource):
 
     A file that does not exist, cannot be read, or ends in a line being
     written (no newline yet, and not a whole address) is a failed read
-    (:class:`SourceReadError`): the fleet keeps its last list. A file that
+    (:class:`~rpcdl.errors.SourceReadError`): the fleet keeps its last list. A file that
     exists and lists no address lists no worker.
 
     Args:
@@ -270,8 +257,8 @@ Resolver = Callable[[str, int], list[str]]
 
 class DnsSource(WorkerSource):
     """``dns://NAME:PORT``: every address ``NAME`` resolves to (a Kubernetes headless Service), resolved again
-    every few seconds. A name that does not resolve is a failed read (:class:`SourceReadError`): the fleet keeps
-    its last list (none before the first answer) and says why.
+    every few seconds. A name that does not resolve is a failed read (:class:`~rpcdl.errors.SourceReadError`):
+    the fleet keeps its last list (none before the first answer) and says why.
 
     Args:
         name: the DNS name.
@@ -318,7 +305,7 @@ class RedisRegistry(WorkerSource):
     while its score is within ``ttl`` seconds (default 15) of the server's
     ``TIME``; a counter beside it says when the set changed, so that it is
     fetched only then. A registry that cannot be read is a failed read
-    (:class:`SourceReadError`): the fleet keeps its last list. Needs the
+    (:class:`~rpcdl.errors.SourceReadError`): the fleet keeps its last list. Needs the
     ``redis`` extra (``pip install rpcdl[redis]``).
 
     Args:
