@@ -7,9 +7,10 @@ Issue 35, the real-process part of item 9, on real processes and sockets:
   each building the same dataset, which writes 100 MB when built: how much
   the worker's resident memory grew once every trainer holds it;
 * **fairness**: one worker process (``--parallel 1``) and two trainers, each
-  an :class:`rpcdl.RPCDataloader` whose samples take ``--item-ms`` of the
-  worker's time: one fetches batches of 16 with ``prefetch_factor=8``, the
-  other batches of 2 with ``prefetch_factor=1``. Samples per second each, over
+  an :class:`rpcdl.RPCDataloader` whose samples hold the worker's one slot
+  for ``--item-ms`` (asleep; ``RPCDL_BENCH_SPIN=1``: spinning on its CPU):
+  one fetches batches of 16 with ``prefetch_factor=8``, the other batches of
+  2 with ``prefetch_factor=1``. Samples per second each, over
   the same window of ``--seconds``.
 
 A *variant* is a checkout whose ``rpcdl`` the processes import
@@ -66,9 +67,7 @@ class Spins:
         return self.n
 
     def __getitem__(self, index: int) -> int:
-        end = time.perf_counter() + self.seconds
-        while time.perf_counter() < end:
-            pass
+        _hold(self.seconds)
         return index
 
 
@@ -108,10 +107,19 @@ def _trainers(address: str, count: int) -> int:
 
 def spin(items: int, milliseconds: float) -> int:
     """A call taking ``items`` times ``milliseconds`` of the worker's time."""
-    end = time.perf_counter() + items * milliseconds / 1000
-    while time.perf_counter() < end:
-        pass
+    _hold(items * milliseconds / 1000)
     return items
+
+
+def _hold(seconds: float) -> None:
+    """Hold the worker's slot for ``seconds``: spinning (``RPCDL_BENCH_SPIN=1``) or asleep (the default, which
+    other processes on a busy machine do not stretch)."""
+    if os.environ.get("RPCDL_BENCH_SPIN") == "1":
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    else:
+        time.sleep(seconds)
 
 
 def _fair_trainer(
