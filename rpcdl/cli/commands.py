@@ -276,6 +276,8 @@ def run_worker_command(
             max_sessions=args.max_sessions,
         )
     except OSError as exc:  # not a usage mistake: one line, exit 1 (another port is the user's choice)
+        if isinstance(exc, PermissionError) and exc.errno is None:
+            fail(str(exc))  # but rpcdl's own refusal (no token for a non-loopback address) is one: exit 2
         if exc.errno is not None:  # from the system: binding the worker's port failed
             print(f"{_prog(args)}: error: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         else:  # one that names its port and reason (the metrics port in use, say)

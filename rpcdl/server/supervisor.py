@@ -168,7 +168,7 @@ class Ended:
     returncode: int
 
 
-class FailedAtStart(Exception):
+class _FailedAtStart(Exception):
     """A child died before it was ever ready: starting it again would fail the same way."""
 
 
@@ -222,7 +222,7 @@ class Supervisor:
             while not told():
                 self._tick(time.monotonic())
                 time.sleep(_TICK)
-        except FailedAtStart as exc:
+        except _FailedAtStart as exc:
             log.error("rpcdl worker: %s; stopping", exc)
             self._drain(told_again)
             return 1
@@ -260,7 +260,7 @@ class Supervisor:
         why = describe_exit(child.process.returncode)
         if isinstance(child, Starting) and child.output.first_line is None and not child.served_before:
             self._children[index] = Ended(child.process.returncode)
-            raise FailedAtStart(
+            raise _FailedAtStart(
                 f"process {index} (pid {child.process.pid}) {why} before it was ready (its error is above): "
                 "it would fail the same way again"
             )
