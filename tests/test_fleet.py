@@ -287,7 +287,7 @@ def _join_mid_epoch(loader, add, newcomer: str, n: int) -> None:
 
 
 def test_a_worker_added_to_the_file_serves_mid_epoch_and_one_removed_drains(spawn_workers, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="rpcdl")
+    caplog.set_level(logging.INFO, logger="rpcdl")
     first = spawn_workers(1)
     listing = tmp_path / "workers.txt"
     listing.write_text(f"{first[0]}\n")
@@ -296,7 +296,10 @@ def test_a_worker_added_to_the_file_serves_mid_epoch_and_one_removed_drains(spaw
     loader = rpcdl.RPCDataloader(dataset, batch_size=4, max_batches_per_call=1)
     second = spawn_workers(1)
     _join_mid_epoch(loader, lambda: listing.write_text(f"{first[0]}\n{second[0]}\n"), second[0], n)
-    assert any("joined" in r.getMessage() and second[0] in r.getMessage() for r in caplog.records)
+    about_second = [r for r in caplog.records if second[0] in r.getMessage()]
+    assert any("joined" in r.getMessage() and r.levelno == logging.INFO for r in about_second)
+    # a worker joining is news, not trouble: no warning (it said "joined", then "is back", both as warnings)
+    assert not [r.getMessage() for r in about_second if r.levelno >= logging.WARNING]
     # The first one leaves the file: its calls in flight finish, it is given no more.
     seen, _ = _run_epoch(loader, lambda i: listing.write_text(f"{second[0]}\n") if i == 2 else None)
     assert sorted(seen) == list(range(n))

@@ -213,3 +213,22 @@ def test_a_state_on_another_world_size_says_why_it_cannot_resume(two_workers):
     with pytest.raises(ValueError, match="resumes only on the world size it was taken on"):
         loader_on(3).load_state_dict(state)
     dataset.release()
+
+
+def test_a_state_on_another_world_size_is_refused_even_with_as_many_batches(two_workers):
+    """47 samples in batches of 4: 3 batches per rank on 4 ranks and on 5, yet other samples."""
+    dataset = rpcdl.RPCDataset(two_workers, RangeDataset, 47)
+
+    def loader_on(replicas: int) -> rpcdl.RPCDataloader:
+        sampler = LoadBalancingDistributedSampler(dataset, identity, num_replicas=replicas, rank=0)
+        return rpcdl.RPCDataloader(dataset, sampler=sampler, batch_size=4)
+
+    taken = loader_on(4)
+    assert len(taken) == len(loader_on(5)) == 3
+    epoch = iter(taken)
+    next(epoch)
+    state = taken.state_dict()
+    epoch.close()
+    with pytest.raises(ValueError, match="resumes only on the world size it was taken on"):
+        loader_on(5).load_state_dict(state)
+    dataset.release()

@@ -74,11 +74,21 @@ def loader_shape(loader: Shaped, batches: int | None, seed_source: str) -> dict[
         "batches": batches,
         "batch_size": loader.batch_size,
         "drop_last": loader.drop_last,
-        "sampler": type(loader.sampler).__qualname__,
-        "batch_sampler": type(batch_sampler).__qualname__ if batch_sampler is not None else None,
+        "sampler": _sampler_name(loader.sampler),
+        "batch_sampler": _sampler_name(batch_sampler) if batch_sampler is not None else None,
         "in_order": loader.in_order,
         "seed_source": seed_source,
     }
+
+
+def _sampler_name(sampler: Any) -> str:
+    """How a shape names ``sampler``: its class, and for a load-balancing one the world size it splits for
+    (its split is by complexity, so a state resumes only on that world size, even where the number of
+    batches per rank happens to be the same on another)."""
+    name = type(sampler).__qualname__
+    if name in _LOAD_BALANCING:
+        return f"{name}(num_replicas={sampler.num_replicas})"
+    return name
 
 
 def check_state(state: Any, shape: dict[str, Any]) -> dict[str, Any]:
@@ -107,8 +117,9 @@ def check_state(state: Any, shape: dict[str, Any]) -> dict[str, Any]:
     ]
     if differences:
         hint = ""
-        if {shape["sampler"], shape["batch_sampler"]} & set(_LOAD_BALANCING) and any(
-            name.startswith("batches") for name in differences
+        balancing = [name for name in (shape["sampler"], shape["batch_sampler"]) if name]
+        if any(name.startswith(_LOAD_BALANCING) for name in balancing) and any(
+            name.startswith(("batches", "sampler", "batch_sampler")) for name in differences
         ):
             hint = (
                 " (a load-balancing sampler's state resumes only on the world size it was taken on: the "

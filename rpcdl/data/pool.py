@@ -243,7 +243,7 @@ class PoolState:
             if slot is None:
                 slot = self._add_slot(address, True, WorkerState.DOWN)
                 slot.probe_at = now
-                self._notes.append((logging.WARNING, "worker %s joined (from %s)", (address, self.fleet.describe())))
+                self._notes.append((logging.INFO, "worker %s joined (from %s)", (address, self.fleet.describe())))
             elif slot.state is WorkerState.LEFT:
                 slot.state, slot.probe_at, slot.failure = WorkerState.DOWN, now, None
                 self._notes.append((logging.WARNING, "worker %s is listed again", (address,)))
@@ -468,8 +468,9 @@ class PoolState:
                 outcome = exc
             if not isinstance(outcome, (Revival, BaseException)):
                 outcome = TypeError(f"a revival of worker {slot.address} gave {outcome!r}, not a Revival")
+            failed_before = slot.failure is not None  # else it joined, or is listed again: said already
             state = self.policy.probe_ended(slot, outcome, self.clock())
-            if state is WorkerState.ACTIVE:
+            if state is WorkerState.ACTIVE and failed_before:
                 self._notes.append((logging.WARNING, "worker %s is back", (slot.address,)))
             elif state is WorkerState.PROBING:
                 message = "worker %s answers but still runs calls that timed out; it rejoins when they end"
