@@ -64,15 +64,15 @@ def test_the_same_on_every_rank_whatever_the_order(workers, world_size, seed):
 @settings(max_examples=60, deadline=None)
 @given(world_size=st.integers(2, 50), more=st.integers(0, 200), seed=st.integers(0, 2**32), leave=st.booleans())
 def test_a_join_or_a_leave_moves_few_pairs(world_size, more, seed, leave):
-    """A loose bound for fleets of 4 workers per rank and more (a change reaches about 1.5**log2(R) leaves, a
-    large part of a small fleet; with about one worker per rank, up to half of the pairs);
+    """A loose bound for fleets of 4 workers per rank and more (a change moves a chain of workers about as long as
+    the tree is deep, a large part of a small fleet; with about one worker per rank, up to half of the pairs);
     test_the_scale_of_a_large_job holds the real one."""
     workers = 4 * world_size + more
     addresses = _fleet(workers, seed)
     changed = addresses[1:] if leave else [*addresses, "10.99.99.99:1"]
     before, after = _pairs(assignment(addresses, world_size)), _pairs(assignment(changed, world_size))
     moved = len(before ^ after)
-    assert moved <= max(24, 0.4 * len(before)), f"{moved} of {len(before)} pairs changed"
+    assert moved <= max(24, 0.25 * len(before)), f"{moved} of {len(before)} pairs changed"
 
 
 def test_the_scale_of_a_large_job():
@@ -82,7 +82,7 @@ def test_the_scale_of_a_large_job():
     assert {len(share) for share in shares} == {4}
     grown = assignment([*addresses, "10.99.99.99:1"], 1024)
     assert sorted(len(share) for share in grown)[-2:] == [4, 5]
-    assert len(_pairs(shares) ^ _pairs(grown)) < 0.1 * 4096
+    assert len(_pairs(shares) ^ _pairs(grown)) < 0.03 * 4096
 
 
 def test_a_rendezvous_share_is_gone():

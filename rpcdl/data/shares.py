@@ -12,7 +12,8 @@ Invariants:
   gets exactly one worker and every worker serves ``floor(R/W)`` or
   ``ceil(R/W)`` ranks.
 * **Few moves.** A worker that joins or leaves moves some other workers
-  between ranks: about ``1.5 ** log2(R)`` on average, whatever ``W``
+  between ranks: a chain of crossings from where the change lands to the rank
+  whose count changes, rather than a cascade through the tree
   (``benchmarks/shares.py`` measures it), where splitting the sorted order
   into runs moves about ``R / 2``.
 
@@ -31,24 +32,30 @@ it, and gives each half its workers:
    ``[0, 1)`` (``p < mid / R``) would go left: that is consistent hashing, which
    moves nobody when a worker joins. ``e1`` is that natural count less
    ``Q*R1``, clipped to its bounds. When the natural left side holds more than
-   its count, its workers of highest priority ``g`` go right; when fewer, the
-   right side's workers of highest ``g`` come left.
+   its count, some of its workers go right; when fewer, some of the right
+   side's come left. Those that cross are the ones that crossed most often
+   already, then those of highest priority ``g``.
+3. *Where a crosser lands.* A worker that crosses takes a new position,
+   hashed from its priority and its number of crossings, uniform in the arc of
+   the half it enters, and counts as that half's own below.
 
 Why a join moves few. Down the tree, the newcomer lands in one half. Either
 that half's count grows by one (the extra goes where it landed: nothing else
 moves at this node), or the count stays and one worker crosses to the other
-half: the one of highest priority among those that cross, a random worker
-rather than a neighbour of a boundary, so that no chain of boundaries shifts
-(splitting the sorted order into contiguous runs would shift every boundary
-after the newcomer). A crossing hands each half one change (a worker in and
-one out) whose positions are independent, so a change spreads through about
-1.5 branches per level. Where ``W`` is an exact multiple of ``R``, every
-count is forced and that is what happens; between multiples the counts have
-slack and fewer workers cross (``benchmarks/shares.py`` gives the figures at
-4,096 workers over 1,024 ranks). With about one worker per rank, a change
-moves a large part of a small fleet. A leave is the same in reverse.
-Rendezvous hashing moves nobody but is uneven (some ranks get none); this
-gives up those moves for the balance.
+half. Two things keep that crossing from spreading. The crosser enters the
+other half at a random place, as one join would, rather than piled at the
+edge next to the boundary, where a crowd of crossers would overflow the edge
+rank and push more across at every level below. And a worker that has
+crossed crosses again first: when a half must give one back, it gives the
+one that just came in, so a change travels as one worker passed on, from the
+node where it is forced towards the rank that takes the extra, instead of
+each crossing handing both halves a different change (a worker in and one
+out at independent places) that then spread in both. Where ``W`` is an exact
+multiple of ``R`` every count is forced and a change always reaches a rank of
+the other side; between multiples the counts have slack and fewer workers
+cross. With about one worker per rank, a change moves a large part of a small
+fleet. A leave is the same in reverse. Rendezvous hashing moves nobody but is
+uneven (some ranks get none); this gives up those moves for the balance.
 
 With ``W < R`` the same tree gives ``W`` ranks one worker each (``Q = 0``, so
 that one worker more or less near ``W = R`` moves as few as elsewhere); the
@@ -59,10 +66,10 @@ serves its one rank plus ``floor((R-W)/W)`` or ``ceil((R-W)/W)`` of those,
 handed-out ranks, since each worker's arc shifts; with ``W`` close to ``R``
 they are few.
 
-Cost: two hashes per address and ``O(W log W)`` work for the whole
-assignment (a sort of each node's crossing side, ``log R`` levels deep),
-shared by every rank of a process (cached per list and per set of addresses
-and ``R``).
+Cost: two hashes per address, a mix per crossing and ``O(W log W)`` work
+for the whole assignment (a sort of each node's crossing side, ``log R``
+levels deep), shared by every rank of a process (cached per list and per set
+of addresses and ``R``).
 
 Threading: pure functions; the cache is ``functools.lru_cache``'s, safe to
 call from any thread.
@@ -76,7 +83,7 @@ from collections.abc import Iterable, Sequence
 
 __all__ = ["assignment", "rank_share"]
 
-#: (position in [0, 1), priority, the item)
+#: (position in [0, 1), crossings * 2**64 + priority, the item)
 _Keyed = tuple[float, int, object]
 
 
@@ -105,22 +112,42 @@ def _split(items: list[_Keyed], bins: int) -> list[list[object]]:
         left_extras = min(max(len(left) - quota * left_bins, max(0, extras - right_bins)), min(left_bins, extras))
         wanted = quota * left_bins + left_extras
         if len(left) > wanted:
-            left.sort(key=_priority)
-            right.extend(left[wanted:])
+            left.sort(key=_order)
+            right.extend(_crossed(keyed, middle, right_bins, bins) for keyed in left[wanted:])
             del left[wanted:]
         elif len(left) < wanted:
-            right.sort(key=_priority)
+            right.sort(key=_order)
             keep = len(right) - (wanted - len(left))
-            left.extend(right[keep:])
+            left.extend(_crossed(keyed, first, left_bins, bins) for keyed in right[keep:])
             del right[keep:]
         stack.append((left, first, middle, left_extras))
         stack.append((right, middle, end, extras - left_extras))
     return out
 
 
-def _priority(keyed: _Keyed) -> int:
-    """Lowest first: those of highest priority are the last, and cross first."""
-    return -keyed[1]
+def _order(keyed: _Keyed) -> int:
+    """The order in which a side's workers cross, the last first: those that crossed most, then by priority."""
+    return keyed[1]
+
+
+def _crossed(keyed: _Keyed, first: int, count: int, bins: int) -> _Keyed:
+    """``keyed`` crossed into the half of ``count`` bins from ``first``: a new position, hashed, inside that half's
+    arc, and one crossing more in its order."""
+    order = keyed[1] + _CROSSING
+    return (first + (_mix(order + (order >> 64) * _GOLDEN) >> 11) / 2.0**53 * count) / bins, order, keyed[2]
+
+
+_CROSSING = 1 << 64
+_MASK = _CROSSING - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(value: int) -> int:
+    """A 64-bit mix of ``value``'s bits (splitmix64's finalizer)."""
+    value &= _MASK
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK
+    return value ^ (value >> 31)
 
 
 @functools.lru_cache(maxsize=8)
