@@ -43,9 +43,6 @@ class SlotsState(enum.Enum):
     STOPPED = "stopped"  #: executors gone; queued calls stay unanswered (their connections are closed)
 
 
-_OPEN = SlotsState.OPEN  # read on every call: see rpcdl.server.session for what the class lookup costs
-
-
 class Slots:
     """``parallel`` slots and the fair queue in front of them (a line per client, equal shares of time).
 
@@ -101,7 +98,7 @@ class Slots:
             taken (none free, calls queued, or the slots not open).
         """
         with self._lock:
-            if self._running < self.parallel and not self._queue and self._state is _OPEN:
+            if self._running < self.parallel and not self._queue and self._state is SlotsState.OPEN:
                 self._running += 1
                 return self.parallel - self._running
             return None
@@ -137,7 +134,7 @@ class Slots:
                 ran = perf_counter() - started
                 with self._lock:
                     self._queue.charge(session, ran)
-                    if self._queue and self._state is _OPEN and not large:
+                    if self._queue and self._state is SlotsState.OPEN and not large:
                         queued = self._queue.pop()
                     else:
                         self._running -= 1
@@ -159,7 +156,7 @@ class Slots:
     def _executor(self) -> None:
         while True:
             with self._lock:
-                while self._state is _OPEN and not (self._queue and self._running < self.parallel):
+                while self._state is SlotsState.OPEN and not (self._queue and self._running < self.parallel):
                     self._runnable.wait()
                 if self._state is not SlotsState.OPEN:
                     return
