@@ -640,7 +640,9 @@ class Fleet:
                 )
             if now - said >= WAIT_LOG_EVERY:
                 said = now
-                log.warning("waiting for rpcdl workers (%.0fs of %gs): %s", now - started, timeout, why)
+                log.warning(
+                    "waiting for rpcdl workers (%.0fs of %gs, %s): %s", now - started, timeout, START_TIMEOUT_ENV, why
+                )
             time.sleep(min(self.interval, 0.5))
 
 
