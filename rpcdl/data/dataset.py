@@ -209,6 +209,8 @@ class RPCDataset(Dataset):
         self.factory = dataset
         self.args = args
         self.kwargs = kwargs
+        # what a worker shares its copy by (None: this trainer's own); the recipe is fixed, so pickled once here
+        self._definition: bytes | None = None if rpcdl_per_trainer else self._pickle_definition()
         self._lock = threading.Lock()
         self._rrefs: dict[str, RRef | None] = {}
         self._building: dict[str, torch.futures.Future] = {}  # the builds in flight, each until it is installed
@@ -255,7 +257,7 @@ class RPCDataset(Dataset):
     def build_async(self, address: str) -> torch.futures.Future:
         """Build the dataset on ``address`` (or share the copy built there); the future gives ``(rref, length)``."""
         recipe = (self.factory, self.args, self.kwargs)
-        definition = None if self.per_trainer else self._definition()
+        definition = self._definition
         try:
             if definition is None:
                 return rpc_async(address, _build, recipe, timeout=self.timeout)
@@ -268,7 +270,7 @@ class RPCDataset(Dataset):
             name = getattr(self.factory, "__qualname__", "the dataset")
             raise TypeError(f"RPCDataset cannot send {name} and its arguments to worker {address}: {culprit}") from None
 
-    def _definition(self) -> bytes | None:
+    def _pickle_definition(self) -> bytes | None:
         """The recipe pickled alike in every trainer with the same code, what a worker shares a copy by; ``None``
         when it does not pickle so (then this trainer's copy is its own, and sending the recipe says what fails)."""
         try:
