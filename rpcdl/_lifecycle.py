@@ -36,7 +36,8 @@ class ExitPhase(enum.IntEnum):
     FLUSH = 1  # caches write what they buffered, while their stores are still up
     WORKERS = 2  # embedded workers stop
     CONNECTIONS = 3  # client connections close; their threads are joined
-    SERVERS = 4  # servers this process started (a local redis-server) stop
+    LOOP = 4  # the event loop that owned their sockets stops
+    SERVERS = 5  # servers this process started (a local redis-server) stop
 
 
 _lock = threading.Lock()
