@@ -28,10 +28,10 @@ from rpcdl.address import check_workers, parse_address
 from rpcdl.checks import check_int, check_loader_timeout, check_positive_int
 from rpcdl.data.dataloader import RPCDataloader, check_max_batches_per_call
 from rpcdl.data.dataset import RPCDataset
-from rpcdl.data.elastic import WHOLE_EPOCH, ElasticDistributedSampler, share_batches
+from rpcdl.data.elastic import ElasticDistributedSampler
 from rpcdl.data.flow import FlowSnapshot
-from rpcdl.data.global_state import next_epoch_state
 from rpcdl.data.metrics import serve_metrics_from_environment
+from rpcdl.data.resume import WHOLE_EPOCH, epoch_batches
 from rpcdl.data.sources import (
     WORKERS_ENV,
     AddressList,
@@ -231,6 +231,10 @@ class _TrainerLoader(RPCDataloader):
     def _requested_epoch(self) -> int | None:
         return self._epoch_source()  # a loaded state still wins: it names its own epoch
 
+    def _consumer_limit(self) -> float:
+        # Lightning ends an epoch at its batch limit without asking for more batches.
+        return self._batch_limit()
+
     def __len__(self) -> int:
         # Lightning reads the length once, as the limit of every epoch: after an epoch resumed on another
         # cluster shape (its length is the batches counted before it and this rank's share of the rest),
@@ -238,8 +242,7 @@ class _TrainerLoader(RPCDataloader):
         numbered = super().__len__()
         sampler = self.sampler
         if isinstance(sampler, ElasticDistributedSampler) and self.batch_size is not None:
-            whole = share_batches(sampler.share_length(WHOLE_EPOCH), self.batch_size, self.drop_last)
-            return max(numbered, whole)
+            return max(numbered, epoch_batches(sampler.layout(), WHOLE_EPOCH, self.batch_size, self.drop_last))
         return numbered
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -248,14 +251,6 @@ class _TrainerLoader(RPCDataloader):
         except (TypeError, ValueError) as exc:
             exc.add_note(_CANNOT_RESUME)
             raise
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        # Lightning ends an epoch at its batch limit without asking for more batches: a state at
-        # the limit is the start of the next epoch.
-        if not state["yielded_extra"] and state["yielded_prefix"] >= self._batch_limit():
-            state = next_epoch_state(state)
-        return state
 
 
 # ---------------------------------------------------------------------------- the data flow, logged

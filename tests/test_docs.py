@@ -73,6 +73,8 @@ DOCTEST_MODULES = [
     "rpcdl.data.dataloader",
     "rpcdl.data.dataset",
     "rpcdl.data.distributed",
+    "rpcdl.data.elastic",
+    "rpcdl.data.resume",
     "rpcdl.data.shares",
     "rpcdl.data.sources",
     "rpcdl.data.samplers",

@@ -254,16 +254,50 @@ def test_a_state_from_another_batch_size_is_refused_naming_what_differs(range_da
 
 
 @pytest.mark.timeout(60)
-def test_a_state_written_before_the_shape_was_recorded_still_loads(range_dataset):
+def test_a_position_loads_into_a_loader_of_the_same_shape(range_dataset):
     loader = rpcdl.RPCDataloader(range_dataset, batch_size=4)
-    loader.load_state_dict({"epoch": 3, "yielded_prefix": 2, "yielded_extra": [4], "generator_state": None})
+    position = {"epoch": 3, "yielded_prefix": 2, "yielded_extra": [4], "generator_state": None}
+    loader.load_state_dict({**loader.state_dict(), **position})
     assert sorted(i for batch in loader for i in batch.tolist()) == sorted(set(range(8, 40)) - {16, 17, 18, 19})
     assert loader.epoch == 3
+
+
+GONE = object()  # a field left out of the state
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (dict(version=GONE), "has version None, this rpcdl reads version 1"),
+        (dict(version=2), "has version 2, this rpcdl reads version 1"),
+        (dict(batches=GONE, batch_size=GONE, sampler=GONE), "missing ['batches', 'batch_size', 'sampler']"),
+    ],
+    ids=["no-version", "another-version", "no-shape"],
+)
+def test_a_state_of_another_format_is_refused_saying_so(range_dataset, change, words):
+    """Only the format this rpcdl writes loads: a state without its shape loaded anywhere, skipping samples."""
+    loader = rpcdl.RPCDataloader(range_dataset, batch_size=4)
+    taken = iter(loader)
+    next(taken)
+    state = {name: value for name, value in {**loader.state_dict(), **change}.items() if value is not GONE}
+    taken.close()
+    with pytest.raises(ValueError) as info:
+        rpcdl.RPCDataloader(range_dataset, batch_size=4).load_state_dict(state)
+    assert words in str(info.value)
 
 
 def valid_state(**changes):
     state = {"epoch": 1, "yielded_prefix": 2, "yielded_extra": [5], "generator_state": None}
     return {**state, **changes}
+
+
+def with_shape(loader, state):
+    """``state``'s fields over those of a state of ``loader`` that say what its batches are."""
+    if not isinstance(state, dict):
+        return state
+    position = ("epoch", "yielded_prefix", "yielded_extra", "generator_state")
+    return {**{k: v for k, v in loader.state_dict().items() if k not in position}, **state}
 
 
 @pytest.mark.timeout(60)
@@ -290,7 +324,7 @@ def valid_state(**changes):
 def test_garbage_states_are_refused_naming_the_field(range_dataset, state, error, words):
     loader = rpcdl.RPCDataloader(range_dataset, batch_size=4)
     with pytest.raises(error) as info:
-        loader.load_state_dict(state)
+        loader.load_state_dict(with_shape(loader, state))
     assert words in str(info.value)
     assert len(list(loader)) == 10  # and nothing of it was kept
 

@@ -15,7 +15,8 @@ from helpers import RangeDataset
 from torch.utils.data import DistributedSampler
 
 import rpcdl
-from rpcdl.data.elastic import WHOLE_EPOCH, ElasticDistributedSampler, Origin, layout_positions
+from rpcdl.data.elastic import ElasticDistributedSampler
+from rpcdl.data.resume import WHOLE_EPOCH, Origin, layout_positions
 from rpcdl.distributed import distributed_loader, merge_states
 
 N = 50  # samples: not a multiple of the world sizes, so DistributedSampler pads
@@ -109,6 +110,18 @@ def test_the_sampler_state_resumes_on_another_world_size():
     other = ElasticDistributedSampler(range(N), num_replicas=3, rank=0, seed=SEED + 1)
     with pytest.raises(ValueError, match="seed: the state has 11, this sampler has 12"):
         other.load_state_dict(state)
+
+
+def test_a_sampler_state_of_another_version_is_refused():
+    sampler = ElasticDistributedSampler(range(N), num_replicas=4, rank=0, seed=SEED)
+    iterator = iter(sampler)
+    next(iterator)
+    state = plain(sampler.state_dict())
+    other = ElasticDistributedSampler(range(N), num_replicas=3, rank=0, seed=SEED)
+    with pytest.raises(ValueError, match="has version 2, this rpcdl reads version 1"):
+        other.load_state_dict({**state, "version": 2})
+    other.load_state_dict(state)
+    assert len(list(other)) == len(other) == 16  # (50 - 4) / 3, padded
 
 
 # ---------------------------------------------------------------------------- distributed_loader states
@@ -349,3 +362,40 @@ def test_rpc_mapper_under_a_torchdata_loader_resumes_on_another_world_size(two_w
         loader.load_state_dict(state)
     after = [i for loader in second for batch in loader for i in batch]
     assert_each_sample_once(before, after, new)
+
+
+# ---------------------------------------------------------------------------- what a state must hold
+
+
+@pytest.mark.timeout(60)
+def test_a_distributed_state_without_its_global_position_is_refused(dataset):
+    """A state whose global position is gone must not load as a whole epoch's start (it did: the old format's
+    path took it for torch's DistributedSampler and resumed another shape at the batch number alone)."""
+    first = loaders(dataset, 6, batch_size=5)  # 2 batches per rank, as on 7 ranks
+    iterators, _ = take(first, 1)
+    state = plain(first[0].state_dict())
+    for iterator in iterators:
+        iterator.close()
+    stripped = {name: value for name, value in state.items() if name != "layout"}
+    other = loaders(dataset, 7, batch_size=5)[0]
+    with pytest.raises(ValueError, match=r"missing \['layout'\]"):
+        other.load_state_dict(stripped)
+    other.load_state_dict(state)
+    assert other.state_dict()["consumed"] == 30
+
+
+@pytest.mark.timeout(60)
+def test_the_length_after_a_resumed_epoch_is_the_next_epochs(dataset):
+    """len() tells the resumed epoch's batches until that epoch ends, then a whole epoch's: as many as the
+    next iteration yields."""
+    first = loaders(dataset, 4, batch_size=2)
+    iterators, _ = take(first, 3)
+    state = plain(first[0].state_dict())  # 24 of 50 consumed
+    for iterator in iterators:
+        iterator.close()
+    loader = loaders(dataset, 2, batch_size=5)[0]
+    loader.load_state_dict(state)
+    assert len(loader) == 3 + 3  # the 3 batches counted before, then 13 of the 26 left in batches of 5
+    assert len(list(loader)) == 3
+    assert loader.state_dict()["epoch"] == 1
+    assert len(loader) == len(list(loader)) == 5  # epoch 1, whole: 25 samples in batches of 5

@@ -7,5 +7,5 @@ keeps, who owns it and how the others reach it. In short: a pool's workers and
 calls are guarded by the pool's lock (:mod:`rpcdl.data.pool`); a pass belongs
 to the thread advancing it (:mod:`rpcdl.data.scheduler`); other threads (the
 connections', reading answers) only put events on queues (:mod:`rpcdl.data.events`);
-a loader's epochs are its :class:`~rpcdl.data.loader_state.EpochBook`'s, under its lock.
+a loader's epochs are its :class:`~rpcdl.data.epoch_book.EpochBook`'s, under its lock.
 """

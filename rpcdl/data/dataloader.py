@@ -14,12 +14,14 @@ loader may be advanced by several threads at once, each iterator by one thread
 at a time (see :mod:`rpcdl.data.epoch`). What they share has one owner each:
 the workers' records are the pool's, under its lock
 (:mod:`rpcdl.data.pool`); the epochs' bookkeeping is the
-:class:`~rpcdl.data.loader_state.EpochBook`'s, under its lock; the chunk sizer
+:class:`~rpcdl.data.epoch_book.EpochBook`'s, under its lock; the chunk sizer
 and the served counts have their own locks, and so has an
 :class:`~rpcdl.data.elastic.ElasticDistributedSampler` for the origin of its
-epoch (set by :meth:`RPCDataloader.load_state_dict` and as an epoch begins).
-The loader's other fields are its settings, changed by the user's thread
-between epochs.
+epoch (set by the book as an epoch begins). The loader's other fields are its
+settings, changed by the user's thread between epochs.
+
+A state is written and read by :mod:`rpcdl.data.resume` alone
+(:meth:`RPCDataloader.state_dict`, :meth:`RPCDataloader.load_state_dict`).
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ from ..checks import check_int, check_loader_timeout, check_positive_int
 from .chunked_pass import ServedCounts
 from .chunks import ChunkSizer
 from .dataset import DatasetSetup, RPCDataset
-from .elastic import WHOLE_EPOCH, ElasticDistributedSampler
+from .elastic import ElasticDistributedSampler
 from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
+from .epoch_book import EpochBook
 from .fetch import fetch_batches_at, fetch_samples_at
 from .flow import LIVE_POOLS, PROCESS_FLOW, DataFlow, FlowSnapshot
-from .global_state import check_loader_state, epoch_batches, global_fields
-from .loader_state import EpochBook, check_state, loader_shape
 from .metrics import serve_metrics_from_environment
 from .pool import WorkerPool
 from .probes import PROBE_TIMEOUT
+from .resume import epoch_batches, loader_shape, read_loader_state, write_loader_state
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
 
 log = logging.getLogger("rpcdl.dataloader")
@@ -293,9 +295,10 @@ class RPCDataloader:
 
     def _batches_numbered(self) -> int:
         """The batches of an epoch; in one resumed on another cluster shape, the batches counted before it too."""
-        batches = len(self.batch_sampler) if self.batch_sampler is not None else len(self.sampler)
         elastic = self._elastic_sampler()
-        return batches + (elastic.origin.first_batch if elastic is not None else 0)
+        if elastic is not None:
+            return epoch_batches(elastic.layout(), self._epochs.origin(), self.batch_size, self.drop_last)
+        return len(self.batch_sampler) if self.batch_sampler is not None else len(self.sampler)
 
     def _elastic_sampler(self) -> ElasticDistributedSampler | None:
         """The sampler when its epochs resume from a global position (it is this loader's, batched by
@@ -334,6 +337,11 @@ class RPCDataloader:
         """The epoch the next iteration must be, when something outside the loader decides it (a trainer's
         current epoch); ``None``: the loader's rules (see :meth:`set_epoch`)."""
         return None
+
+    def _consumer_limit(self) -> float:
+        """The batches of an epoch its consumer takes at most, when something outside the loader ends epochs
+        early (a trainer's batch limit): a position there is the end of its epoch. Infinite: no limit."""
+        return float("inf")
 
     def _open_epoch(self) -> EpochPlan:
         """Begin an epoch (on its iterator's first ``next()``): what it needs."""
@@ -388,19 +396,30 @@ class RPCDataloader:
         epoch not yielded yet, in the same order (the sampler's random order is
         restored through its generator). Once every batch of an epoch has been
         yielded, the state is the start of the next epoch.
+
+        The state is a dict of plain data (but ``generator_state``, a tensor)
+        with a format ``version``; :mod:`rpcdl.data.resume` writes and reads it.
+
+        Returns:
+            the state.
+
+        Example::
+
+            >>> iterator = iter(loader)  # doctest: +SKIP
+            >>> first = next(iterator)  # doctest: +SKIP
+            >>> resumed = rpcdl.RPCDataloader(dataset, batch_size=4)  # doctest: +SKIP
+            >>> resumed.load_state_dict(loader.state_dict())  # doctest: +SKIP
         """
         try:
             batches: int | None = self._batches_numbered()
         except TypeError:
             batches = None
-        shape = loader_shape(self, batches, self._epochs.seed_source())
-        position = self._epochs.state(batches)
+        limit = self._consumer_limit()
+        position = self._epochs.position(min(batches, limit) if batches is not None else None)
         elastic = self._elastic_sampler()
-        if elastic is None:
-            return {**shape, **{name: value for name, value in position.items() if name != "origin"}}
-        # The epoch's batches from the position's origin (the next epoch's may differ from the one just done).
-        shape["batches"] = epoch_batches(elastic, position["origin"], self.batch_size, self.drop_last)
-        return {**shape, **position, **global_fields(elastic, position, self.batch_size, self.drop_last)}
+        layout = elastic.layout() if elastic is not None else None
+        shape = loader_shape(self, batches, self._epochs.seed_source())
+        return write_loader_state(shape, position, layout, self.batch_size, self.drop_last)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch.
@@ -421,21 +440,11 @@ class RPCDataloader:
                 another rank or world size (join the ranks' states with
                 :func:`rpcdl.distributed.merge_states`).
         """
-        try:
-            batches: int | None = self._batches_numbered()
-        except TypeError:
-            batches = None
-        shape = loader_shape(self, batches, self._epochs.seed_source())
         elastic = self._elastic_sampler()
-        if elastic is None:
-            state = check_state(state, shape)
-        else:
-            shape["batches"] = epoch_batches(elastic, WHOLE_EPOCH, self.batch_size, self.drop_last)
-            state = check_loader_state(state, shape, elastic, self.batch_size, self.drop_last)
+        layout = elastic.layout() if elastic is not None else None
+        position = read_loader_state(state, self, self._epochs.seed_source(), layout)
         self.close()
-        self._epochs.resume(state)
-        if elastic is not None:
-            elastic.set_origin(state["origin"])  # its length tells the resumed epoch's now (a trainer asks it)
+        self._epochs.resume(position)  # the sampler is given the origin as the epoch begins
 
     def __repr__(self) -> str:
         return f"RPCDataloader({self.dataset!r}, batch_size={self.batch_size}, workers={len(self.dataset.workers)})"

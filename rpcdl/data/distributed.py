@@ -16,7 +16,7 @@ from ..address import check_workers
 from ..checks import check_int, check_positive_int
 from .dataloader import RPCDataloader
 from .elastic import ElasticDistributedSampler
-from .global_state import merge_states
+from .resume import merge_states
 from .shares import rank_share
 
 __all__ = ["distributed_loader", "merge_states", "rank_and_world_size", "shard_workers"]

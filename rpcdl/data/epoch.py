@@ -24,7 +24,7 @@ finished) belongs to that thread. :meth:`EpochIterator.close` may come from any
 thread: it sets an event the advancing thread reads at its next step, and
 closes the running epoch's pass, which the advancing thread publishes under
 the iterator's lock as it starts. Its position belongs to its loader's
-:class:`~rpcdl.data.loader_state.EpochBook`. The time its ``next()`` last
+:class:`~rpcdl.data.epoch_book.EpochBook`. The time its ``next()`` last
 returned is the advancing thread's; what it measures goes to the loader's
 :class:`~rpcdl.data.flow.DataFlow`, under the flow's lock.
 
@@ -57,9 +57,9 @@ from ..seeding import derive_seed, set_random_seeds
 from .chunked_pass import ChunkedPass, ChunkedPassState, ServedCounts
 from .chunks import ChunkSizer
 from .dataset import RPCDataset
+from .epoch_book import EpochBook, Position
 from .flow import DataFlow, FlowFigures, FlowSnapshot
 from .guard import EntryGuard
-from .loader_state import EpochBook, Position
 from .pool import WorkerPool
 from .records import Task
 from .scheduler import NoWorkersLeft

@@ -1,20 +1,13 @@
-"""An :class:`~rpcdl.RPCDataloader`'s epochs: which one comes next, where each is, and the state that says so.
-
-A state is the position in an epoch (``epoch``, ``yielded_prefix``: batches
-``0 .. yielded_prefix - 1`` were yielded, ``yielded_extra``: batches yielded
-beyond them, ``generator_state``: the sampler's random generator at the start of
-the epoch) and what determines the epoch's batches (:data:`SHAPE_FIELDS`, with
-``seed_source``: where a random order comes from). A position only means
-something in a loader that makes the same batches: a state is refused by a
-loader whose shape differs (:func:`check_state`). States written before the
-shape was recorded still load (their missing fields are not checked). A loader
-over an :class:`~rpcdl.data.elastic.ElasticDistributedSampler` adds the global
-position (:mod:`rpcdl.data.global_state`), which loads on another shape.
+"""An :class:`~rpcdl.RPCDataloader`'s epochs: which one comes next, and where each is.
 
 An :class:`EpochBook` keeps a loader's epochs: what the next one is
 (:class:`Counted`, :class:`Chosen` by ``set_epoch`` or :class:`Resumed` from a
 state), the :class:`Position` of the epoch that yielded last, and the open
-iterators, to close them.
+iterators, to close them. As an epoch begins, the book tells the samplers its
+number, and an :class:`~rpcdl.data.elastic.ElasticDistributedSampler` its
+number and its origin in one call. A state is written and read by
+:mod:`rpcdl.data.resume` alone: the book takes a
+:class:`~rpcdl.data.resume.LoaderPosition` to resume and gives one back.
 
 Threading: a loader's iterators may start and advance epochs on several
 threads while another asks for the state. The book's lock guards every access
@@ -37,140 +30,10 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import RandomSampler
 
-from ..checks import check_int
-from .elastic import WHOLE_EPOCH, ElasticDistributedSampler, Origin
+from .elastic import ElasticDistributedSampler
+from .resume import WHOLE_EPOCH, LoaderPosition, Origin
 
-#: The fields of a state that determine the batch sequence of an epoch.
-SHAPE_FIELDS = ("batches", "batch_size", "drop_last", "sampler", "batch_sampler", "in_order", "seed_source")
-POSITION_FIELDS = ("epoch", "yielded_prefix", "yielded_extra")
-
-#: The samplers whose split among ranks is by complexity (their names, as a shape holds them).
-_LOAD_BALANCING = ("LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler")
-
-#: Where a loader's random order comes from (a state's ``seed_source``): the sampler's own generator
-#: (the loader's ``generator=``, or a ``RandomSampler(generator=...)``); a generator drawn from torch's
-#: global one at each epoch (a ``RandomSampler`` without one); or the sampler alone (no random order
-#: drawn by the loader: a sequential sampler, or one seeded by its own ``seed``, as ``DistributedSampler``).
-SEED_SOURCES = ("generator", "global", "sampler")
-
-
-class Shaped(Protocol):
-    """What a loader's shape is read from (an :class:`~rpcdl.RPCDataloader`)."""
-
-    batch_size: int | None
-    drop_last: bool
-    sampler: Any
-    batch_sampler: Any
-    in_order: bool
-
-    def __len__(self) -> int: ...
-
-
-def loader_shape(loader: Shaped, batches: int | None, seed_source: str) -> dict[str, Any]:
-    """The fields of :data:`SHAPE_FIELDS` for ``loader``, with its ``batches`` in an epoch (``None`` for a
-    sampler without length) and its ``seed_source`` (one of :data:`~rpcdl.data.loader_state.SEED_SOURCES`)."""
-    batch_sampler = loader.batch_sampler
-    return {
-        "batches": batches,
-        "batch_size": loader.batch_size,
-        "drop_last": loader.drop_last,
-        "sampler": _sampler_name(loader.sampler),
-        "batch_sampler": _sampler_name(batch_sampler) if batch_sampler is not None else None,
-        "in_order": loader.in_order,
-        "seed_source": seed_source,
-    }
-
-
-def _sampler_name(sampler: Any) -> str:
-    """How a shape names ``sampler``: its class, and for a load-balancing one the world size it splits for
-    (its split is by complexity, so a state resumes only on that world size, even where the number of
-    batches per rank happens to be the same on another)."""
-    name = type(sampler).__qualname__
-    if name in _LOAD_BALANCING:
-        return f"{name}(num_replicas={sampler.num_replicas})"
-    return name
-
-
-def check_state(state: Any, shape: dict[str, Any]) -> dict[str, Any]:
-    """Return a copy of ``state`` after checking that it is a valid position for a loader of ``shape``.
-
-    Raises:
-        TypeError: ``state`` is not a dict, or a field has the wrong type.
-        ValueError: a field is missing or out of range, or the state was saved
-            by a loader that makes different batches (each differing field named
-            with both values).
-    """
-    if not isinstance(state, dict):
-        raise TypeError(
-            f"an RPCDataloader state must be the dict returned by RPCDataloader.state_dict(), "
-            f"got {type(state).__name__}: {state!r:.100}"
-        )
-    missing = [name for name in POSITION_FIELDS if name not in state]
-    if missing:
-        raise ValueError(
-            f"not an RPCDataloader state: missing {missing}; load what RPCDataloader.state_dict() returned"
-        )
-    differences = [
-        f"{name}: the state has {state[name]!r}, this loader has {shape[name]!r}"
-        for name in SHAPE_FIELDS
-        if name in state and state[name] != shape[name]
-    ]
-    if differences:
-        hint = ""
-        balancing = [name for name in (shape["sampler"], shape["batch_sampler"]) if name]
-        if any(name.startswith(_LOAD_BALANCING) for name in balancing) and any(
-            name.startswith(("batches", "sampler", "batch_sampler")) for name in differences
-        ):
-            hint = (
-                " (a load-balancing sampler's state resumes only on the world size it was taken on: the "
-                "sampler splits an epoch among ranks by complexity, groups of num_replicas samples sorted by "
-                "cost, not by DistributedSampler's layout, which is the one a state taken on W ranks is split "
-                "again from; a different number of batches per rank means another world size, or another "
-                "dataset, batch_fn or drop_last. Resume on the same world size, or start the epoch again)"
-            )
-        elif any(name.startswith("seed_source") for name in differences):
-            hint = (
-                " (seed_source: the random order came from the loader's generator= in one loader and from "
-                "torch's global generator in the other; build both the same way)"
-            )
-        raise ValueError(
-            "this state was saved by a loader that makes different batches; resuming would skip or repeat "
-            f"samples. Differences: {'; '.join(differences)}{hint}. Load it into a loader built with the same "
-            "batch_size, drop_last, sampler, generator and in_order over a dataset of the same length, or "
-            "start the epoch again (load no state: the next iteration is a whole epoch). Loaders made by "
-            "rpcdl.distributed.distributed_loader (and RPCDataModule) resume on another world size or batch size"
-        )
-    _check_counter(state, "epoch")
-    prefix = _check_counter(state, "yielded_prefix")
-    batches = shape["batches"]
-    if batches is not None and prefix > batches:
-        raise ValueError(f"yielded_prefix={prefix} is out of range: an epoch of this loader has {batches} batches")
-    extra = state["yielded_extra"]
-    if not isinstance(extra, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in extra):
-        raise TypeError(f"yielded_extra must be a list of batch numbers (integers), got {extra!r:.100}")
-    if len(set(extra)) != len(extra):
-        raise ValueError(f"yielded_extra lists a batch more than once: {sorted(extra)!r:.100}")
-    upper = batches if batches is not None else float("inf")
-    outside = [i for i in extra if not prefix < i < upper]
-    if outside:
-        limit = f" and below {batches}" if batches is not None else ""
-        raise ValueError(
-            f"yielded_extra holds batch numbers out of range {outside!r:.100}: each must be above "
-            f"yielded_prefix={prefix}{limit}"
-        )
-    generator_state = state.get("generator_state")
-    if generator_state is not None and not (
-        isinstance(generator_state, torch.Tensor) and generator_state.dtype == torch.uint8
-    ):
-        raise TypeError(
-            "generator_state must be None or the uint8 tensor of torch.Generator.get_state(), "
-            f"got {type(generator_state).__name__}"
-        )
-    return dict(state)
-
-
-def _check_counter(state: dict[str, Any], name: str) -> int:
-    return check_int(state[name], name, minimum=0, wrong_type=TypeError)
+__all__ = ["Chosen", "Closeable", "Counted", "EpochBook", "EpochStart", "Position", "PositionState", "Resumed"]
 
 
 # ---------------------------------------------------------------------------- the epochs of a loader
@@ -205,32 +68,21 @@ class Position:
         "yielded_prefix",
     )
 
-    def __init__(
-        self,
-        epoch: int,
-        generator_state: torch.Tensor | None,
-        prefix: int,
-        extra: Iterable[int],
-        origin: Origin = WHOLE_EPOCH,
-    ):
-        self.epoch = epoch
-        self.generator_state = generator_state
-        self.origin = origin
-        self.start_prefix = prefix
-        self.start_extra = frozenset(extra)
-        self.yielded_prefix = prefix
-        self.yielded_extra = set(extra)
+    def __init__(self, start: LoaderPosition):
+        self.epoch = start.epoch
+        self.generator_state = start.generator_state
+        self.origin = start.origin
+        self.start_prefix = start.yielded_prefix
+        self.start_extra = frozenset(start.yielded_extra)
+        self.yielded_prefix = start.yielded_prefix
+        self.yielded_extra = set(start.yielded_extra)
         self.state = PositionState.RUNNING
 
-    def as_state(self) -> dict[str, Any]:
-        """The position as the fields of a state."""
-        return {
-            "epoch": self.epoch,
-            "yielded_prefix": self.yielded_prefix,
-            "yielded_extra": sorted(self.yielded_extra),
-            "generator_state": self.generator_state,
-            "origin": self.origin,
-        }
+    def snapshot(self) -> LoaderPosition:
+        """The position now, as :mod:`rpcdl.data.resume` writes it (the caller holds the book's lock)."""
+        return LoaderPosition(
+            self.epoch, self.yielded_prefix, tuple(sorted(self.yielded_extra)), self.generator_state, self.origin
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -249,9 +101,9 @@ class Chosen:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Resumed:
-    """The next epoch continues a loaded state."""
+    """The next epoch continues a loaded state, at ``position``."""
 
-    state: dict[str, Any]
+    position: LoaderPosition
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -301,8 +153,8 @@ class EpochBook:
 
     def __init__(self, samplers: Sequence[Any], random_sampler: Any, generator: torch.Generator | None):
         self._lock = threading.Lock()
-        self._samplers = [sampler for sampler in samplers if hasattr(sampler, "set_epoch")]
-        self._elastic = [sampler for sampler in samplers if isinstance(sampler, ElasticDistributedSampler)]
+        told = {id(sampler): sampler for sampler in samplers if hasattr(sampler, "set_epoch")}  # each once
+        self._samplers = list(told.values())
         self._random_sampler = random_sampler
         self._generator = generator
         self._next: Counted | Chosen | Resumed = Counted(0)
@@ -334,17 +186,21 @@ class EpochBook:
             if not isinstance(self._next, Resumed):
                 self._next = Chosen(epoch)
 
-    def resume(self, state: dict[str, Any]) -> None:
-        """Make the next epoch continue ``state`` (checked already): its position fields, its
-        ``generator_state`` and its ``origin`` (an :class:`~rpcdl.data.elastic.Origin`)."""
+    def resume(self, position: LoaderPosition) -> None:
+        """Make the next epoch continue at ``position`` (read by :func:`~rpcdl.data.resume.read_loader_state`)."""
         with self._lock:
-            self._next = Resumed(
-                {
-                    **{name: state[name] for name in POSITION_FIELDS},
-                    "generator_state": state.get("generator_state"),
-                    "origin": state.get("origin", WHOLE_EPOCH),
-                }
-            )
+            self._next = Resumed(position)
+
+    def origin(self) -> Origin:
+        """Where the epoch a loader's length tells starts: the loaded state's, not begun yet; else the running
+        epoch's that began last; else the beginning of an epoch."""
+        with self._lock:
+            if isinstance(self._next, Resumed):
+                return self._next.position.origin
+            begun = self._begun
+            if isinstance(begun, Position) and begun.state is PositionState.RUNNING:
+                return begun.origin
+            return WHOLE_EPOCH
 
     def opened(self, iterator: Closeable) -> None:
         """Keep ``iterator`` (weakly) to close it with :meth:`open_iterators`."""
@@ -381,7 +237,7 @@ class EpochBook:
             last = None if isinstance(self._begun, NoEpoch) else self._begun.epoch
             told = {getattr(sampler, "epoch", last) for sampler in self._samplers} - {last}
             if isinstance(plan, Resumed):
-                epoch = plan.state["epoch"]
+                epoch = plan.position.epoch
             elif requested is not None:
                 epoch = requested
             elif isinstance(plan, Chosen):
@@ -391,17 +247,14 @@ class EpochBook:
             else:
                 epoch = plan.epoch
             self._next = Counted(epoch + 1)
+            resumed = plan.position if isinstance(plan, Resumed) else LoaderPosition(epoch)
             for sampler in self._samplers:
-                sampler.set_epoch(epoch)
-            saved = plan.state.get("generator_state") if isinstance(plan, Resumed) else None
-            start = self._set_generators(saved)
-            prefix, extra = (
-                (plan.state["yielded_prefix"], plan.state["yielded_extra"]) if isinstance(plan, Resumed) else (0, ())
-            )
-            origin = plan.state.get("origin", WHOLE_EPOCH) if isinstance(plan, Resumed) else WHOLE_EPOCH
-            for sampler in self._elastic:
-                sampler.set_origin(origin)
-            position = Position(epoch, start, prefix, extra, origin)
+                if isinstance(sampler, ElasticDistributedSampler):
+                    sampler.begin_epoch(epoch, resumed.origin)  # the epoch and its origin, in one call
+                else:
+                    sampler.set_epoch(epoch)
+            start = self._set_generators(resumed.generator_state)
+            position = Position(dataclasses.replace(resumed, generator_state=start))
             self._begun = self._last = position
             try:
                 started = _started(batches)
@@ -427,30 +280,26 @@ class EpochBook:
         with self._lock:
             position.state = PositionState.FINISHED
 
-    def state(self, batches: int | None) -> dict[str, Any]:
-        """The position fields of the state (``origin`` an :class:`~rpcdl.data.elastic.Origin`): the loaded
-        state not used yet, the epoch that yielded last while it runs and has batches left (``batches`` in an
-        epoch; ``None``: unknown), else the start of the next."""
+    def position(self, end: float | None) -> LoaderPosition:
+        """The position a state tells: the loaded state not used yet; the epoch that yielded last while it
+        runs and its consumer has batches left (``end``: the batch number its epoch ends at, for the
+        consumer; ``None``: unknown); else the start of the next."""
         with self._lock:
             if isinstance(self._next, Resumed):
-                return dict(self._next.state)
+                return self._next.position
             last = self._last
             if isinstance(last, Position) and last.state is PositionState.RUNNING:
-                complete = batches is not None and not last.yielded_extra and last.yielded_prefix >= batches
+                complete = end is not None and not last.yielded_extra and last.yielded_prefix >= end
                 if not complete:
-                    return last.as_state()
+                    return last.snapshot()
             generator = self._own_generator()
-            return {
-                "epoch": self._next.epoch,
-                "yielded_prefix": 0,
-                "yielded_extra": [],
-                "generator_state": generator.get_state() if generator is not None else None,
-                "origin": WHOLE_EPOCH,
-            }
+            return LoaderPosition(
+                self._next.epoch, generator_state=generator.get_state() if generator is not None else None
+            )
 
     def seed_source(self) -> str:
         """Where the random order of the loader's sampler comes from (one of
-        :data:`~rpcdl.data.loader_state.SEED_SOURCES`)."""
+        :data:`~rpcdl.data.resume.SEED_SOURCES`)."""
         with self._lock:
             if self._own_generator() is not None:
                 return "generator"
