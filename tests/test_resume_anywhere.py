@@ -7,6 +7,7 @@ Every rank's loader of a world size is built in this process with an explicit
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 
 import pytest
@@ -399,3 +400,36 @@ def test_the_length_after_a_resumed_epoch_is_the_next_epochs(dataset):
     assert len(list(loader)) == 3
     assert loader.state_dict()["epoch"] == 1
     assert len(loader) == len(list(loader)) == 5  # epoch 1, whole: 25 samples in batches of 5
+
+
+@pytest.mark.timeout(60)
+def test_the_state_and_length_asked_while_a_resumed_epoch_runs_on_another_thread(dataset, switching_often):
+    """A thread asks len() and state_dict() while another iterates a resumed epoch: each answer is the
+    resumed epoch's (the global position never going back) or, once it ended, the next epoch's start."""
+    first = loaders(dataset, 4, batch_size=2)
+    iterators, before = take(first, 3)
+    state = plain(first[0].state_dict())  # 24 of 50 consumed
+    for iterator in iterators:
+        iterator.close()
+    loader = loaders(dataset, 2, batch_size=5)[0]
+    loader.load_state_dict(state)
+    answers = []
+    done = threading.Event()
+
+    def ask() -> None:
+        while not done.is_set():
+            answers.append((len(loader), plain(loader.state_dict())))
+
+    asker = threading.Thread(target=ask, name="test-asker")
+    asker.start()
+    try:
+        batches = [batch.tolist() for batch in loader]
+    finally:
+        done.set()
+        asker.join()
+    answers.append((len(loader), plain(loader.state_dict())))
+    assert len(batches) == 3 and not set(before) & {i for batch in batches for i in batch}
+    consumed = [s["consumed"] for _, s in answers if s["epoch"] == 0]
+    assert consumed == sorted(consumed) and set(consumed) <= {24, 34, 44, 50}
+    assert all(length == 6 for length, s in answers if s["epoch"] == 0)  # 3 counted before, 3 of this rank
+    assert answers[-1][0] == 5 and (answers[-1][1]["epoch"], answers[-1][1]["consumed"]) == (1, 0)
