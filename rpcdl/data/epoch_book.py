@@ -144,7 +144,9 @@ class EpochBook:
 
     Args:
         samplers: the loader's samplers (sampler, batch sampler, the batch
-            sampler's sampler): those with ``set_epoch`` are told each epoch.
+            sampler's sampler): those with ``set_epoch`` are told each epoch,
+            an ``ElasticDistributedSampler`` its epoch and origin at once
+            (``begin_epoch``).
         random_sampler: the sampler whose random order a state restores.
         generator: the loader's ``generator`` (torch's DataLoader draws its
             workers' base seed from it at each epoch: the same draw keeps the
