@@ -6,9 +6,11 @@ Prints:
 
 * balance: for many (W, R), whether every rank got floor(W/R) or ceil(W/R) workers (one each with W < R, no
   worker serving more than ceil(R/W) ranks);
-* movement: over random single joins and leaves of a fleet of W workers over R ranks, the (rank, worker)
-  pairs changed (in one assignment and not the other, a worker moved counting twice), as a fraction of the
-  pairs, max and mean, and the workers that changed rank (the joined or left one included);
+* movement: over random single joins and leaves of a fleet of W workers over R ranks (W, W - 96, W / 2,
+  W / 4 and 2 W), the (rank, worker) pairs of the assignment that changed, as a fraction of its pairs, max,
+  mean and median. A worker moved from rank a to rank b is one pair changed ((a, w) became (b, w)); the
+  joined or left worker's pair is one more. That is the larger of (pairs only before, pairs only after);
+  counting both sides would count each moved worker twice against the pairs of one assignment;
 * time: one assignment of the whole fleet, and every rank's share computed in one process (as every rank of
   a job does after a change), from a cold cache.
 """
@@ -44,8 +46,13 @@ def _balanced(addresses: list[str], ranks: int) -> bool:
     return all(len(s) == 1 for s in assigned) and max(served.values()) <= math.ceil(ranks / workers)
 
 
-def _pairs(assigned) -> dict[str, int]:
-    return {worker: rank for rank, share in enumerate(assigned) for worker in share}
+def _pairs(assigned) -> set[tuple[int, str]]:
+    return {(rank, worker) for rank, share in enumerate(assigned) for worker in share}
+
+
+def changed_pairs(before: set[tuple[int, str]], after: set[tuple[int, str]]) -> int:
+    """The pairs of the assignment that changed: a moved worker once, a joined or a left one once."""
+    return max(len(before - after), len(after - before))
 
 
 def main() -> None:
@@ -63,25 +70,23 @@ def main() -> None:
     bad = [(w, r) for w, r in sizes if w >= 1 and not _balanced(_fleet(w, rng), r)]
     print(f"balance: {len(sizes) - len(bad)} of {len(sizes)} (W, R) balanced{'; not: ' + str(bad) if bad else ''}")
 
-    for workers, ranks in ((options.workers, options.ranks), (options.workers - 96, options.ranks)):
+    size = options.workers
+    for workers in (size, size - 96, size // 2, size // 4, 2 * size):
         fleet = _fleet(workers, rng)
-        base = _pairs(shares.assignment(fleet, ranks))
-        fractions, moved = [], []
+        base = _pairs(shares.assignment(fleet, options.ranks))
+        fractions = []
         for change in range(options.changes):
             if change % 2 == 0:
                 changed = [*fleet, f"10.200.{change // 256}.{change % 256}:7000"]
             else:
                 changed = list(fleet)
                 changed.pop(rng.randrange(len(changed)))
-            after = _pairs(shares.assignment(changed, ranks))
-            differ = {w for w in base.keys() | after.keys() if base.get(w) != after.get(w)}
-            pair_changes = sum((w in base) + (w in after) for w in differ)
-            fractions.append(pair_changes / max(len(base), len(after)))
-            moved.append(len(differ))
+            after = _pairs(shares.assignment(changed, options.ranks))
+            fractions.append(changed_pairs(base, after) / max(len(base), len(after)))
         print(
-            f"movement at W={workers} R={ranks} over {options.changes} single joins and leaves: pairs changed "
-            f"max {max(fractions):.2%} mean {statistics.mean(fractions):.2%} median {statistics.median(fractions):.2%};"
-            f" workers that changed rank max {max(moved)} mean {statistics.mean(moved):.1f}"
+            f"movement at W={workers} R={options.ranks} over {options.changes} single joins and leaves: pairs "
+            f"changed max {max(fractions):.2%} mean {statistics.mean(fractions):.2%} "
+            f"median {statistics.median(fractions):.2%}"
         )
 
     fleet = tuple(_fleet(options.workers, rng))  # a new fleet: nothing cached
