@@ -89,7 +89,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
     while ``fn`` is cheap (aiming at about 2 ms of work per call, at most
     ``max_chunk_size`` items); filling one never waits for a slow source, it
     goes with the items there. Each chunk goes to the worker expected to finish
-    it first, at most ``prefetch_factor`` chunks in flight per worker, and at
+    it first, at most ``prefetch_factor`` chunks (2 at least) in flight per worker, and at
     most that many chunks per worker are pulled from ``source`` ahead of the
     item handed out: up to ``prefetch_factor * max_chunk_size`` items per
     worker are held in memory (a worker on a link with a long round trip may

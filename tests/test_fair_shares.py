@@ -133,3 +133,41 @@ def test_a_greedy_client_and_a_modest_one_get_throughputs_within_20_percent(spaw
     for greedy, modest in zip(answered[::2], answered[1::2], strict=True):
         assert greedy > 0 and modest > 0
         assert abs(greedy - modest) <= 0.2 * max(greedy, modest), f"greedy {greedy} vs modest {modest} calls"
+
+
+_LOADER_CLIENT = str(Path(__file__).resolve().parent / "fair_loader_client.py")
+
+
+def test_two_loaders_with_unequal_batches_share_one_worker_by_time(spawn_workers):
+    # batches of 16 samples with prefetch_factor=8 and batches of 2 with prefetch_factor=1, each sample holding
+    # the worker's one slot for 2 ms: the loader of small batches must keep a call waiting at the worker while
+    # its answer travels back, or the worker's fair queue gives that turn to the other loader's long call
+    (address,) = spawn_workers(1, parallel=1)
+    shapes = [(16, 8), (2, 1)]
+    clients = [
+        subprocess.Popen(
+            [sys.executable, _LOADER_CLIENT, address, str(batch_size), str(prefetch_factor), "0.002"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=child_environment(),
+            text=True,
+        )
+        for batch_size, prefetch_factor in shapes
+    ]
+    try:
+        for client in clients:
+            assert client.stdout.readline().strip() == "ready"
+        start = time.time() + 0.5  # both loaders are under way: their windows settle first
+        for client in clients:
+            client.stdin.write(f"{start!r} {start + 3.0!r}\n")
+            client.stdin.flush()
+        samples = [int(client.communicate(timeout=60)[0]) for client in clients]
+    finally:
+        for client in clients:
+            client.kill()
+            client.wait()
+    total = sum(samples)
+    assert total > 0
+    for (batch_size, _), taken in zip(shapes, samples, strict=True):
+        # equal time means equal samples here (every sample costs the same); a generous band, not a speed
+        assert taken >= 0.35 * total, f"batches of {batch_size}: {taken} of {total} samples ({samples})"

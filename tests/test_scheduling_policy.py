@@ -240,6 +240,30 @@ def test_window_stays_between_prefetch_factor_and_its_maximum():
         assert 3 <= policy.window(slot) <= 10
 
 
+def test_a_worker_shared_with_a_busier_client_keeps_a_call_of_ours_waiting_there():
+    # prefetch_factor=1 on a worker whose other client's calls take 8 times as long as ours: each round trip of
+    # ours waits behind one of theirs, which looks like calls of ours queued there. With one call in flight none
+    # of ours would wait at the worker while its answer travels back, and its fair queue would give the turn away.
+    policy = SchedulingPolicy(prefetch_factor=1, timeout=30.0)
+    slot = WorkerSlot("shared:1", 0)
+    first = _send(policy, slot, 0.0)
+    slot.in_flight.clear()
+    policy.observe(slot, first, 0.01)  # set-up: not measured
+    quick = _send(policy, slot, 0.01)
+    slot.in_flight.clear()
+    policy.observe(slot, quick, 0.014)  # the other client was idle: 4 ms, no wait
+    now = 0.014
+    for _ in range(40):
+        attempts = [_send(policy, slot, now) for _ in range(policy.window(slot))]
+        for attempt in attempts:
+            now += 0.036  # behind one of the other client's 32 ms calls
+            slot.in_flight.discard(attempt)
+            policy.observe(slot, attempt, now)
+        assert policy.window(slot) == 2
+    assert policy.min_window == 2
+    assert SchedulingPolicy(prefetch_factor=1, timeout=30.0, max_window=1).min_window == 1  # a bound asked for
+
+
 def test_answers_read_late_do_not_change_the_window():
     policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
     slot = WorkerSlot("w0:1", 0)

@@ -496,8 +496,9 @@ class WorkerPool:
 
     Args:
         workers: worker addresses, or the :class:`~rpcdl.data.sources.Fleet` to follow.
-        prefetch_factor: calls in flight per worker at least (and tasks not
-            handed out yet per active worker); a worker whose link needs more
+        prefetch_factor: calls in flight per worker at least, 2 at least once
+            it answered (and tasks not handed out yet per active worker); a
+            worker whose link needs more
             to stay busy gets more, up to ``max_window``
             (see :meth:`SchedulingPolicy.window <rpcdl.data.scheduling_policy.SchedulingPolicy.window>`).
         timeout: seconds a call may take before its task goes elsewhere; also

@@ -46,7 +46,7 @@ class WorkerSlot:
     call's sending and the answer before); ``rtt``, the shortest round trip of
     a call (latency and work, no wait); ``round_trip``, the average round trip
     over the last window of answers. ``window``: the calls it may have in
-    flight (``None``: ``prefetch_factor``), adapted by
+    flight (``None``: the policy's ``min_window``), adapted by
     :meth:`rpcdl.data.scheduling_policy.SchedulingPolicy.observe`.
     ``failure``: what took it out last (``None`` while it never failed).
     ``drain_until``: while it drains (it said it is leaving), the time by

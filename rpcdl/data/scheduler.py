@@ -5,7 +5,7 @@ over a :class:`~rpcdl.data.pool.WorkerPool`:
 
 - each payload goes to the worker expected to finish it first (its calls in
   flight times its service time), at most its window of calls in flight (at
-  least ``prefetch_factor``, more on a link with a long round trip), never to
+  least ``prefetch_factor`` and 2, more on a link with a long round trip), never to
   a worker much slower than the best one could be;
 - at most the active workers' windows together are in flight or done and not
   yet handed out;

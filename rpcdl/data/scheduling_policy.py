@@ -22,7 +22,8 @@ holds the pool's lock):
    only an ``ACTIVE`` worker is given tasks.
 2. A worker is sent a call only while it has fewer than its
    :meth:`SchedulingPolicy.window` in flight, and
-   ``prefetch_factor <= window <= max_window`` (1 until its first answer).
+   ``min_window <= window <= max_window`` (1 until its first answer), where
+   ``min_window`` is ``prefetch_factor``, or ``MIN_WINDOW`` (2) if larger.
 3. A pass pulls a task from its source only while it holds fewer than
    :meth:`SchedulingPolicy.pass_window` pulled and not handed out (the active
    workers' windows together), so the client holds at most
@@ -81,6 +82,7 @@ __all__ = [
     "HUNG_FLOOR",
     "MAX_PROBE_DELAY",
     "MAX_WINDOW_FACTOR",
+    "MIN_WINDOW",
     "SLOW_FACTOR",
     "STANDBY_GROW_AFTER",
     "STANDBY_IDLE",
@@ -98,6 +100,11 @@ MIN_HEDGE_AGE = 0.05
 MAX_PROBE_DELAY = 5.0
 IDLE_WAIT = 0.5
 MAX_WINDOW_FACTOR = 4  # the adaptive window grows to at most this times prefetch_factor
+#: Calls in flight per measured worker at least, whatever ``prefetch_factor`` says (unless ``max_window`` is
+#: smaller): one runs while the next waits there. A worker shared with other clients takes the next call from
+#: the client that used the least of its time, among those with a call waiting (see
+#: :mod:`rpcdl.server.fair_queue`); a client with none waiting while its answer travels back loses its turn.
+MIN_WINDOW = 2
 HUNG_FACTOR = 10.0  # silent for this many service times (its own or the best, the longer) while others answer: hung
 HUNG_FLOOR = 1.0  # seconds of silence never taken for a hang, however fast the workers
 HUNG_ANSWERS = 3  # answers the other workers gave during that silence (they are not all waiting on the client)
@@ -114,7 +121,7 @@ DEFAULT_DRAIN_WAIT = 30.0
 DRAIN_MARGIN = 1.0
 _SERVICE_WEIGHT = 0.5  # weight of a new sample in the service-time average (it follows changes fast)
 _GROW_BELOW = 0.5  # calls waiting at a worker whose window was full: fewer, and the window grows by one
-_LEAVE_FLOOR_BELOW = 0.25  # the same, to grow past prefetch_factor: round trips on loopback are noisy
+_LEAVE_FLOOR_BELOW = 0.25  # the same, to grow past min_window: round trips on loopback are noisy
 _SHRINK_ABOVE = 1.5  # more, and it shrinks by one
 
 
@@ -132,7 +139,8 @@ class SchedulingPolicy:
 
     Args:
         prefetch_factor: calls in flight per worker at least (and the least
-            window of a worker whose link is not measured yet).
+            window of a worker whose link is not measured yet); ``MIN_WINDOW``
+            (2) at least once the worker answered, unless ``max_window`` is 1.
         timeout: how long to wait for a worker to come back when none is left.
         max_window: calls in flight per worker at most, however long its link's
             round trip (default: ``4 * prefetch_factor``).
@@ -153,6 +161,7 @@ class SchedulingPolicy:
         self.prefetch_factor = prefetch_factor
         self.timeout = float(timeout)
         self.max_window = max(max_window or MAX_WINDOW_FACTOR * prefetch_factor, prefetch_factor)
+        self.min_window = min(max(prefetch_factor, MIN_WINDOW), self.max_window)
         self.standby_idle = STANDBY_IDLE if standby_idle is None else float(standby_idle)
 
     # ------------------------------------------------------------------ windows
@@ -162,13 +171,18 @@ class SchedulingPolicy:
 
         One until its first answer since it (re)joined: that answer pays for
         setting up the connection, and the next call finds the worker idle,
-        which measures the round trip with no wait.
+        which measures the round trip with no wait. Then at least
+        ``min_window`` (``prefetch_factor``, and 2 at least): a worker
+        shared with other clients makes every round trip look long, which
+        alone would shrink the window to ``prefetch_factor``; with one call
+        in flight, none waits at the worker while its answer travels back,
+        and the worker's fair queue gives the others that turn.
         """
         if slot.service_time is None:
             return 1
         window = slot.window
-        if window is None or window <= self.prefetch_factor:
-            return self.prefetch_factor
+        if window is None or window <= self.min_window:
+            return self.min_window
         return window if window < self.max_window else self.max_window
 
     def pass_window(self, slots: Sequence[WorkerSlot]) -> int:
@@ -200,14 +214,15 @@ class SchedulingPolicy:
         window of answers, the average round trip tells how many calls waited
         at the worker: ``window * (1 - rtt / average)``. Under half a call
         (and the window was full, so it was what limited the worker), the
-        window grows by one; over one and a half, it shrinks by one. To grow
-        past ``prefetch_factor`` it takes under a quarter of a call: round
-        trips on loopback are noisy, and the client's memory bound stays
-        ``prefetch_factor`` per worker there. A loopback worker that runs one
-        call at a time keeps one call waiting: its window stays at
-        ``prefetch_factor`` (2 by default); a link with a long round trip, or
-        a worker running calls in parallel, gets more calls in flight. A link
-        that slows down makes calls wait: its window shrinks back.
+        window grows by one; over one and a half, it shrinks by one, to
+        ``min_window`` at least. To grow past ``min_window`` it takes
+        under a quarter of a call: round trips on loopback are noisy, and the
+        client's memory bound stays ``prefetch_factor`` (2 at least) per
+        worker there. A loopback worker that runs one call at a time keeps
+        one call waiting: its window stays at ``prefetch_factor`` (2 by
+        default, and with ``prefetch_factor=1``); a link with a long round
+        trip, or a worker running calls in parallel, gets more calls in
+        flight. A link that slows down makes calls wait: its window shrinks back.
 
         Args:
             answers: how many answers the pool has had from all its workers, this one included.
@@ -233,11 +248,11 @@ class SchedulingPolicy:
             return
         slot.round_trip = slot.round_trips / slot.answers
         waiting = window * (1.0 - slot.rtt / slot.round_trip) if slot.round_trip > 0 else 0.0
-        if slot.window_filled and waiting < (_GROW_BELOW if window > self.prefetch_factor else _LEAVE_FLOOR_BELOW):
+        if slot.window_filled and waiting < (_GROW_BELOW if window > self.min_window else _LEAVE_FLOOR_BELOW):
             window += 1
         elif waiting > _SHRINK_ABOVE:
             window -= 1
-        slot.window = min(max(window, self.prefetch_factor), self.max_window)
+        slot.window = min(max(window, self.min_window), self.max_window)
         slot.round_trips, slot.answers = 0.0, 0
         slot.window_filled = len(slot.in_flight) >= slot.window
 
