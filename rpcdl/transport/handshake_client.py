@@ -17,18 +17,27 @@ to the frame receiver that takes the transport over
 (:class:`~rpcdl.transport.frame_protocol.FrameProtocol`).
 
 Threading model: everything here runs on the loop's thread (``rpcdl-loop``);
-a :class:`HandshakeReader` is that thread's, as its transport is.
+a :class:`HandshakeReader` is that thread's, as its transport is. A host name
+(not an address) is resolved by a small pool of threads, ``rpcdl-resolve``
+(at most :data:`RESOLVERS`, whatever the number of workers), since the
+system's resolver blocks; ``_lock`` guards the one pool of the process, which a
+forked child makes anew.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import hmac
+import ipaddress
 import os
 import socket
 import ssl
 import struct
+import threading
 
+from .._lifecycle import in_forked_child
 from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, SessionsFull, WorkerFull
 from .compression import lz4_available, resolve_mode
 from .handshake import (
@@ -56,6 +65,37 @@ from .handshake import (
     proof,
 )
 from .security import Token
+
+RESOLVERS = 2  #: threads that resolve host names, at most
+
+_lock = threading.Lock()
+_resolvers: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _resolver_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _resolvers
+    with _lock:
+        if _resolvers is None:
+            _resolvers = concurrent.futures.ThreadPoolExecutor(RESOLVERS, thread_name_prefix="rpcdl-resolve")
+        return _resolvers
+
+
+def _forget_parents_resolvers() -> None:
+    global _resolvers, _lock
+    _resolvers, _lock = None, threading.Lock()
+
+
+in_forked_child(_forget_parents_resolvers)
+
+
+async def _resolve(host: str, port: int) -> list:
+    """The addresses of ``host``: at once for an address, else asked of the system's resolver in a thread."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        resolve = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        return await asyncio.get_running_loop().run_in_executor(_resolver_pool(), resolve)
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
 
 
 class HandshakeReader(asyncio.Protocol):
@@ -164,7 +204,7 @@ async def connect_socket(host: str, port: int, timeout: float) -> socket.socket:
         >>> sock = await connect_socket("127.0.0.1", 6543, 10.0)  # doctest: +SKIP
     """
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos = await _resolve(host, port)
     error: OSError | None = None
     for family, kind, proto, _, address in infos:
         sock = socket.socket(family, kind, proto)
