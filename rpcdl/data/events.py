@@ -1,6 +1,6 @@
 """What other threads tell a pass or its pool: typed events, carried by queues.
 
-A call's hook (:func:`rpcdl.rpc.calls.when_answered`) runs on whichever thread
+A call's hook (``rpcdl.rpc.calls.when_answered``) runs on whichever thread
 completes its future: the process's event loop, or the caller of
 :func:`rpcdl.rpc_async` when the call fails at once. That thread may hold the
 pool's lock, and the loop must never wait, so a hook only puts an

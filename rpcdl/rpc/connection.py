@@ -184,8 +184,11 @@ class Connection:
 
     # ------------------------------------------------------------------ calls, from any thread
 
-    def submit(self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0) -> bool:
-        """Make ``call``: the loop sends its frame (once connected) and its answer completes ``call.future``.
+    def submit(
+        self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0, flags: int = 0
+    ) -> bool:
+        """Make ``call``: the loop sends its frame (once connected) and its answer completes ``call.future``;
+        ``flags`` go in the frame (``AWAITED``: its caller blocks for the answer).
 
         Returns:
             Whether the call was made; ``False`` if the connection is closed, or its parent's in a forked child
@@ -194,7 +197,7 @@ class Connection:
         """
         if os.getpid() != self._pid:
             return False
-        frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers))
+        frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers), flags)
         written = None
         if frame.buffers:
             size = sum(memoryview(b).nbytes for b in frame.buffers)
