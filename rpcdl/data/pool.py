@@ -303,7 +303,7 @@ class PoolState:
         for slot in self.in_use:  # a record out of use has no call in flight
             gone = [attempt for attempt in slot.in_flight if attempt.owner in owners]
             for attempt in gone:
-                slot.in_flight.discard(attempt)
+                self.policy.let_go(slot, attempt)
                 attempt.state = AttemptState.DROPPED
 
     # ------------------------------------------------------------------ calls
@@ -345,7 +345,7 @@ class PoolState:
         """Let go of ``attempts``, still live: their task no longer needs them."""
         for attempt in attempts:
             if attempt.state is AttemptState.IN_FLIGHT:
-                self.slots[attempt.worker].in_flight.discard(attempt)
+                self.policy.let_go(self.slots[attempt.worker], attempt)
             attempt.state = AttemptState.DROPPED
 
     def release_answered(self, reader: PassRecord) -> None:
