@@ -19,7 +19,7 @@ import rpcdl
 from rpcdl.errors import FrameTooLarge, ProtocolError
 from rpcdl.rpc.client import connection_to
 from rpcdl.transport.compression import Compressor
-from rpcdl.transport.handshake import _HELLO, _WELCOME, MAGIC, VERSION, server_negotiate
+from rpcdl.transport.handshake import HELLO, MAGIC, VERSION, WELCOME, server_negotiate
 from rpcdl.transport.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
 
 pytest.importorskip("lz4.block")
@@ -124,11 +124,11 @@ def test_a_client_that_predates_compression_gets_none(embedded_worker):
     address = embedded_worker(compression="on").address
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(_HELLO.pack(MAGIC, VERSION, 0, bytes(32)))  # the flags of an older client: no bits
+        sock.sendall(HELLO.pack(MAGIC, VERSION, 0, bytes(32)))  # the flags of an older client: no bits
         welcome = b""
-        while len(welcome) < _WELCOME.size:
-            welcome += sock.recv(_WELCOME.size - len(welcome))
-        flags = _WELCOME.unpack(welcome)[2]
+        while len(welcome) < WELCOME.size:
+            welcome += sock.recv(WELCOME.size - len(welcome))
+        flags = WELCOME.unpack(welcome)[2]
     assert flags >> 2 & 3 == 0  # the worker tells it: off
 
 

@@ -2,8 +2,8 @@
 
 Two real worker processes; with ``sys.setswitchinterval(1e-6)`` (a thread
 switch every few bytecodes), threads make ``rpc_sync`` calls, pipelines of
-``rpc_async`` calls they wait for, held blocks whose answers they read
-themselves, and RRefs they drop (half of them in reference cycles, so that the
+``rpc_async`` calls they wait for, bursts of calls to both workers, and
+RRefs they drop (half of them in reference cycles, so that the
 cyclic collector frees them, in whichever thread it runs), while a thread runs
 ``gc.collect()`` in a loop. Mid-way one worker is killed and, later, another
 thread calls ``rpcdl.shutdown()``. Nothing may hang (every join is bounded),
@@ -25,7 +25,7 @@ import pytest
 import rpcdl
 from rpcdl.errors import ConnectionLost, RRefNotFound, WorkerTimeout, WorkerUnavailable
 from rpcdl.rpc import client
-from rpcdl.rpc.live_threads import join_connection_threads
+from rpcdl.transport.event_loop import THREAD_NAME
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,21 +106,25 @@ def _pipelined_calls(torture: _Torture, index: int) -> None:
             torture.settle(address, made, future.wait, expected)
 
 
-def _calls_read_here(torture: _Torture) -> None:
+def _calls_in_bursts(torture: _Torture) -> None:
     while not torture.stop.is_set():
         made = time.monotonic()
-        with client.sent_together(), client.answers_read_here():
-            calls = [(torture.address(k), k, rpcdl.rpc_async(torture.address(k), pow, (k, 1))) for k in range(6)]
-        futures = [future for _, _, future in calls]
-        for future in futures:
+        calls = []
+        for k in range(6):
+            address = torture.address(k)
+            try:
+                calls.append((address, k, rpcdl.rpc_async(address, pow, (k, 1), timeout=CALL_TIMEOUT)))
+            except (ConnectionLost, WorkerUnavailable) as exc:
+                torture.record(address, made, type(exc).__name__)
+        for _, _, future in calls:
             torture.watch(future)
-        deadline = time.monotonic() + 2.0
-        while not all(future.done() for future in futures) and time.monotonic() < deadline:
-            if client.read_answers(futures, timeout=0.05) is None:
-                break  # another thread reads: it completes them
-        client.read_in_background(futures)
         for address, k, future in calls:
             torture.settle(address, made, future.wait, k)
+
+
+def _rpcdl_threads() -> set[str]:
+    """The threads rpcdl runs in this process, beside its one loop."""
+    return {t.name for t in threading.enumerate() if t.name.startswith("rpcdl-") and t.name != THREAD_NAME}
 
 
 def _rrefs_dropped(torture: _Torture) -> None:
@@ -190,7 +194,7 @@ def test_threads_on_one_connection_get_every_answer_or_one_error_through_a_kill_
         threads = [
             *(_start(_sync_calls, torture, i, name=f"test-sync-{i}") for i in range(2)),
             *(_start(_pipelined_calls, torture, i, name=f"test-pipeline-{i}") for i in range(2)),
-            _start(_calls_read_here, torture, name="test-read-here"),
+            _start(_calls_in_bursts, torture, name="test-bursts"),
             _start(_rrefs_dropped, torture, name="test-rrefs"),
             _start(_collect, torture, name="test-gc-storm"),
         ]
@@ -247,12 +251,14 @@ def test_threads_on_one_connection_get_every_answer_or_one_error_through_a_kill_
         time.sleep(0.1)
     assert _rrefs_held(torture.stable) == 0
     rpcdl.shutdown()
-    assert join_connection_threads(timeout=10) == []
+    assert _rpcdl_threads() == set()  # the workers run in other processes: the client has none
 
 
-def test_shutdowns_while_other_threads_open_connections_join_only_started_threads(embedded_worker):
-    """rpcdl.shutdown() joins the connections' threads; one being created meanwhile must already run."""
+def test_shutdowns_while_other_threads_open_connections(embedded_worker):
+    """rpcdl.shutdown() closes connections being opened meanwhile; none is left with a thread or a call."""
     address = embedded_worker().address
+    rpcdl.ping(address)
+    workers_own = _rpcdl_threads()
     failures: list[BaseException] = []
     stop = threading.Event()
 
@@ -281,7 +287,11 @@ def test_shutdowns_while_other_threads_open_connections_join_only_started_thread
         sys.setswitchinterval(previous)
     assert failures == []
     rpcdl.shutdown()
-    assert join_connection_threads(timeout=10) == []
+    assert rpcdl.ping(address) > 0
+    deadline = time.monotonic() + 10  # the worker ends the sessions of the closed connections
+    while len(_rpcdl_threads()) > len(workers_own) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_rpcdl_threads()) == len(workers_own)  # the worker's own, one session: none for the client
 
 
 def _start_plain(target, name: str) -> threading.Thread:

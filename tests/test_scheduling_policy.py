@@ -310,3 +310,21 @@ def test_a_leaving_worker_takes_no_task_and_its_calls_are_awaited_until_its_drai
     task = Task(0, None)
     task.timeouts = 1
     assert policy.gives_up(task, [unsaid, other])  # a leaving worker cannot serve it
+
+
+def test_a_worker_whose_calls_were_let_go_unanswered_stays_silent_across_passes():
+    """A stopped worker whose calls are all answered by copies elsewhere, and dropped as each pass ends, is
+    still found hung: its silence counts from its oldest unanswered call, not from the newest pass's."""
+    policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
+    stopped, other = WorkerSlot("w0:1", 0), WorkerSlot("w1:2", 1)
+    for slot in (stopped, other):
+        slot.state, slot.service_time = WorkerState.ACTIVE, 0.01
+    old = _send(policy, stopped, now=0.0)
+    policy.let_go(stopped, old)  # its pass ended; nothing was answered there
+    assert not stopped.in_flight and stopped.unanswered_since == 0.0
+    _send(policy, stopped, now=0.9)  # the next pass's call
+    hung = policy.hung([stopped, other], now=1.2, answers=10)
+    assert [slot for slot, _ in hung] == [stopped]  # silent since 0.0, while the others answered 10 calls
+    answered = _send(policy, other, now=1.2)
+    policy.observe(other, answered, now=1.3, answers=11)
+    assert other.unanswered_since == float("inf")

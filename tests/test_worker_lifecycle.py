@@ -125,7 +125,7 @@ def test_every_thread_a_worker_starts_is_named_and_ends_with_it():
 
     def started() -> list[str]:
         names = (t.name for t in set(threading.enumerate()) - before)
-        return sorted(name for name in names if not name.startswith("rpcdl-connection-"))  # the client's own
+        return sorted(name for name in names if name != "rpcdl-loop")  # the client's own (the process's loop)
 
     with rpcdl.Worker(timeout=_WAIT, parallel=3) as worker:
         assert _raw_round_trip(worker.address, 1) == Kind.RESULT

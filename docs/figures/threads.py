@@ -89,8 +89,8 @@ def draw_trainer(ax):
         1.6,
         "training thread (any thread in an epoch's next())",
         "advances its epoch in next(): owns the pass (tasks waiting, in flight,\n"
-        "finished; its stage) and the iterator's stage. While it waits it holds\n"
-        "the connection's reading role and reads every answer that arrives.\n"
+        "finished; its stage) and the iterator's stage. It submits calls and\n"
+        "unpickles the answers it takes; it never reads a socket.\n"
         "A second thread entering the same next() gets a RuntimeError.",
     )
     thread(
@@ -99,10 +99,10 @@ def draw_trainer(ax):
         3.2,
         5.8,
         1.5,
-        "rpcdl-connection-HOST:PORT (one per worker)",
-        "opens the socket and owns its life; reads the answers nobody waits\n"
-        "for (callbacks run within a ms or two); fails overdue calls; sends\n"
-        "deferred frames and RRef releases. Calls only public methods.",
+        "rpcdl-loop (one per process, whatever the workers)",
+        "the event loop owns every socket: dials, handshakes (TLS), writes\n"
+        "calls, receives answers into pooled buffers and completes their\n"
+        "futures; fails overdue calls and sends releases on timers.",
     )
     lock(
         ax,
@@ -111,7 +111,7 @@ def draw_trainer(ax):
         2.75,
         1.2,
         "connection lock",
-        "state: Connecting | Open | Closed\npending calls, reading role,\noutbox, the thread's alarm",
+        "state: Connecting | Open |\nLeaving | Closed; calls submitted,\nnot yet taken by the loop",
     )
     lock(
         ax,
@@ -129,8 +129,8 @@ def draw_trainer(ax):
         5.8,
         1.0,
         "queues, not locks",
-        "a future's callback only puts a typed event (Answered, Orphaned, ...) on its\n"
-        "pass's queue; RRef finalizers append releases to a lock-free deque",
+        "a call's hook only puts a typed event (Answered, Orphaned, ...) on its pass's\n"
+        "queue; RRef finalizers append releases to a lock-free deque the loop sends",
     )
     arrow(ax, (4.6, 4.7), (4.6, 5.2), EVENT, rad=0.0)
     ax.text(4.7, 4.92, "events", fontsize=7.4, color=EVENT, va="center")

@@ -1,9 +1,9 @@
 """What other threads tell a pass or its pool: typed events, carried by queues.
 
-A future's callback runs on whichever thread completes it: a connection's
-thread, the consumer reading answers in :func:`rpcdl.rpc.client.read_answers`,
-or the caller of :func:`rpcdl.rpc_async` when the call fails at once. That
-thread may hold the pool's lock, or a connection's, so a callback only puts an
+A call's hook (``rpcdl.rpc.calls.when_answered``) runs on whichever thread
+completes its future: the process's event loop, or the caller of
+:func:`rpcdl.rpc_async` when the call fails at once. That thread may hold the
+pool's lock, and the loop must never wait, so a hook only puts an
 event on a queue (:func:`post`, :func:`post_probe_end`); the owner handles it
 under the pool's lock at its next step.
 

@@ -28,10 +28,10 @@ in flight, the registry of passes, the fleet version it follows and its count
 of answers) is guarded by ONE lock, which every access holds: the threads
 advancing its passes (several at once, one per pass) take it for each step,
 and readers (:meth:`WorkerPool.states`, :meth:`WorkerPool.windows`) to copy
-what they show. Nothing waits while holding it: a pass reads answers and pulls
-from its source outside it, and what must not run under it (handing dropped
-calls' answers to the connections' threads, starting revivals, closing idle
-connections, logging) is done by the thread leaving it, after it lets go
+what they show. Nothing waits while holding it: a pass waits for answers,
+unpickles them and pulls from its source outside it, and what must not run
+under it (starting revivals, closing idle connections, logging) is done by the
+thread leaving it, after it lets go
 (:meth:`PoolState.__exit__`).
 The fleet's own lock is a leaf taken under the pool's, for a copy of its
 latest list (its thread never takes the pool's). Other threads reach the pool
@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from ..errors import WorkerHung
-from ..rpc.client import drain_timeout, read_in_background
+from ..rpc.client import drain_timeout
 from ..rpc.pool import close_idle_connections_to
 from .events import WAKE, Orphaned, post_probe_end
 from .flow import CALL_SECONDS
@@ -106,8 +106,7 @@ class PoolState:
     """A pool's shared state; entering it takes the pool's lock (see the module): ``with pool.locked() as state``.
 
     Every method is called holding the lock. What must not run under the lock
-    (handing dropped answers to the connections' threads, starting revivals,
-    closing connections, logging) is queued here and done by the thread leaving it.
+    (starting revivals, closing connections, logging) is queued here and done by the thread leaving it.
 
     Attributes:
         slots: every worker given a record (its index is its place here): this
@@ -145,7 +144,6 @@ class PoolState:
         self._passes: dict[int, PassRecord] = {}
         self._numbers = itertools.count(1)
         self._probe_events: queue.SimpleQueue = queue.SimpleQueue()  # revivals' ends, from any thread
-        self._unread: list[torch.futures.Future] = []  # calls let go: their answers go to the connections' threads
         self._to_probe: list[WorkerSlot] = []
         self._to_close: list[str] = []  # others' workers back in reserve: their idle connections close
         self._notes: list[tuple[int, str, tuple]] = []  # log lines
@@ -155,10 +153,9 @@ class PoolState:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if not (self._unread or self._notes or self._to_probe or self._to_close):  # the usual step
+        if not (self._notes or self._to_probe or self._to_close):  # the usual step
             self._lock.release()
             return
-        unread, self._unread = self._unread, []
         notes, self._notes = self._notes, []
         probing, self._to_probe = self._to_probe, []
         closing, self._to_close = self._to_close, []
@@ -167,8 +164,6 @@ class PoolState:
         self._lock.release()
         for level, message, args in notes:
             log.log(level, message, *args)
-        if unread:
-            read_in_background(unread)  # nobody reads for them any more; a worker must not block sending them
         for address in closing:
             close_idle_connections_to(address, "another rank's worker this rank no longer needs")
         for slot, address, failure in starts:
@@ -308,9 +303,8 @@ class PoolState:
         for slot in self.in_use:  # a record out of use has no call in flight
             gone = [attempt for attempt in slot.in_flight if attempt.owner in owners]
             for attempt in gone:
-                slot.in_flight.discard(attempt)
+                self.policy.let_go(slot, attempt)
                 attempt.state = AttemptState.DROPPED
-                self._unread.append(attempt.future)
 
     # ------------------------------------------------------------------ calls
 
@@ -334,10 +328,6 @@ class PoolState:
         """Count ``attempt``, a call just made, against its worker."""
         self.policy.sent(self.slots[attempt.worker], attempt, self.answers)
 
-    def in_flight(self) -> list[torch.futures.Future]:
-        """The futures of every call in flight, of every pass."""
-        return [attempt.future for slot in self.in_use for attempt in slot.in_flight]
-
     def answered(self, attempt: Attempt, worker_failed: bool) -> bool:
         """The answer of ``attempt`` is being handled by its pass: it leaves its worker's calls in flight.
 
@@ -355,8 +345,7 @@ class PoolState:
         """Let go of ``attempts``, still live: their task no longer needs them."""
         for attempt in attempts:
             if attempt.state is AttemptState.IN_FLIGHT:
-                self.slots[attempt.worker].in_flight.discard(attempt)
-                self._unread.append(attempt.future)
+                self.policy.let_go(self.slots[attempt.worker], attempt)
             attempt.state = AttemptState.DROPPED
 
     def release_answered(self, reader: PassRecord) -> None:
@@ -420,8 +409,6 @@ class PoolState:
                 own.append(attempt)
             elif record is not None and record.reference() is not None:
                 record.events.put(Orphaned(attempt))
-            else:  # its pass was dropped: nobody reads its answer
-                self._unread.append(attempt.future)
         return own
 
     # ------------------------------------------------------------------ revival

@@ -16,6 +16,7 @@ pass is freed by reference counting alone.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import torch
@@ -82,6 +83,7 @@ class WorkerSlot:
         "rtt",
         "service_time",
         "state",
+        "unanswered_since",
         "window",
         "window_filled",
     )
@@ -108,6 +110,9 @@ class WorkerSlot:
         self.failure: BaseException | None = None
         self.drain_until = 0.0  # while DRAINING: when its calls in flight stop being awaited
         self.quiet_mark = 0  # the pool's count of answers when it last answered, or was sent a call idle
+        #: when the oldest call it was sent and never answered left, its answer no longer awaited (a pass
+        #: ended, or a copy answered first): its silence goes on across passes until it answers (inf: none)
+        self.unanswered_since = math.inf
 
     def expected_done(self, default: float) -> float:
         """When a new call sent now would finish, in service times from now.

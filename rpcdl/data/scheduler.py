@@ -37,10 +37,8 @@ while the pass waits for answers and while it pulls from its source (user
 code, or another stage waiting for its own answers). Several passes of one
 pool may be advanced at once by different threads. The futures' callbacks run
 on other threads and only put typed events on the pass's queue
-(:mod:`rpcdl.data.events`). The consumer reads the answers to its calls itself
-while it waits (see :func:`rpcdl.rpc.client.answers_read_here`), which saves
-two thread switches per answer; large answers are read by the connections'
-threads, in parallel.
+(:mod:`rpcdl.data.events`); the futures are completed by this process's event
+loop, and the consumer unpickles each answer it takes, outside the pool's lock.
 
 A pass that is dropped without being closed is freed by reference counting
 (nothing here refers back to it) and its calls are let go by the pool at its
@@ -60,7 +58,7 @@ from typing import Any
 import torch
 
 from ..errors import RPCDLError, WorkerLeaving, WorkerTimeout
-from ..rpc.client import answers_read_here, outside_held_blocks, read_answers, sent_together
+from ..rpc.calls import when_answered
 from .events import Answered, Orphaned, PassEvent, post
 from .guard import EntryGuard
 from .pool import PassRecord, PoolState, Registration, WorkerPool
@@ -88,6 +86,14 @@ class PassState(enum.Enum):
     OPEN = "open"  #: pulling from its source
     SOURCE_EXHAUSTED = "source exhausted"  #: every payload pulled; handing out what is outstanding
     CLOSED = "closed"  #: ended, closed or done or without workers; hands out nothing more
+
+
+def _unpickle(future: torch.futures.Future) -> None:
+    """Have the answer of ``future`` (done) unpickled now, in this thread, so that no lock is held meanwhile."""
+    try:
+        future.wait()
+    except Exception:  # its error is taken where the answer is handled
+        pass
 
 
 class _Closed(Exception):
@@ -204,37 +210,30 @@ class Dispatch(Iterator[Task]):
     def _step(self, wait: bool) -> None:
         """Handle the answers that came (waiting for one first when ``wait``), then send what may go,
         pulling from the source while the pass has room."""
+        timeout = 0.0
         if wait:
             with self.pool.locked() as shared:
                 self._check_open()
                 shared.reclaim_dropped()  # what dropped passes hold may be what this one waits for
                 shared.follow_fleet()
                 shared.start_due_probes()
-                in_flight = shared.in_flight()  # every pass's: an answer to another frees a worker for this one
                 timeout = shared.wait_time(self.in_order and bool(self._outstanding))
-        else:  # its own calls' answers that came meanwhile (their futures never change: no lock)
-            in_flight = [attempt.future for task in self._outstanding.values() for attempt in task.attempts]
-            timeout = 0.0
-        # Outside the lock: waiting. The answers read here complete their futures (of any pass) on this thread.
-        if read_answers(in_flight, timeout) is not None:  # read here (their events are queued), or none came in time
-            timeout = 0.0
-        events = self._take_events(timeout)
-        with sent_together(), answers_read_here():  # one system call per worker for what goes out now
+        events = self._take_events(timeout)  # outside the lock: waiting, and unpickling the answers
+        with self.pool.locked() as shared:
+            self._check_open()
+            message = self._handle(shared, events, arrived_now=wait) if events or wait else None
+            if message is None:
+                room = self._send_ready(shared)
+        if message is not None:
+            self._end()
+            raise NoWorkersLeft(message)
+        pulled = 0
+        while pulled < room and self._pull():  # outside the lock: the source is user code, or another stage
+            pulled += 1
+        if pulled:
             with self.pool.locked() as shared:
                 self._check_open()
-                message = self._handle(shared, events, arrived_now=wait) if events or wait else None
-                if message is None:
-                    room = self._send_ready(shared)
-            if message is not None:
-                self._end()
-                raise NoWorkersLeft(message)
-            pulled = 0
-            while pulled < room and self._pull():  # outside the lock: the source is user code, or another stage
-                pulled += 1
-            if pulled:
-                with self.pool.locked() as shared:
-                    self._check_open()
-                    self._send_waiting(shared)
+                self._send_waiting(shared)
 
     def _send_ready(self, shared: PoolState) -> int:
         """Send a copy of the head if it is late, then what waits; how many tasks the pass may pull now."""
@@ -251,8 +250,7 @@ class Dispatch(Iterator[Task]):
 
     def _pull(self) -> bool:
         try:
-            with outside_held_blocks():  # the source may be another stage that waits for its answers
-                payload = next(self._source)
+            payload = next(self._source)
         except StopIteration:
             self.state = PassState.SOURCE_EXHAUSTED
             return False
@@ -271,7 +269,7 @@ class Dispatch(Iterator[Task]):
     def _send(self, shared: PoolState, task: Task, slot: WorkerSlot) -> None:
         sent_at = shared.clock()
         try:
-            future = self._call(task, slot.address)  # held by sent_together: it leaves after the lock is let go
+            future = self._call(task, slot.address)
         except Exception as exc:
             if isinstance(exc, WorkerLeaving):
                 shared.drain(slot, exc)
@@ -283,7 +281,7 @@ class Dispatch(Iterator[Task]):
                 self._finish(shared, task, slot, error=exc)
             return
         attempt = Attempt(task.seq, slot.index, self._record.number, sent_at, future)
-        future.add_done_callback(functools.partial(post, self._events, Answered(attempt)))  # first: it always ends
+        when_answered(future, functools.partial(post, self._events, Answered(attempt)))  # first: it always ends
         task.attempts.append(attempt)
         shared.sent(attempt)
 
@@ -317,6 +315,9 @@ class Dispatch(Iterator[Task]):
                 return events
         while not queued.empty():  # only this thread takes from it: what is there stays there
             events.append(queued.get_nowait())
+        for event in events:
+            if type(event) is Answered:
+                _unpickle(event.attempt.future)
         return events
 
     def _on_answered(self, shared: PoolState, attempt: Attempt, arrived_now: bool) -> None:

@@ -65,6 +65,7 @@ holds the pool's lock):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..errors import is_transient
@@ -194,9 +195,16 @@ class SchedulingPolicy:
                 total += self.window(slot)
         return total or self.prefetch_factor
 
+    def let_go(self, slot: WorkerSlot, attempt: Attempt) -> None:
+        """``attempt``, in flight on ``slot``, is no longer awaited (its pass ended, or another copy answered):
+        while its worker answers nothing, its silence still counts from when it was sent."""
+        slot.in_flight.discard(attempt)
+        if attempt.sent_at < slot.unanswered_since:
+            slot.unanswered_since = attempt.sent_at
+
     def sent(self, slot: WorkerSlot, attempt: Attempt, answers: int = 0) -> None:
         """Record a call sent to ``slot``; ``answers``: how many the pool has had from all its workers so far."""
-        if not slot.in_flight:  # it was idle: its silence starts now
+        if not slot.in_flight and slot.unanswered_since == math.inf:  # it was idle: its silence starts now
             slot.quiet_mark = answers
         slot.in_flight.add(attempt)
         slot.last_sent = attempt.sent_at
@@ -236,6 +244,7 @@ class SchedulingPolicy:
         service = now - max(attempt.sent_at, slot.last_done)
         slot.last_done = now
         slot.quiet_mark = answers
+        slot.unanswered_since = math.inf
         slot.service_time = _average(slot.service_time, service, _SERVICE_WEIGHT)
         if not measure_link or first:
             return
@@ -371,7 +380,7 @@ class SchedulingPolicy:
             alone = active_now == [slot] and reserve and slot.service_time is not None
             if not (others_answered or alone):
                 continue
-            oldest = min(attempt.sent_at for attempt in slot.in_flight)
+            oldest = min(min(attempt.sent_at for attempt in slot.in_flight), slot.unanswered_since)
             silence = now - max(oldest, slot.last_done)
             expected = max(slot.service_time or default, default)
             limit = max(HUNG_FACTOR * expected, HUNG_FLOOR if others_answered else HUNG_ALONE_FLOOR)
@@ -493,6 +502,7 @@ class SchedulingPolicy:
             slot.state = WorkerState.ACTIVE
             slot.probe_delay = FIRST_PROBE_DELAY
             slot.last_done = 0.0
+            slot.unanswered_since = math.inf
             slot.service_time = slot.rtt = slot.round_trip = slot.window = None
             slot.round_trips, slot.answers, slot.window_filled = 0.0, 0, False
         elif isinstance(outcome, BaseException):

@@ -1,12 +1,15 @@
-"""What a connection does with an answer it read, or a call that got none: completing the call's future.
+"""What a connection does with an answer that came, or a call that got none: completing the call's future.
 
-Threading model: these functions run in whichever thread read the answer (or
-found the call overdue), outside the connection's lock: unpickling and
-callbacks may make calls.
+Threading model: :func:`deliver` runs on the event loop (``rpcdl-loop``),
+which received the answer: it completes the future with the answer as it came,
+and the thread that asks for the result unpickles it there
+(:func:`outcome`, through :meth:`~rpcdl.rpc.calls.CallFuture.answered`). No
+state of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,21 +24,30 @@ ANSWERS = frozenset((Kind.RESULT, Kind.ERROR, Kind.REJECTED, Kind.PONG, Kind.STA
 
 
 def deliver(address: str, connection: Any, frame: Frame, call: Call) -> None:
-    """Complete ``call``'s future with the answer ``frame`` of worker ``address`` (read on ``connection``)."""
+    """Complete ``call``'s future with the answer ``frame`` of worker ``address`` (read on ``connection``).
+
+    A pong is the round trip's time at once; any other answer is unpickled by the thread that asks for it.
+    """
     if frame.kind is Kind.PONG:
         call.future.complete(time.monotonic() - call.started)
         return
-    result, error = outcome(address, connection, frame, call.subject)
-    if error is None and call.transform is not None:
+    call.future.answered(frame, functools.partial(decode, address, connection, call.subject, call.transform))
+
+
+def decode(address: str, connection: Any, subject: str | Callable, transform: Callable | None, frame: Frame) -> Any:
+    """The result the answer ``frame`` to a call of ``subject`` brings, through ``transform`` if any; raise its
+    error. (Given the call's parts, not the call: the future keeps this until then, and the call holds the
+    future.)"""
+    result, error = outcome(address, connection, frame, subject)
+    if error is None and transform is not None:
         try:
-            result = call.transform(result)
+            result = transform(result)
         except Exception as exc:
-            exc.add_note(f"while unpickling the answer of worker {address} to {call.what}")
-            error = exc.with_traceback(exc.__traceback__.tb_next)  # not this frame: it holds the future
+            exc.add_note(f"while unpickling the answer of worker {address} to {describe_call(subject)}")
+            error = exc
     if error is not None:
-        call.future.fail(error)
-    else:
-        call.future.complete(result)
+        raise error
+    return result
 
 
 def outcome(address: str, connection: Any, frame: Frame, subject: str | Callable) -> tuple[Any, Exception | None]:

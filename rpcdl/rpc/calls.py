@@ -1,110 +1,125 @@
-"""A call in flight: its id, deadline and how its answer is read, and the future its caller holds.
+"""A call in flight: its id and deadline, and the future its caller holds.
 
-Threading model: a :class:`Call` is made by the calling thread and then read by
-whichever thread reads its answer; its fields do not change after it is made,
-except :attr:`Call.read_by`, which only its connection changes, under its
-lock (see :class:`rpcdl.rpc.state.PendingCalls`). Its future is completed
-once, by whichever thread takes the call from the pending calls
-(:meth:`CallFuture.complete`, :meth:`CallFuture.fail`); torch's future is
-thread-safe, and the future's Python copy of its outcome is written before
-torch's, which publishes it.
+Threading model: a :class:`Call` is made by the calling thread and handed to
+the event loop (``rpcdl-loop``), which owns it from then on: its fields do not
+change after it is made. Its future is completed once, by the loop (an answer,
+a deadline passed, the connection closed) or by the calling thread (a call
+refused at once); torch's future is thread-safe, and the future's Python copy
+of its outcome is written before torch's, which publishes it. An answer is
+kept as it came (a frame) and unpickled by the first thread that asks for the
+result (:meth:`CallFuture.wait`, :meth:`CallFuture.value`), never by the loop
+unless a callback asks there; ``_decoding`` guards that one unpickling.
 """
 
 from __future__ import annotations
 
 import copy
-import enum
 import itertools
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from . import held
-
 _call_ids = itertools.count(1)
-
-
-class ReadBy(enum.Enum):
-    """Who reads the answer of a call."""
-
-    WAITER = "waiter"  #: the thread that made it, blocked until it comes (rpc_sync, ping, stats)
-    CALLER = "caller"  #: the thread that made it, when it waits or calls read_answers (answers_read_here)
-    BACKGROUND = "background"  #: the connection's own thread
-
-
-class AnswerReader(Protocol):
-    """What a call goes over, and reads its answer for a thread that waits (a
-    :class:`~rpcdl.rpc.connection.Connection`)."""
-
-    def wait(self, call: Call) -> None: ...
-
-    def read_in_background(self, call: Call) -> None: ...
 
 
 _NO_RESULT = object()
 
 
-def pending_call(future: torch.futures.Future) -> Call | None:
-    """The call of an rpcdl ``future`` while it waits for its answer; ``None`` for another future, or once the
-    call is answered (the future holds its call weakly)."""
-    return future._call() if isinstance(future, CallFuture) else None
-
-
 class CallFuture(torch.futures.Future):
-    """The future of a call: waiting on it reads answers from the worker meanwhile.
+    """The future of a call, completed by the event loop; its answer is unpickled by a thread that waits for it.
 
-    So a thread blocked in ``wait()`` gets its answer without a thread switch,
-    and waiting inside a callback (which runs on whichever thread read the
-    answer) cannot starve the connection. Its outcome is also kept in Python:
-    ``wait()`` and ``value()`` return a result from there once the future is
-    done, because torch's own release the GIL, and a thread giving it up while
-    another runs Python waits for that thread's next switch (milliseconds).
-    An error is raised as a copy (see :func:`raisable`), so the frames it
-    passes through are freed with it; torch's future keeps a copy without a
-    traceback, the only one the cyclic collector cannot see (a remote
-    error's traceback may hold frames of the thread that read it, which hold
-    this future). It extends :class:`torch.futures.Future` through its public
-    methods only.
+    When the answer comes, the loop hands it over as it came (:meth:`answered`).
+    If a thread waits for it (:meth:`wait`, :meth:`value`) or said it will take
+    it (:meth:`when_answered`, the data loader), that thread unpickles it: user
+    code never runs on the loop for it. Otherwise (nobody waits yet, or torch's
+    own functions wait, such as :func:`torch.futures.wait_all`) the loop
+    unpickles it then, so torch's future completes as it would. A callback
+    added with ``then`` or ``add_done_callback`` runs on the thread that
+    completes the future (often the loop's): it must be quick and must not
+    wait for a call. Its outcome is also kept in Python: ``wait()`` and
+    ``value()`` return a result from there once the future is done. An error
+    is raised as a copy (see :func:`raisable`), so the frames it passes
+    through are freed with it; torch's future keeps a copy without a
+    traceback, the only one the cyclic collector cannot see. It extends
+    :class:`torch.futures.Future` through its public methods only.
 
-    Args:
-        call: the call whose answer completes it (held weakly: the answer's
-            reader holds the call until it completes the future).
+    Threading: ``_lock`` guards the answer not yet unpickled, who takes it
+    (``_taken``) and the hooks; ``_pending`` is held from creation until the
+    outcome is here (a thread waits by taking it, which a signal interrupts).
     """
 
-    _result: Any = _NO_RESULT  # set before torch's result, by complete()
-    _error: BaseException | None = None  # set before torch's, by fail()
+    _result: Any = _NO_RESULT  # set before torch's result
+    _error: BaseException | None = None  # set before torch's
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._call = weakref.ref(call)  # weak: no cycle holds the result; dead once answered
+        self._lock = threading.Lock()
+        self._pending = threading.Lock()
+        self._pending.acquire()
+        self._answer: tuple[Any, Callable[[Any], Any]] | None = None  # (frame, decode) until unpickled
+        self._arrived = False
+        self._taken = False  # a thread will unpickle the answer: the loop must not
+        self._hooks: list[Callable[[CallFuture], Any]] = []
+
+    # ------------------------------------------------------------------ completed by the loop (or a caller)
 
     def complete(self, result: Any) -> None:
-        """Complete the future with ``result`` (its call's answer)."""
+        """Complete the future with ``result`` (nothing to unpickle)."""
         self._result = result
         self.set_result(result)
+        self._arrive()
 
     def fail(self, error: Exception) -> None:
-        """Complete the future with ``error`` (why its call got no answer, or the remote error)."""
+        """Complete the future with ``error`` (why its call got no answer)."""
         self._error = error
         self.set_exception(_copy(error, None))
+        self._arrive()
+
+    def answered(self, frame: Any, decode: Callable[[Any], Any]) -> None:
+        """The answer ``frame`` came, which ``decode`` turns into the result (or raises): a thread that takes
+        it unpickles it, else this one does now."""
+        with self._lock:
+            self._answer = (frame, decode)
+            taken = self._taken
+        if not taken:
+            self._decode()
+        self._arrive()
+
+    # ------------------------------------------------------------------ for the caller's threads
+
+    def when_answered(self, hook: Callable[[CallFuture], Any]) -> None:
+        """Call ``hook(self)`` once the outcome is here (at once if it is), without unpickling the answer: the
+        thread that takes it from there does, with :meth:`wait` (a hook runs on the loop: it must be quick)."""
+        with self._lock:
+            self._taken = True
+            if not self._arrived:
+                self._hooks.append(hook)
+                return
+        hook(self)
+
+    def done(self) -> bool:
+        return self._arrived or super().done()
 
     def wait(self) -> Any:
-        if not self.done():
-            call = self._call()  # None once answered: the outcome is there or being set
-            if call is not None:
-                call.connection.wait(call)
-            if not self.done():  # another thread took the call from the pending calls, and completes it now
-                completed = threading.Event()
-                self.add_done_callback(lambda _: completed.set())
-                completed.wait()
+        if not self._arrived and not super().done():  # (done already: a callback of its own completion)
+            with self._lock:
+                self._taken = True
+            self._pending.acquire()  # a signal (Ctrl-C) interrupts this wait, not torch's
+            self._pending.release()
         return self._outcome()
 
     def value(self) -> Any:
-        return self._outcome() if self.done() else super().value()
+        return self._outcome() if self._arrived else super().value()
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], Any]) -> None:
+        with self._lock:
+            waiting = self._answer is not None
+        if waiting:  # arrived, taken by a thread that did not unpickle it yet: the callback needs the result
+            self._decode()
+        super().add_done_callback(callback)
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
         """As torch's ``then``, but an error ``callback`` raises is the new future's error as it is.
@@ -136,13 +151,60 @@ class CallFuture(torch.futures.Future):
         self.add_done_callback(run)
         return following
 
+    def _arrive(self) -> None:
+        with self._lock:
+            self._arrived = True
+            hooks, self._hooks = self._hooks, []
+        self._pending.release()
+        for hook in hooks:
+            hook(self)
+
     def _outcome(self) -> Any:
+        if self._answer is not None:
+            self._decode()
         result = self._result
         if result is not _NO_RESULT:
             return result
         if self._error is not None:
             raise raisable(self._error)
         return super().wait()  # completed through torch's own methods
+
+    def _decode(self) -> None:
+        """Unpickle the answer (once, whoever asks first) and complete torch's future with the outcome."""
+        with self._lock:
+            answer, self._answer = self._answer, None
+        if answer is None:
+            return  # unpickled by another thread, or being: torch's future is complete, or about to be
+        frame, decode = answer
+        try:
+            result = decode(frame)
+        except Exception as exc:
+            # Not this frame nor decode's: they hold the future (and the call), which would never be freed.
+            tb = exc.__traceback__
+            self._error = exc.with_traceback(tb.tb_next.tb_next if tb is not None and tb.tb_next else None)
+            self.set_exception(_copy(exc, None))
+            return
+        self._result = result
+        self.set_result(result)
+
+
+def when_answered(future: torch.futures.Future, hook: Callable[[torch.futures.Future], Any]) -> None:
+    """Call ``hook(future)`` once ``future`` is done, leaving an rpcdl call's answer to be unpickled by the
+    thread that then waits for it (see :meth:`CallFuture.when_answered`); any other future's callback.
+
+    Args:
+        future: an rpcdl call's future, or any torch future.
+        hook: called on the thread that completes it (for an rpcdl call, the loop): quick, and no waiting.
+
+    Example::
+
+        >>> done = []
+        >>> when_answered(torch.futures.Future(), done.append)
+    """
+    if isinstance(future, CallFuture):
+        future.when_answered(hook)
+    else:
+        future.add_done_callback(hook)
 
 
 def raisable(error: BaseException) -> BaseException:
@@ -200,28 +262,24 @@ def next_call_id() -> int:
 
 
 class Call:
-    """One call: its id, deadline, what it is (for messages), and who reads its answer.
+    """One call: its id, deadline, what it is (for messages), and its future.
 
     Args:
-        connection: what the call goes over (and what reads its answer for a thread that waits).
+        connection: what the call goes over.
         timeout: seconds from now until the call is overdue.
         what: what the call is, for messages (``"a ping"``), or the function it calls, described only when a
             message needs it.
-        sync: whether the thread making it blocks until it is answered (it reads the answer).
         pin_memory: receive its tensors into pinned memory.
-        transform: applied to the result before the future completes.
-        call_id: its id, when it was taken before (:func:`next_call_id`); by default a new one.
+        transform: applied to the result before the caller gets it.
         started: when it was made (``time.monotonic()``), when that was before; by default now.
     """
 
     __slots__ = (
-        "__weakref__",
         "call_id",
         "connection",
         "deadline",
         "future",
         "pin_memory",
-        "read_by",
         "started",
         "subject",
         "timeout",
@@ -230,29 +288,23 @@ class Call:
 
     def __init__(
         self,
-        connection: AnswerReader,
+        connection: Any,
         timeout: float,
         what: str | Callable,
         *,
-        sync: bool,
         pin_memory: bool = False,
         transform: Callable | None = None,
-        call_id: int = 0,
         started: float = 0.0,
     ):
-        self.call_id = call_id or next_call_id()
+        self.call_id = next(_call_ids)
         self.connection = connection
-        self.future = CallFuture(self)
+        self.future = CallFuture()
         self.started = started = started or time.monotonic()
         self.deadline = started + timeout
         self.timeout = timeout
         self.pin_memory = pin_memory
         self.subject = what  #: the function called, or a text such as ``"a ping"``
         self.transform = transform
-        if sync:
-            self.read_by = ReadBy.WAITER
-        else:
-            self.read_by = ReadBy.CALLER if held.reads_here() else ReadBy.BACKGROUND
 
     @property
     def what(self) -> str:

@@ -2,37 +2,32 @@
 
 Each process keeps one connection per worker (and per credentials), shared by
 all its threads, with many calls in flight, each answered by id in any order
-(:mod:`rpcdl.rpc.pool`; :mod:`rpcdl.rpc.connection` states the threads of a
-connection and what each owns). A connection is opened in the background by
+(:mod:`rpcdl.rpc.pool`). This process's one event loop (the thread
+``rpcdl-loop``) owns every connection's socket: a caller submits a call and
+waits on its future; the loop sends it, receives the answer and completes the
+future; the thread that asks for the result unpickles it
+(:mod:`rpcdl.rpc.connection` states who owns what). A connection is opened by
 its first call (see :mod:`rpcdl.rpc.dial` for how long a worker not yet there
 is awaited). A process forked from a client never reuses its parent's connections.
 
 Threading model: any thread may call any function here; the module keeps no
 state of its own. The pool of connections and the caches of checked calls
 say at their top how they are shared (:mod:`rpcdl.rpc.pool`,
-:mod:`rpcdl.rpc.invoke`); what a thread holds back is its own
-(:mod:`rpcdl.rpc.held`).
-
-Calls may be held back and sent together, and their answers read by the
-thread that made them (:func:`sent_together`, :func:`answers_read_here`):
-:mod:`rpcdl.rpc.held` states the rule that keeps stages composable.
+:mod:`rpcdl.rpc.invoke`).
 """
 
 from __future__ import annotations
 
-import select
 import ssl
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ..checks import check_timeout
 from ..transport.wire import Kind
-from .calls import Call, pending_call
-from .connection import IDLE_TICK, Connection
-from .held import answers_read_here, outside_held_blocks, send_held, sent_together
+from .calls import Call
+from .connection import Connection
 from .invoke import call_and_wait, check_address, prepare, submit
 from .leaving import add_leaving_listener, drain_timeout, is_leaving, remove_leaving_listener
 from .pool import connection_to, shutdown
@@ -41,20 +36,15 @@ from .rref import RRef, held_rref, new_uid
 __all__ = [
     "Connection",
     "add_leaving_listener",
-    "answers_read_here",
     "connection_to",
     "drain_timeout",
     "is_leaving",
-    "outside_held_blocks",
     "ping",
     "ping_async",
-    "read_answers",
-    "read_in_background",
     "remote",
     "remove_leaving_listener",
     "rpc_async",
     "rpc_sync",
-    "sent_together",
     "shutdown",
     "stats",
 ]
@@ -62,75 +52,6 @@ __all__ = [
 _T = TypeVar("_T")
 _CREDENTIAL_OPTIONS = frozenset(("token", "ssl_context"))
 _SYNC_OPTIONS = _CREDENTIAL_OPTIONS | {"pin_memory", "rref"}
-
-
-def read_in_background(futures: Iterable[torch.futures.Future]) -> None:
-    """Give the answers of ``futures`` made under :func:`answers_read_here` back to their connections' threads.
-
-    For a thread that stops reading before they are all answered.
-
-    Example::
-
-        >>> with rpcdl.rpc.client.answers_read_here():  # doctest: +SKIP
-        ...     futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
-        >>> rpcdl.rpc.client.read_in_background(futures)  # doctest: +SKIP
-    """
-    for future in futures:
-        call = pending_call(future)
-        if call is not None:
-            call.connection.read_in_background(call)
-
-
-def read_answers(futures: Iterable[torch.futures.Future], timeout: float) -> bool | None:
-    """Read, in this thread, the answers arriving for ``futures`` (calls to any workers).
-
-    Waits up to ``timeout`` seconds for the first answer, then reads what is
-    there and returns; the futures complete (and their callbacks run) here.
-
-    Returns:
-        ``True`` if answers were read; ``False`` if none came within
-        ``timeout``; ``None`` if they cannot be read here (another thread is
-        reading one of the connections, and completes the futures it reads),
-        or none is left to this thread (their connections' threads read them).
-
-    Example::
-
-        >>> with rpcdl.rpc.client.answers_read_here():  # doctest: +SKIP
-        ...     futures = [rpcdl.rpc_async(address, pow, (2, n)) for n in range(8)]
-        >>> while not all(future.done() for future in futures):  # doctest: +SKIP
-        ...     rpcdl.rpc.client.read_answers(futures, timeout=1.0)
-    """
-    send_held()  # this thread waits now: what it holds must not wait with it
-    by_connection: dict[Any, list[Call]] = {}
-    for future in futures:
-        call = pending_call(future)
-        if call is not None:
-            by_connection.setdefault(call.connection, []).append(call)
-    connections = [connection for connection, calls in by_connection.items() if connection.leaves_to_caller(calls)]
-    if not connections:
-        return None  # no answer for this thread to read: their connections' threads read them
-    deadline = time.monotonic() + timeout
-    while True:
-        read_any = False
-        for connection in connections:
-            state = connection.read_if_ready()
-            if state is None:
-                return None
-            read_any |= state
-        if read_any:
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        poller = select.poll()
-        try:
-            for connection in connections:
-                sock = connection.readable_socket()
-                if sock is not None:
-                    poller.register(sock, select.POLLIN)
-        except (OSError, ValueError):  # closed meanwhile: its futures have failed
-            return None
-        poller.poll(min(remaining, IDLE_TICK) * 1000)
 
 
 def _rref_for(address: str, uid: int) -> Callable[[Connection], Callable[[Any], RRef]]:
@@ -152,10 +73,10 @@ def _call(
     args: Any,
     kwargs: Any,
     *,
-    sync: bool,
     pin_memory: bool = False,
     rref: bool = False,
     timeout: float = 120.0,
+    awaited: bool = False,
     token: str | bytes | None = None,
     ssl_context: ssl.SSLContext | None = None,
 ) -> Call:
@@ -168,9 +89,9 @@ def _call(
         func,
         payload,
         buffers,
-        sync=sync,
         pin_memory=pin_memory,
         ref=uid,
+        awaited=awaited,
         transform_for=_rref_for(address, uid) if rref else None,
         token=token,
         ssl_context=ssl_context,
@@ -191,13 +112,11 @@ def rpc_async(
 ) -> torch.futures.Future[_T]:
     """Run ``func(*args, **kwargs)`` on a worker; return a future of the result.
 
-    The call goes over this process's connection to the worker, and the
-    future completes when the answer arrives. It is sent at once when no
-    other call to that worker is in flight, when its arguments hold tensors
-    (which the caller may change once this returns), or with ``rref=True``; otherwise it may
-    wait briefly, to leave with the next calls in one system call: until the
-    thread waits for any answer, 32 calls wait, or 0.5 ms pass, whichever
-    comes first. Deferring never reorders calls. Functions and arguments go
+    The call goes over this process's connection to the worker: its event
+    loop sends it (calls made in a burst leave together) and completes the
+    future when the answer arrives; the thread that asks for the result
+    unpickles it. Tensors in the arguments may be changed once this returns.
+    Calls to one worker leave in the order they were made. Functions and arguments go
     through cloudpickle, so lambdas and closures work; tensors travel without
     extra copies. An exception raised by ``func`` is raised by
     ``future.wait()`` with its own type, the remote traceback and the worker's
@@ -234,7 +153,6 @@ def rpc_async(
         func,
         args,
         kwargs,
-        sync=False,
         pin_memory=pin_memory,
         rref=rref,
         timeout=timeout,
@@ -255,8 +173,7 @@ def rpc_sync(
 
     The blocking form of :func:`rpc_async`, which documents the arguments
     (``pin_memory``, ``rref``, ``token`` and ``ssl_context`` are accepted as
-    keywords). The calling thread reads the answer itself, which saves a
-    thread switch.
+    keywords). The calling thread waits on the call's future and unpickles the answer.
 
     Example::
 
@@ -270,7 +187,7 @@ def rpc_sync(
                 f"rpc_sync() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                 f"it takes {', '.join(sorted(_SYNC_OPTIONS))} besides host, func, args, kwargs and timeout"
             )
-        return _call(host, func, args, kwargs, sync=True, timeout=timeout, **options).future.wait()
+        return _call(host, func, args, kwargs, timeout=timeout, awaited=True, **options).future.wait()
     return call_and_wait(host, func, args, kwargs, timeout, **options)
 
 
@@ -294,7 +211,7 @@ def remote(
         >>> rref.to_here()  # doctest: +SKIP
         tensor([4., 4.])
     """
-    return _call(host, func, args, kwargs, sync=False, rref=True, timeout=timeout, **options).transform(None)
+    return _call(host, func, args, kwargs, rref=True, timeout=timeout, **options).transform(None)
 
 
 def ping_async(host: str, timeout: float = 10.0, **options: Any) -> torch.futures.Future[float]:
@@ -311,7 +228,9 @@ def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
         WorkerUnavailable: the worker cannot be reached within ``timeout``.
         WorkerTimeout: it was reached but did not answer within ``timeout``.
     """
-    return submit(Kind.PING, check_address(host), check_timeout(timeout), "a ping", sync=True, **options).future.wait()
+    return submit(
+        Kind.PING, check_address(host), check_timeout(timeout), "a ping", awaited=True, **options
+    ).future.wait()
 
 
 def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
@@ -322,5 +241,5 @@ def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
         >>> rpcdl.stats("127.0.0.1:6543")["calls_served"]  # doctest: +SKIP
         42
     """
-    call = submit(Kind.STATS, check_address(host), check_timeout(timeout), "a stats request", sync=True, **options)
+    call = submit(Kind.STATS, check_address(host), check_timeout(timeout), "a stats request", awaited=True, **options)
     return call.future.wait()

@@ -1,9 +1,11 @@
 """Opening a connection to a worker: waiting a while for one not yet there, and naming what else answers.
 
-Threading model: :func:`dial` runs in the thread of the connection it opens
-(``rpcdl-connection-HOST:PORT``) and blocks it; the caller's threads wait for
-their calls meanwhile, each up to its own timeout. The state shared by those
-threads is all guarded by ``_lock``: two sets of addresses, the workers
+Threading model: :func:`dial_on_loop` runs on this process's event loop
+(``rpcdl-loop``) as a coroutine of the connection it opens, so dialing any
+number of workers blocks no thread; the callers wait for their calls
+meanwhile, each up to its own timeout. :func:`dial` is its blocking form, for
+a thread of its own (``rpcdl bench``'s link test). The state shared by the
+dials is all guarded by ``_lock``: two sets of addresses, the workers
 already warned about, ``_warned``, and those that completed a handshake with
 this process, ``_served``; and one mapping, ``_refusing``: why each worker
 refused its latest connection, until it accepts one.
@@ -60,6 +62,7 @@ What happens to each kind of failure:
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -82,6 +85,7 @@ from ..errors import (
 )
 from ..open_files import raise_open_file_limit
 from ..transport.handshake import Agreement, client_negotiate, tls_refusal
+from ..transport.handshake_client import HandshakeReader, attach, connect_socket, negotiate
 from ..transport.security import Token
 from .leaving import is_leaving
 
@@ -217,9 +221,7 @@ def dial(
         AuthenticationError: the tokens differ, or the TLS certificate fails verification.
     """
     raise_open_file_limit()  # once per process: a trainer holds a socket per worker
-    started = time.monotonic()
-    delay = 0.02
-    unanswered = 0
+    attempts = _Attempts(address, grace, failed)
     while True:
         sock = None
         in_tls_handshake = False
@@ -232,35 +234,133 @@ def dial(
                 in_tls_handshake = False
             answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
             chosen = client_negotiate(sock, token, address, answer_timeout, compression, shared_memory)
-            with _lock:
-                _warned.discard(address)
-                _refusing.pop(address, None)
-                _served.add(address)
+            _accepted(address)
             return sock, chosen
         except ssl.SSLCertVerificationError as exc:
             _close_quietly(sock)
-            raise AuthenticationError(
-                f"TLS: the certificate of worker {address} failed verification: {exc.verify_message}"
-            ) from None
+            raise _verification_failed(address, exc) from None
         except (AuthenticationError, ProtocolError, SessionsFull):
             _close_quietly(sock)
             raise
         except OSError as exc:
             _close_quietly(sock)
-            refused = tls_refusal(exc, address) if in_tls_handshake else None
-            error = refused or exc
-            in_tls_handshake = in_tls_handshake and refused is None  # a refusal is no failed TLS handshake
+            pause(attempts.failed(exc, in_tls_handshake))
+
+
+async def dial_on_loop(
+    address: str,
+    host: str,
+    port: int,
+    token: Token | None,
+    ssl_context: ssl.SSLContext | None,
+    *,
+    handshake_timeout: float,
+    grace: float,
+    failed: Callable[[OSError], float],
+    compression: str | None = None,
+    shared_memory: bool = False,
+) -> tuple[asyncio.Transport, HandshakeReader, Agreement]:
+    """:func:`dial` as a coroutine on the event loop: the same retries and errors, no thread blocked.
+
+    Args:
+        address: ``"host:port"``, for messages.
+        host: the host to connect to.
+        port: its port.
+        token: the shared secret, or ``None``.
+        ssl_context: TLS context, or ``None`` for plain TCP (TLS through asyncio).
+        handshake_timeout: seconds the connect, the TLS handshake and rpcdl's handshake may take.
+        grace: seconds to keep retrying a worker never reached that refuses connections.
+        failed: as :func:`dial`'s; cancelling the coroutine stops the retries.
+        compression: the compression mode to ask for.
+        shared_memory: offer to take answers through shared memory.
+
+    Returns:
+        the transport (handshake done), its handshake reader (the bytes that came after it) and what the
+        handshake settled.
+
+    Raises:
+        WorkerUnavailable, ProtocolError, AuthenticationError, UnknownHost, SessionsFull: as :func:`dial`.
+
+    Example::
+
+        >>> transport, reader, agreed = await dial_on_loop(  # doctest: +SKIP
+        ...     "127.0.0.1:6543", "127.0.0.1", 6543, None, None, handshake_timeout=10, grace=20, failed=lambda e: 0)
+    """
+    raise_open_file_limit()
+    loop = asyncio.get_running_loop()
+    attempts = _Attempts(address, grace, failed)
+    while True:
+        transport = None
+        in_tls_handshake = False
+        try:
+            sock = await connect_socket(host, port, handshake_timeout)
+            in_tls_handshake = ssl_context is not None
+            transport, reader = await attach(sock, ssl_context, host, handshake_timeout)
+            in_tls_handshake = False
+            answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
+            agreed = await negotiate(
+                transport,
+                reader,
+                token,
+                address,
+                deadline=loop.time() + handshake_timeout,
+                answer_timeout=answer_timeout,
+                compression=compression,
+                shared_memory=shared_memory,
+            )
+            _accepted(address)
+            return transport, reader, agreed
+        except ssl.SSLCertVerificationError as exc:
+            raise _verification_failed(address, exc) from None
+        except (AuthenticationError, ProtocolError, SessionsFull):
+            _abort_quietly(transport)
+            raise
+        except OSError as exc:
+            _abort_quietly(transport)
+            await asyncio.sleep(attempts.failed(exc, in_tls_handshake))
+        except BaseException:
+            _abort_quietly(transport)
+            raise
+
+
+class _Attempts:
+    """The failed attempts of one dial: each judged as the module docstring says.
+
+    Args:
+        address: the worker, for messages.
+        grace: seconds a worker never reached may refuse connections.
+        failed: the dial's ``failed`` callback.
+    """
+
+    def __init__(self, address: str, grace: float, failed: Callable[[OSError], float]) -> None:
+        self._address = address
+        self._grace = grace
+        self._failed = failed
+        self._started = time.monotonic()
+        self._delay = 0.02
+        self._unanswered = 0
+
+    def failed(self, exc: OSError, in_tls_handshake: bool) -> float:
+        """An attempt failed with ``exc`` (during the TLS handshake, if ``in_tls_handshake``): return the seconds
+        to pause before the next, or raise what the dial raises."""
+        address, grace, started = self._address, self._grace, self._started
+        refused = tls_refusal(exc, address) if in_tls_handshake else None
+        error = refused or exc
+        in_tls_handshake = in_tls_handshake and refused is None  # a refusal is no failed TLS handshake
         if isinstance(error, WorkerFull) and _first_warning(address):
             log.warning("%s", error)
         closed_early = isinstance(error, HelloUnanswered) or (
-            in_tls_handshake and isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError))
+            in_tls_handshake
+            and isinstance(
+                error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError, ConnectionAbortedError)
+            )
         )
         if in_tls_handshake and isinstance(error, ssl.SSLError) and not closed_early:
             raise ProtocolError(
                 f"{address} did not complete a TLS handshake ({error.reason or error}): it is not an rpcdl "
                 "worker with TLS; if it runs without TLS, unset RPCDL_TLS_CA (or pass no ssl_context)"
             )
-        unanswered = unanswered + 1 if closed_early else 0
+        self._unanswered = unanswered = self._unanswered + 1 if closed_early else 0
         if unanswered >= _MAX_UNANSWERED:
             if in_tls_handshake:
                 raise ProtocolError(
@@ -282,7 +382,7 @@ def dial(
                 f"the host name of rpcdl worker {address} does not resolve ({error.strerror or error}): check "
                 "the name (a Kubernetes Service's workers: dns://SERVICE:PORT waits until its name resolves)"
             ) from None
-        deadline = failed(error)
+        deadline = self._failed(error)
         now = time.monotonic()
         said = _why_not_awaited(address) if why is not None else None
         if said is not None:
@@ -298,13 +398,31 @@ def dial(
             )
         if why is not None and now - started >= WARN_AFTER and _first_warning(address):
             log.warning("waiting for rpcdl worker %s: %s (for %.0fs)", address, why, now - started)
+        delay = self._delay
         if now + delay > deadline:
             raise WorkerUnavailable(
                 f"could not connect to rpcdl worker {address} within the timeout of its calls "
                 f"({max(0.0, deadline - started):.0f}s): {error}"
             ) from None
-        pause(min(delay, started + grace - now) if why is not None else delay)
-        delay = min(delay * 2, _MAX_RETRY_DELAY)
+        self._delay = min(delay * 2, _MAX_RETRY_DELAY)
+        return max(0.0, min(delay, started + grace - now)) if why is not None else delay
+
+
+def _accepted(address: str) -> None:
+    """A connection to ``address`` completed its handshake."""
+    with _lock:
+        _warned.discard(address)
+        _refusing.pop(address, None)
+        _served.add(address)
+
+
+def _verification_failed(address: str, exc: ssl.SSLCertVerificationError) -> AuthenticationError:
+    return AuthenticationError(f"TLS: the certificate of worker {address} failed verification: {exc.verify_message}")
+
+
+def _abort_quietly(transport: asyncio.BaseTransport | None) -> None:
+    if transport is not None:
+        transport.abort()
 
 
 def _why_not_awaited(address: str) -> str | None:

@@ -1,4 +1,4 @@
-"""Making one call: its arguments checked and pickled, the call sent over this process's connection to the
+"""Making one call: its arguments checked and pickled, the call submitted to this process's connection to the
 worker, and, for a synchronous call, its answer awaited.
 
 Threading model: any thread calls. The state here is two caches, each a
@@ -19,13 +19,12 @@ from ..address import format_address, parse_address
 from ..checks import check_timeout
 from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps_for
-from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
+from ..transport.wire import AWAITED, MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
 from .calls import Call, describe
 from .connection import Connection
 from .environment import Variables
 from .pool import connection_to
 
-READ_ALONE_BYTES = 1 << 16  #: synchronous calls up to this size leave with their caller already reading
 _LIMITS = Variables(MAX_MESSAGE_BYTES_ENV, MAX_BUFFERS_ENV)
 _ATTEMPTS = 3  # connections a call tries, when the one it found closes before the call leaves
 
@@ -135,9 +134,9 @@ def submit(
     payload: bytes = b"",
     buffers: Sequence = (),
     *,
-    sync: bool = False,
     ref: int = 0,
     pin_memory: bool = False,
+    awaited: bool = False,
     transform_for: Callable[[Connection], Callable[[Any], Any]] | None = None,
     token: Any = None,
     ssl_context: ssl.SSLContext | None = None,
@@ -151,9 +150,9 @@ def submit(
         what: the function called, or a text such as ``"a ping"`` (for messages).
         payload: the pickled call.
         buffers: its out-of-band buffers.
-        sync: whether this thread blocks until the answer (it reads it).
         ref: the id of the RRef the result is kept under on the worker, or 0.
         pin_memory: receive the answer's tensors into pinned memory.
+        awaited: this thread blocks until the answer: the frame says so (the worker may poll for the next call).
         transform_for: given the connection the call goes over, what to apply to the result.
         token: the shared secret, or as :func:`~rpcdl.rpc.pool.connection_to` defaults.
         ssl_context: the TLS context, or as :func:`~rpcdl.rpc.pool.connection_to` defaults.
@@ -168,8 +167,8 @@ def submit(
     for _ in range(_ATTEMPTS):
         connection = connection_to(address, timeout, token, ssl_context)
         transform = transform_for(connection) if transform_for is not None else None
-        call = Call(connection, timeout, what, sync=sync, pin_memory=pin_memory, transform=transform, started=started)
-        if connection.submit(kind, call, payload, buffers, ref):
+        call = Call(connection, timeout, what, pin_memory=pin_memory, transform=transform, started=started)
+        if connection.submit(kind, call, payload, buffers, ref, AWAITED if awaited else 0):
             return call
     raise WorkerUnavailable(f"could not keep a connection to worker {address} open")
 
@@ -185,17 +184,11 @@ def call_and_wait(
     ssl_context: ssl.SSLContext | None = None,
 ) -> Any:
     """Run ``func(*args, **kwargs)`` on a worker and return its result: :func:`rpcdl.rpc_sync` without its
-    options (``rref``, ``pin_memory``).
-
-    A small call (:data:`READ_ALONE_BYTES`, no tensors) on a connection nobody else reads or sends on leaves
-    with this thread already reading for its answer (:meth:`~rpcdl.rpc.connection.Connection.call_sync`);
-    any other is made as a pending call, and this thread waits for it.
+    options (``rref``, ``pin_memory``): the call is submitted, and this thread waits on its future (and
+    unpickles the answer).
     """
     address, timeout, payload, buffers = prepare(host, func, args, kwargs, timeout)
-    if not buffers and len(payload) <= READ_ALONE_BYTES:
-        connection = connection_to(address, timeout, token, ssl_context)
-        answered, result = connection.call_sync(payload, func, timeout)  # not answered: made as any call, below
-        if answered:
-            return result
-    call = submit(Kind.CALL, address, timeout, func, payload, buffers, sync=True, token=token, ssl_context=ssl_context)
+    call = submit(
+        Kind.CALL, address, timeout, func, payload, buffers, awaited=True, token=token, ssl_context=ssl_context
+    )
     return call.future.wait()

@@ -14,10 +14,10 @@ again (a worker serves there anew): meanwhile a new connection to it is not
 retried for the connect grace, so a call to a worker that has left fails at
 once instead of waiting for it to come back.
 
-Threading model: any thread (a connection's thread, a caller reading
-answers) records and asks; one lock, ``_lock``, guards the leaving
-addresses (with their drain timeouts) and the list of listeners. Listeners are called outside the lock, in
-the thread that read the frame; a forked child starts with neither.
+Threading model: the event loop (``rpcdl-loop``, which reads the frames)
+records, any thread asks; one lock, ``_lock``, guards the leaving
+addresses (with their drain timeouts) and the list of listeners. Listeners are called outside the lock, on
+the loop; a forked child starts with neither.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def drain_timeout(address: str) -> float | None:
 def add_leaving_listener(callback: Callable[[str], object]) -> None:
     """Call ``callback(address)`` each time a worker's ``LEAVING`` frame is read by this process.
 
-    It runs in the thread that read the frame (a connection's thread, or a
-    caller waiting for an answer): it must return quickly and must not wait
-    for an answer of a call; post an event to the thread that owns your state.
+    It runs on the event loop that read the frame (the thread ``rpcdl-loop``):
+    it must return quickly and must not wait for an answer of a call; post an
+    event to the thread that owns your state.
     An exception it raises is logged and ignored.
 
     Args:

@@ -16,8 +16,9 @@ connection up reads ``_pool`` without the lock and sees a whole pool, a moment
 old at most. A closing connection leaves the pool before it is closed, so a
 call that finds it closed (:meth:`~rpcdl.rpc.connection.Connection.submit`
 refuses it) finds another, new one when it asks again.
-Each connection has its own thread (see :mod:`rpcdl.rpc.connection`); a forked
-child starts with an empty pool and a new lock.
+Every connection's socket is owned by this process's one event loop (see
+:mod:`rpcdl.rpc.connection`): no thread per connection. A forked child starts
+with an empty pool and a new lock.
 """
 
 from __future__ import annotations
@@ -30,13 +31,10 @@ from collections.abc import Mapping
 from .._lifecycle import ExitPhase, at_exit, in_forked_child
 from ..transport.security import TLS_CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Token, default_client_tls, resolve_token
 from .connection import Connection
-from .connection_thread import start_connection
 from .dial import connect_grace
 from .environment import Variables
-from .live_threads import join_connection_threads
 
 log = logging.getLogger("rpcdl.client")
-_EXIT_GRACE = 10.0  # seconds exit waits for connection threads still completing calls
 _CREDENTIALS = Variables(TOKEN_ENV, TOKEN_FILE_ENV, TLS_CA_ENV)
 
 _pool: Mapping[tuple, Connection] = {}  # never changed in place: replaced whole under _pool_lock
@@ -85,8 +83,9 @@ def _open(key: tuple, address: str, timeout: float, token: Token | None, ssl_con
         connection = _pool.get(key)
         if connection is None:
             grace = connect_grace()  # only for a worker never reached (see rpcdl.rpc.dial)
-            connection = start_connection(address, token, ssl_context, timeout, grace=grace, on_close=_forget)
+            connection = Connection(address, token, ssl_context, timeout, grace=grace, on_close=_forget)
             _pool = {**_pool, key: connection}
+            connection.start()
     return connection
 
 
@@ -178,23 +177,6 @@ def shutdown() -> None:
         _pool = {}
     for connection in connections:
         connection.close()
-    join_connection_threads(timeout=1.0)
 
 
-def _shutdown_at_exit() -> None:
-    """Close the connections and wait for their threads, closed ones included: one may be completing a
-    call, and a thread still inside torch's C++ futures when the interpreter finalizes aborts the process
-    ("terminate called without an active exception")."""
-    shutdown()
-    still_running = join_connection_threads(timeout=_EXIT_GRACE)
-    if still_running:
-        log.warning(
-            "rpcdl: %d connection thread(s) still running %gs after exit began (a callback of a call that "
-            "does not return?): %s; the process may abort",
-            len(still_running),
-            _EXIT_GRACE,
-            ", ".join(still_running),
-        )
-
-
-at_exit(ExitPhase.CONNECTIONS, _shutdown_at_exit)
+at_exit(ExitPhase.CONNECTIONS, shutdown)  # before the loop stops (ExitPhase.LOOP): their calls fail on it

@@ -22,8 +22,8 @@ Threading model:
   (the thread may hold any lock, this one included): so it only appends to two
   lock-free queues (:class:`collections.deque`, whose ``append`` is atomic),
   the registry's ``_gone`` (pruned under the lock by the next thread that
-  takes it) and its connection's releases (drained by whichever thread sends
-  on it next). It takes no lock, does no I/O and changes nothing else.
+  takes it) and its connection's releases (drained by the event loop, which
+  sends them with the next frames or on its tick). It takes no lock, does no I/O and changes nothing else.
 * Fetching an object (:meth:`RRef.to_here`) is a synchronous call
   (:func:`rpcdl.rpc.invoke.call_and_wait`) in the calling thread.
 """

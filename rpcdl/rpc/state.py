@@ -1,43 +1,39 @@
 """The state of one connection to a worker, as objects whose methods are its transitions.
 
 Threading model: nothing here locks, and nothing here does I/O. Every object
-is a field of one :class:`~rpcdl.rpc.connection.Connection`, and the
-connection's lock guards every access to it (the connection calls these
-methods only while holding it), so each object moves from one consistent
-state to the next and is testable without sockets.
+is a field of one :class:`~rpcdl.rpc.connection.Connection`, which says who
+may touch each: the lifecycle state is read and replaced under the
+connection's lock (callers read it to refuse a call at once); the
+:class:`PendingCalls` are the event loop's alone (``rpcdl-loop``).
 
 * The lifecycle: a connection holds exactly one of :class:`Connecting`,
   :class:`Open`, :class:`Leaving` and :class:`Closed`, and only ever moves forward
   (CONNECTING -> OPEN [-> LEAVING] -> CLOSED, or straight to CLOSED). A leaving
   connection is open for the calls in flight (it is an :class:`Open`) and takes no new ones. A field that only one
   state has lives only in that state's object.
-* :class:`ReadingRole`: who reads the socket now (one thread at a time).
-* :class:`PendingCalls`: the calls waiting for an answer, and who reads each.
-* :class:`Alarm`: when the connection's own thread, asleep, looks again.
+* :class:`PendingCalls`: the calls waiting for an answer, by id, and when the
+  next of them may be overdue.
 """
 
 from __future__ import annotations
 
-import enum
+import asyncio
 import math
-import socket
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..transport.wire import Frame
-from .calls import Call, ReadBy
+from .calls import Call
 
 if TYPE_CHECKING:
+    from ..transport.frame_protocol import FrameProtocol
     from ..transport.shm import ClientSegment
-    from .reading import Receiver
-    from .sending import Sending
+    from ..transport.wire import Frame
 
 
 # ---------------------------------------------------------------------------- the lifecycle
 
 
 class Connecting:
-    """Its thread dials the worker; the frames of calls made meanwhile wait here.
+    """The loop dials the worker; the frames of calls made meanwhile wait here.
 
     Args:
         deadline: until when (``time.monotonic()``) the connection tries to open
@@ -46,12 +42,13 @@ class Connecting:
 
     name = "connecting"
 
-    __slots__ = ("deadline", "last_error", "queued")
+    __slots__ = ("deadline", "last_error", "queued", "task")
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
         self.queued: list[Frame] = []  #: the frames of calls made while connecting, in order
         self.last_error: BaseException | None = None  #: why the last attempt to connect failed
+        self.task: asyncio.Task | None = None  #: the dial, on the loop (cancelled by a close)
 
     def attempt_failed(self, error: BaseException) -> None:
         """Note that an attempt to connect failed with ``error``."""
@@ -63,32 +60,28 @@ class Connecting:
 
 
 class Open:
-    """Frames go to the socket and answers are read from it.
+    """Frames go to the transport and answers come from its protocol.
 
     Args:
-        sock: the connected socket (or TLS stream): the holder of the reading
-            role reads it, any thread writes it through ``sending``.
-        receiver: what reads frames, for the holder of the reading role.
-        sending: what sends frames, for any thread.
+        transport: the loop's transport of the connection (TLS included).
+        protocol: the frame receiver that reads it.
         segment: the worker's shared segment this process maps, or ``None``.
         compression: the compression mode the worker chose.
     """
 
     name = "open"
 
-    __slots__ = ("compression", "receiver", "segment", "sending", "sock")
+    __slots__ = ("compression", "protocol", "segment", "transport")
 
     def __init__(
         self,
-        sock: socket.socket,
-        receiver: Receiver,
-        sending: Sending,
+        transport: asyncio.Transport,
+        protocol: FrameProtocol,
         segment: ClientSegment | None,
         compression: str,
     ) -> None:
-        self.sock = sock
-        self.receiver = receiver
-        self.sending = sending
+        self.transport = transport
+        self.protocol = protocol
         self.segment = segment
         self.compression = compression
 
@@ -98,7 +91,7 @@ class Leaving(Open):
     now fail at once with :class:`~rpcdl.errors.WorkerLeaving` (see :mod:`rpcdl.rpc.leaving`).
 
     Args:
-        opened: the open state it follows (its socket, reader and sender carry on).
+        opened: the open state it follows (its transport and protocol carry on).
         reason: why the worker leaves, as it said.
     """
 
@@ -107,7 +100,7 @@ class Leaving(Open):
     __slots__ = ("reason",)
 
     def __init__(self, opened: Open, reason: str) -> None:
-        super().__init__(opened.sock, opened.receiver, opened.sending, opened.segment, opened.compression)
+        super().__init__(opened.transport, opened.protocol, opened.segment, opened.compression)
         self.reason = reason
 
 
@@ -132,127 +125,30 @@ class Closed:
         return self.error_type(self.reason)
 
 
-# ---------------------------------------------------------------------------- reading
-
-
-class Reader(enum.Enum):
-    """Who holds a connection's reading role: at most one thread reads its socket at a time."""
-
-    NOBODY = "nobody"
-    CALLER = "caller"  #: a thread waiting for a call's answer, or in read_answers
-    BACKGROUND = "background"  #: the connection's own thread
-
-
-class ReadingRole:
-    """Who reads the socket now, how many callers wait to, and when the connection's thread may read.
-
-    Callers come first: a thread waiting for an answer reads every frame that
-    arrives, background answers included, so while one reads or waits, the
-    connection's thread does not compete with it for the role (nor for the
-    GIL). It takes the role only once no caller has been here for
-    ``background_delay`` seconds (:meth:`background_turn`): a caller that reads
-    answer after answer gives the role back between two, and comes back within
-    microseconds.
-
-    Args:
-        background_delay: seconds after the last caller left before the
-            connection's thread may read.
-
-    Example::
-
-        >>> role = ReadingRole(background_delay=0.001)
-        >>> role.take(Reader.CALLER), role.take(Reader.BACKGROUND)
-        (True, False)
-        >>> role.give_back(now=5.0)
-        >>> role.background_turn()
-        5.001
-    """
-
-    __slots__ = ("_caller_left_at", "_delay", "_waiters", "holder")
-
-    def __init__(self, background_delay: float = 0.001) -> None:
-        self.holder = Reader.NOBODY  #: who reads now
-        self._waiters = 0
-        self._caller_left_at = -math.inf
-        self._delay = background_delay
-
-    @property
-    def free(self) -> bool:
-        """Whether nobody reads."""
-        return self.holder is Reader.NOBODY
-
-    @property
-    def waiters(self) -> int:
-        """Callers blocked until the role is free or their call is answered (woken when it is given back)."""
-        return self._waiters
-
-    def take(self, reader: Reader) -> bool:
-        """Take the role for ``reader`` if nobody holds it; return whether it did."""
-        if self.holder is not Reader.NOBODY:
-            return False
-        self.holder = reader
-        return True
-
-    def give_back(self, now: float) -> None:
-        """Free the role at ``now`` (its holder read what it came for)."""
-        if self.holder is Reader.CALLER:
-            self._caller_left_at = now
-        self.holder = Reader.NOBODY
-
-    def begin_waiting(self) -> None:
-        """A caller blocks until the role is free or its call is answered."""
-        self._waiters += 1
-
-    def end_waiting(self, now: float) -> None:
-        """A caller stops waiting at ``now`` (it takes the role next, or goes)."""
-        self._waiters -= 1
-        self._caller_left_at = now
-
-    def background_turn(self) -> float:
-        """From when the connection's thread may take the role: ``inf`` while a caller reads or waits to."""
-        if self.holder is Reader.CALLER or self._waiters > 0:
-            return math.inf
-        return self._caller_left_at + self._delay
+# ---------------------------------------------------------------------------- calls
 
 
 class PendingCalls:
-    """The calls in flight on a connection, by id, and who reads each answer.
+    """The calls in flight on a connection, by id, and the earliest time one may be overdue.
 
-    It knows by itself how many answers are for the connection's thread
-    (:attr:`background`), when a caller last came to read the answers left to it,
-    and the earliest time a call may be overdue, so the connection's thread
-    scans for overdue calls only then.
+    So the loop's timer scans for overdue calls only then.
 
-    Args:
-        patience: seconds answers left to their caller (:attr:`ReadBy.CALLER`)
-            may stay unread before the connection's thread reads them
-            (:meth:`adopt_unread`), so a worker never blocks sending them.
+    Example::
+
+        >>> calls = PendingCalls()
+        >>> calls.check_at
+        inf
     """
 
-    def __init__(self, patience: float) -> None:
+    def __init__(self) -> None:
         self._calls: dict[int, Call] = {}
-        self._patience = patience
-        self._background = 0
-        self._callers = 0
-        self._caller_came_at = 0.0
         self._check_at = math.inf  # no call is overdue before then
-        self.answers_are_large = False  #: whether the last answer was large: new calls go to the background
 
     def __len__(self) -> int:
         return len(self._calls)
 
     def __contains__(self, call_id: int) -> bool:
         return call_id in self._calls
-
-    @property
-    def background(self) -> int:
-        """How many pending answers the connection's thread reads."""
-        return self._background
-
-    @property
-    def left_to_callers(self) -> int:
-        """How many pending answers their callers read (made under ``answers_read_here``)."""
-        return self._callers
 
     @property
     def check_at(self) -> float:
@@ -267,49 +163,17 @@ class PendingCalls:
         """The latest deadline of a pending call (``-inf`` with none pending)."""
         return max((call.deadline for call in self._calls.values()), default=-math.inf)
 
-    def add(self, call: Call, now: float) -> None:
-        """Add ``call``; the answers of a connection whose last answer was large go to its thread."""
-        if call.read_by is ReadBy.CALLER:
-            if self.answers_are_large:
-                call.read_by = ReadBy.BACKGROUND  # large answers arrive faster read in parallel, one thread each
-            else:
-                self._caller_came_at = now  # its caller is here, and will read
+    def add(self, call: Call) -> bool:
+        """Add ``call``; return whether it is now the first that may be overdue (a timer must be set sooner)."""
         self._calls[call.call_id] = call
-        self._count(call, 1)
         if call.deadline < self._check_at:
             self._check_at = call.deadline
+            return True
+        return False
 
     def pop(self, call_id: int) -> Call | None:
         """Remove and return the call of that id (answered), or ``None`` if it is not pending."""
-        call = self._calls.pop(call_id, None)
-        if call is not None:
-            self._count(call, -1)
-        return call
-
-    def caller_came(self, now: float) -> None:
-        """A caller came to read the answers left to it."""
-        self._caller_came_at = now
-
-    def left_to_caller(self, calls: Iterable[Call]) -> bool:
-        """Whether any of ``calls`` is pending with its answer left to its caller."""
-        return any(call.read_by is ReadBy.CALLER and call.call_id in self._calls for call in calls)
-
-    def adopt(self, calls: Iterable[Call]) -> int:
-        """Give the answers of ``calls`` left to their caller to the connection's thread; return how many."""
-        adopted = 0
-        for call in calls:
-            if call.read_by is ReadBy.CALLER and call.call_id in self._calls:
-                self._count(call, -1)
-                call.read_by = ReadBy.BACKGROUND
-                self._count(call, 1)
-                adopted += 1
-        return adopted
-
-    def adopt_unread(self, now: float) -> int:
-        """Adopt every answer left to a caller who has not come to read for ``patience`` seconds."""
-        if self._callers and now - self._caller_came_at > self._patience:
-            return self.adopt(list(self._calls.values()))
-        return 0
+        return self._calls.pop(call_id, None)
 
     def pop_overdue(self, now: float) -> list[Call]:
         """Remove and return the calls past their deadline at ``now``."""
@@ -317,7 +181,7 @@ class PendingCalls:
             return []
         overdue = [call for call in self._calls.values() if call.deadline <= now]
         for call in overdue:
-            self.pop(call.call_id)
+            del self._calls[call.call_id]
         self._check_at = min((call.deadline for call in self._calls.values()), default=math.inf)
         return overdue
 
@@ -325,58 +189,5 @@ class PendingCalls:
         """Remove and return every pending call (the connection closed)."""
         calls = list(self._calls.values())
         self._calls.clear()
-        self._background = self._callers = 0
         self._check_at = math.inf
         return calls
-
-    def _count(self, call: Call, delta: int) -> None:
-        if call.read_by is ReadBy.BACKGROUND:
-            self._background += delta
-        elif call.read_by is ReadBy.CALLER:
-            self._callers += delta
-
-
-# ---------------------------------------------------------------------------- the connection's thread
-
-
-class Alarm:
-    """When the connection's own thread, asleep, looks again; whether another thread must wake it sooner.
-
-    The thread looks at everything due before it sleeps again, so a thread
-    that makes something due while it is awake need not wake it.
-
-    Example::
-
-        >>> alarm = Alarm()
-        >>> alarm.wake_by(1.0)  # awake: it will see
-        False
-        >>> alarm.sleep_until(10.0)
-        >>> alarm.wake_by(20.0), alarm.wake_by(5.0), alarm.wake_by(4.0)
-        (False, True, False)
-    """
-
-    __slots__ = ("_asleep", "_until")
-
-    def __init__(self) -> None:
-        self._asleep = False
-        self._until = math.inf
-
-    @property
-    def asleep(self) -> bool:
-        """Whether the thread sleeps (it may have to be woken)."""
-        return self._asleep
-
-    def sleep_until(self, until: float) -> None:
-        """The thread goes to sleep until ``until`` (or until woken)."""
-        self._asleep, self._until = True, until
-
-    def woke(self) -> None:
-        """The thread is awake again."""
-        self._asleep = False
-
-    def wake_by(self, when: float) -> bool:
-        """Whether the thread must be woken now to look again by ``when``; it counts as awake from then on."""
-        if self._asleep and self._until > when:
-            self._asleep = False
-            return True
-        return False

@@ -76,23 +76,25 @@ log = logging.getLogger("rpcdl.shm")
 MAGIC = b"RPCDL\x00"
 VERSION = 1
 
-_NONCE_BYTES = 32
-_HELLO = struct.Struct("!6sHB32s")
-_WELCOME = struct.Struct("!6sHB32s32s")
-_VERDICT = struct.Struct("!BH")
-_MAX_VERDICT_MESSAGE = 1024
-_REFUSED_VERDICT = 1  # the verdict's status: the client did not prove the token, or speaks another version
-_FULL = 2  # the verdict's status: the worker serves as many clients as it takes (SessionsFull)
-_HAS_TOKEN = 1
-_DECODES_LZ4 = 2  # hello: the client can decompress lz4
-_MODE_SHIFT = 2  # hello: the mode the client wants; welcome: the mode the connection uses
-_MODE_BITS = {"off": 0, "on": 1, "auto": 2}
-_MODE_NAMES = {bits: name for name, bits in _MODE_BITS.items()}
-_SHARED_MEMORY = 16  # hello: the client offers shared memory; welcome: the worker takes the offer
-_SEGMENT = struct.Struct("!IIQ32s")
-_REFUSED = 0  # the version field of a refusal
-_REFUSAL = struct.Struct("!6sHII")
-_VERSIONED = struct.calcsize("!6sH")  # the bytes that tell a welcome from a refusal
+# The messages' layouts and bits, shared by the blocking sides here and the loop's
+# (rpcdl.transport.handshake_client, rpcdl.transport.handshake_server).
+NONCE_BYTES = 32  #: bytes of each side's nonce
+HELLO = struct.Struct("!6sHB32s")  #: magic, version, flags, client nonce
+WELCOME = struct.Struct("!6sHB32s32s")  #: magic, version, flags, worker nonce, worker proof
+VERDICT = struct.Struct("!BH")  #: status, length of the message that follows
+MAX_VERDICT_MESSAGE = 1024  #: bytes of a verdict's message, at most
+REFUSED_VERDICT = 1  #: the verdict's status: the client did not prove the token, or speaks another version
+FULL = 2  #: the verdict's status: the worker serves as many clients as it takes (SessionsFull)
+HAS_TOKEN = 1  #: hello and welcome: the side has a token
+DECODES_LZ4 = 2  #: hello: the client can decompress lz4
+MODE_SHIFT = 2  #: hello: the mode the client wants; welcome: the mode the connection uses
+MODE_BITS = {"off": 0, "on": 1, "auto": 2}  #: the bits of each compression mode
+_MODE_NAMES = {bits: name for name, bits in MODE_BITS.items()}
+SHARED_MEMORY = 16  #: hello: the client offers shared memory; welcome: the worker takes the offer
+SEGMENT = struct.Struct("!IIQ32s")  #: pid, fd, size, nonce of the segment offered
+REFUSED = 0  #: the version field of a refusal
+REFUSAL = struct.Struct("!6sHII")  #: magic, version 0, handshakes pending, the worker's limit
+VERSIONED = struct.calcsize("!6sH")  #: the bytes that tell a welcome from a refusal
 # A TLS record: alert (21), TLS 1.2 (3, 3), 2 bytes long: fatal (2), user_canceled (90).
 _TLS_USER_CANCELED = bytes([21, 3, 3, 0, 2, 2, 90])
 
@@ -132,7 +134,7 @@ class Deadline:
         sock.settimeout(left)
 
 
-_OBSERVER = 32  # hello: the client only asks for counters (rpcdl status); not one of the worker's clients
+OBSERVER = 32  #: hello: the client only asks for counters (rpcdl status); not one of the worker's clients
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,9 @@ class Agreement:
     observer: bool = False
 
 
-def _mode_of(flags: int) -> str:
-    return _MODE_NAMES.get((flags >> _MODE_SHIFT) & 3, "off")
+def mode_of(flags: int) -> str:
+    """The compression mode that a hello's or welcome's ``flags`` name (``"off"`` when none)."""
+    return _MODE_NAMES.get((flags >> MODE_SHIFT) & 3, "off")
 
 
 def _recv_exact(sock: socket.socket, size: int, what: str, deadline: Deadline | None = None) -> bytes:
@@ -179,13 +182,15 @@ def _send(sock: socket.socket, data: bytes, deadline: Deadline | None) -> None:
     sock.sendall(data)
 
 
-def _proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> bytes:
+def proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 of ``label + first + second`` on ``token``: one side's proof (zeros without a token)."""
     if token is None:
         return bytes(32)
     return hmac.new(token.secret, label + first + second, hashlib.sha256).digest()
 
 
-def _describe_answer(first: bytes) -> str:
+def describe_answer(first: bytes) -> str:
+    """What the first bytes a peer answered the hello with say it is (an HTTP server, a TLS endpoint...)."""
     if first.startswith(b"HTTP/"):
         status_line = first.split(b"\r\n", 1)[0].decode("ascii", "replace")
         return f"it answered {status_line!r}: an HTTP server"
@@ -202,7 +207,7 @@ def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) 
     if answer_timeout is not None:
         sock.settimeout(answer_timeout)
     try:
-        first = sock.recv(_WELCOME.size)
+        first = sock.recv(WELCOME.size)
     except TimeoutError:
         raise ProtocolError(
             f"{peer} is not an rpcdl worker (it accepted the connection but did not answer rpcdl's hello "
@@ -215,7 +220,7 @@ def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) 
     if not first:
         raise HelloUnanswered(f"{peer} closed the connection after rpcdl's hello without answering")
     if not MAGIC.startswith(first[: len(MAGIC)]):
-        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(first)})")
+        raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(first)})")
     return first
 
 
@@ -254,34 +259,34 @@ def client_negotiate(
         WorkerFull: the worker refused the connection for now (see :class:`WorkerFull`).
         AuthenticationError: the tokens differ, or only one side has one.
     """
-    client_nonce = os.urandom(_NONCE_BYTES)
-    flags = _HAS_TOKEN if token is not None else 0
-    flags |= (_DECODES_LZ4 if lz4_available() else 0) | _MODE_BITS[resolve_mode(compression)] << _MODE_SHIFT
-    flags |= _SHARED_MEMORY if shared_memory else 0
-    flags |= _OBSERVER if observer else 0
-    sock.sendall(_HELLO.pack(MAGIC, VERSION, flags, client_nonce))
+    client_nonce = os.urandom(NONCE_BYTES)
+    flags = HAS_TOKEN if token is not None else 0
+    flags |= (DECODES_LZ4 if lz4_available() else 0) | MODE_BITS[resolve_mode(compression)] << MODE_SHIFT
+    flags |= SHARED_MEMORY if shared_memory else 0
+    flags |= OBSERVER if observer else 0
+    sock.sendall(HELLO.pack(MAGIC, VERSION, flags, client_nonce))
     first = _first_answer(sock, peer, answer_timeout)
-    if len(first) < _VERSIONED:
-        first += _recv_exact(sock, _VERSIONED - len(first), "welcome")
-    if struct.unpack_from("!H", first, len(MAGIC))[0] == _REFUSED:
-        refusal = first[: _REFUSAL.size] + _recv_exact(sock, max(0, _REFUSAL.size - len(first)), "refusal")
-        magic, _, pending, limit = _REFUSAL.unpack(refusal)
+    if len(first) < VERSIONED:
+        first += _recv_exact(sock, VERSIONED - len(first), "welcome")
+    if struct.unpack_from("!H", first, len(MAGIC))[0] == REFUSED:
+        refusal = first[: REFUSAL.size] + _recv_exact(sock, max(0, REFUSAL.size - len(first)), "refusal")
+        magic, _, pending, limit = REFUSAL.unpack(refusal)
         if magic != MAGIC:
-            raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(refusal)})")
+            raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(refusal)})")
         raise WorkerFull(peer, pending, limit)
-    welcome = first + _recv_exact(sock, _WELCOME.size - len(first), "welcome")
-    magic, version, worker_flags, worker_nonce, worker_proof = _WELCOME.unpack(welcome)
+    welcome = first + _recv_exact(sock, WELCOME.size - len(first), "welcome")
+    magic, version, worker_flags, worker_nonce, worker_proof = WELCOME.unpack(welcome)
     if magic != MAGIC:
-        raise ProtocolError(f"{peer} is not an rpcdl worker ({_describe_answer(welcome)})")
+        raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(welcome)})")
     if version != VERSION:
         raise ProtocolError(
             f"{peer} speaks rpcdl protocol version {version}, this client speaks {VERSION}: "
             "install the same rpcdl version on both sides"
         )
-    sock.sendall(_proof(token, b"rpcdl-client", worker_nonce, client_nonce))
-    status, length = _VERDICT.unpack(_recv_exact(sock, _VERDICT.size, "verdict"))
-    message = _recv_exact(sock, min(length, _MAX_VERDICT_MESSAGE), "verdict").decode("utf-8", "replace")
-    worker_has_token = bool(worker_flags & _HAS_TOKEN)
+    sock.sendall(proof(token, b"rpcdl-client", worker_nonce, client_nonce))
+    status, length = VERDICT.unpack(_recv_exact(sock, VERDICT.size, "verdict"))
+    message = _recv_exact(sock, min(length, MAX_VERDICT_MESSAGE), "verdict").decode("utf-8", "replace")
+    worker_has_token = bool(worker_flags & HAS_TOKEN)
     if worker_has_token and token is None:
         raise AuthenticationError(
             f"worker {peer} requires a token: set RPCDL_TOKEN or RPCDL_TOKEN_FILE, or pass token=, "
@@ -292,19 +297,19 @@ def client_negotiate(
             f"worker {peer} runs without a token but this client has one: refusing to trust an "
             "unauthenticated worker; start it with the same RPCDL_TOKEN, or unset the client's token"
         )
-    if not hmac.compare_digest(worker_proof, _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)):
+    if not hmac.compare_digest(worker_proof, proof(token, b"rpcdl-worker", client_nonce, worker_nonce)):
         raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
-    if status == _FULL:
+    if status == FULL:
         raise SessionsFull(f"rpcdl worker {peer} is full: {message}")
     if status != 0:
         raise AuthenticationError(f"worker {peer} refused the connection: {message}")
-    mode = _mode_of(worker_flags) if flags & _DECODES_LZ4 else "off"
-    if not (shared_memory and worker_flags & _SHARED_MEMORY):
+    mode = mode_of(worker_flags) if flags & DECODES_LZ4 else "off"
+    if not (shared_memory and worker_flags & SHARED_MEMORY):
         return Agreement(mode)
     from .shm import HEADER_BYTES, ClientSegment, Offer, host_identity  # here: numpy only where segments are
 
     sock.sendall(host_identity())
-    pid, fd, size, nonce = _SEGMENT.unpack(_recv_exact(sock, _SEGMENT.size, "shared-memory segment"))
+    pid, fd, size, nonce = SEGMENT.unpack(_recv_exact(sock, SEGMENT.size, "shared-memory segment"))
     segment = ClientSegment.open(Offer(pid, fd, size, nonce)) if size >= HEADER_BYTES else None
     if size:
         sock.sendall(b"\x01" if segment is not None else b"\x00")
@@ -358,37 +363,37 @@ def server_negotiate(
     )  # alone first: a stranger's short request is refused at once
     if magic != MAGIC:
         raise ProtocolError("not an rpcdl client (bad magic bytes)")
-    _, version, client_flags, client_nonce = _HELLO.unpack(
-        magic + _recv_exact(sock, _HELLO.size - len(MAGIC), "hello", deadline)
+    _, version, client_flags, client_nonce = HELLO.unpack(
+        magic + _recv_exact(sock, HELLO.size - len(MAGIC), "hello", deadline)
     )
-    worker_nonce = os.urandom(_NONCE_BYTES)
-    mode = negotiate(_mode_of(client_flags), bool(client_flags & _DECODES_LZ4), compression)
-    flags = (_HAS_TOKEN if token is not None else 0) | _MODE_BITS[mode] << _MODE_SHIFT
+    worker_nonce = os.urandom(NONCE_BYTES)
+    mode = negotiate(mode_of(client_flags), bool(client_flags & DECODES_LZ4), compression)
+    flags = (HAS_TOKEN if token is not None else 0) | MODE_BITS[mode] << MODE_SHIFT
     # compression forced on is meant to compress this connection's answers: they stay on the socket
-    flags |= _SHARED_MEMORY if shared_memory and client_flags & _SHARED_MEMORY and mode != "on" else 0
-    proof = _proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
-    _send(sock, _WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof), deadline)
+    flags |= SHARED_MEMORY if shared_memory and client_flags & SHARED_MEMORY and mode != "on" else 0
+    welcome_proof = proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
+    _send(sock, WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, welcome_proof), deadline)
     if version != VERSION:
         reason = f"the client speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
         _send_verdict(sock, reason, deadline)
         raise ProtocolError(reason)
     client_proof = _recv_exact(sock, 32, "proof", deadline)
-    client_has_token = bool(client_flags & _HAS_TOKEN)
+    client_has_token = bool(client_flags & HAS_TOKEN)
     reason = ""
     if token is not None and not client_has_token:
         reason = "this worker requires a token (RPCDL_TOKEN) and the client sent none"
     elif token is None and client_has_token:
         reason = "this worker has no token but the client sent one"
-    elif not hmac.compare_digest(client_proof, _proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
+    elif not hmac.compare_digest(client_proof, proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
         reason = "token mismatch: the client holds a different token"
-    observer = bool(client_flags & _OBSERVER)
+    observer = bool(client_flags & OBSERVER)
     full = admit(observer) if admit is not None and not reason else ""
-    _send_verdict(sock, reason or full, deadline, _FULL if full else _REFUSED_VERDICT)
+    _send_verdict(sock, reason or full, deadline, FULL if full else REFUSED_VERDICT)
     if reason:
         raise AuthenticationError(reason)
     if full:
         raise SessionsFull(full)
-    if not flags & _SHARED_MEMORY:
+    if not flags & SHARED_MEMORY:
         return Agreement(mode, observer=observer)
     return Agreement(mode, _offer_segment(sock, peer, shared_memory, deadline), observer)
 
@@ -411,7 +416,7 @@ def send_refusal(sock: socket.socket, pending: int, limit: int, tls: bool = Fals
     """
     try:
         sock.setblocking(False)
-        sock.send(_TLS_USER_CANCELED if tls else _REFUSAL.pack(MAGIC, _REFUSED, pending, limit))
+        sock.send(_TLS_USER_CANCELED if tls else REFUSAL.pack(MAGIC, REFUSED, pending, limit))
         sock.shutdown(socket.SHUT_WR)  # the end of the stream follows the refusal
         while sock.recv(4096):  # the hello, if here: a socket closed with unread bytes resets the connection
             pass
@@ -453,11 +458,11 @@ def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline
     else:
         log.debug("no shared memory for %s: another host or namespace", peer)
     if segment is None:
-        _send(sock, _SEGMENT.pack(0, 0, 0, bytes(32)), deadline)
+        _send(sock, SEGMENT.pack(0, 0, 0, bytes(32)), deadline)
         return None
     try:
         offer = segment.offer()
-        _send(sock, _SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce), deadline)
+        _send(sock, SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce), deadline)
         confirmed = _recv_exact(sock, 1, "shared-memory confirmation", deadline) == b"\x01"
     except BaseException:
         segment.close()
@@ -469,6 +474,6 @@ def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline
     return segment
 
 
-def _send_verdict(sock: socket.socket, reason: str, deadline: Deadline | None, status: int = _REFUSED_VERDICT) -> None:
-    message = reason.encode()[:_MAX_VERDICT_MESSAGE]
-    _send(sock, _VERDICT.pack(status if reason else 0, len(message)) + message, deadline)
+def _send_verdict(sock: socket.socket, reason: str, deadline: Deadline | None, status: int = REFUSED_VERDICT) -> None:
+    message = reason.encode()[:MAX_VERDICT_MESSAGE]
+    _send(sock, VERDICT.pack(status if reason else 0, len(message)) + message, deadline)
