@@ -10,17 +10,23 @@ no user code). The executor thread that ran a call prepares its answer
 (pickled by the call runner; its large buffers compressed when the
 connection's :class:`~rpcdl.transport.compression.Compressor` says so, or
 placed in the connection's shared segment, :mod:`rpcdl.transport.shm`, so
-only their offsets cross the socket) and posts it to the session's outbox;
-the loop writes what the outbox holds, a burst of answers in one system call,
-and goes back to the socket when it has room again.
+only their offsets cross the socket). When nothing else waits to be written,
+that thread writes the answer itself, without waiting: a plain socket takes
+a small answer whole, and the loop is not woken at all. What the socket did
+not take, and every answer posted while something waits, goes to the
+session's outbox; the loop writes what it holds, a burst of answers in one
+system call, and goes back to the socket when it has room again. A TLS
+socket is written by the loop alone (one thread per TLS object).
 
 Who owns what:
 
-* the socket, the frame assembler, the answers being written and whether the
+* the socket's reading side, the frame assembler, the answers the loop writes and whether the
   socket is watched for room (:class:`Room`): the loop's thread, alone;
 * the session's :class:`SessionState`, the outbox, the bytes it holds and
-  whether a write is posted to the loop (:class:`Wakeup`): the session's lock
-  (``_lock``), for every read and write. A thread posting an answer while the
+  who writes next (:class:`Writer`): the session's lock (``_lock``), for every
+  read and write; the writing side of the socket belongs to the thread
+  holding that lock while the writer is ``DIRECT``, to the loop while it is
+  ``LOOP``. A thread posting an answer while the
   outbox holds more than :data:`OUTBOX_BYTES` waits on ``_room``, a condition
   of that lock, for the loop to write it out (up to the worker's ``timeout``,
   then the connection is closed: a client that does not read holds no more
@@ -68,11 +74,11 @@ class SessionState(enum.Enum):
     CLOSED = "closed"  #: the connection is closed: nothing is read or written again
 
 
-class Wakeup(enum.Enum):
-    """Whether the loop will look at the outbox without being told again."""
+class Writer(enum.Enum):
+    """Who writes the socket next (under the session's lock)."""
 
-    IDLE = "idle"  #: the next answer posted schedules a write on the loop
-    POSTED = "posted"  #: a write is scheduled: answers posted meanwhile go with it
+    DIRECT = "direct"  #: nothing is left unwritten: the thread posting an answer writes what the socket takes
+    LOOP = "loop"  #: the loop writes: answers posted meanwhile join the outbox, in order
 
 
 class Room(enum.Enum):
@@ -149,7 +155,7 @@ class ClientConnection:
         self._state = SessionState.SERVING
         self._outbox: list[_Outgoing] = []
         self._outbox_bytes = 0
-        self._wakeup = Wakeup.IDLE
+        self._writer = Writer.DIRECT
         self._writing: collections.deque[_Outgoing] = collections.deque()  # the loop's
         self._room_watch = Room.UNWATCHED  # the loop's
 
@@ -214,22 +220,65 @@ class ClientConnection:
         if frame.buffers and frame.kind is Kind.RESULT and not placed:
             frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
             frame.flags |= COMPRESSED if frame.decoded_sizes else 0
-        views = [memoryview(piece).cast("B") for piece in encode_frame(frame)]
+        views = [view for view in map(_bytes_view, encode_frame(frame)) if view.nbytes]
         outgoing = _Outgoing(views, sum(view.nbytes for view in views), int(answers_call))
+        on_loop = in_loop_thread()
+        may_write = not self._tls or on_loop  # a TLS socket is written by the loop alone: one thread per TLS object
+        error: OSError | None = None
         post = False
         with self._lock:
-            if self._outbox_bytes > OUTBOX_BYTES and not in_loop_thread():
+            if self._outbox_bytes > OUTBOX_BYTES and not on_loop:
                 self._wait_for_room()
-            if self._state is not SessionState.CLOSED:
+            state = self._state
+            if state is SessionState.CLOSED:
+                pass
+            elif self._writer is Writer.DIRECT and may_write:
+                try:
+                    written = self._write_now(outgoing)
+                except OSError as exc:
+                    written, error = True, exc
+                if not written:  # the socket took part of it: the loop writes the rest once it has room
+                    self._writer = Writer.LOOP
+                    self._outbox.append(outgoing)
+                    self._outbox_bytes += outgoing.size
+                    post = True
+            else:
+                post = self._writer is Writer.DIRECT
+                self._writer = Writer.LOOP
                 self._outbox.append(outgoing)
                 self._outbox_bytes += outgoing.size
-                post = self._wakeup is Wakeup.IDLE
-                self._wakeup = Wakeup.POSTED
-                outgoing = None
-        if outgoing is not None:  # closed: nobody to answer, but the call is done
+        if state is SessionState.CLOSED:  # nobody to answer, but the call is done
             self.worker.counters.sent(0, outgoing.answers)
+        elif error is not None:
+            self.worker.counters.sent(0, outgoing.answers)
+            log.warning("could not answer client %s: %s", self.peer, error or type(error).__name__)
+            self.close()
         elif post:
             call_soon(self._write)
+        elif not outgoing.left:
+            self._done(outgoing)
+
+    def _write_now(self, outgoing: _Outgoing) -> bool:
+        """Write what the socket takes of ``outgoing`` now, without waiting; return whether it took it all."""
+        left = outgoing.left
+        outgoing.started = time.perf_counter()
+        try:
+            sent = self.sock.send(left[0]) if len(left) == 1 else self.sock.sendmsg(list(left)[:_IOV_MAX])
+        except _WOULD_BLOCK:
+            return False
+        while sent:
+            head = left[0]
+            if sent < head.nbytes:
+                left[0] = head[sent:]
+                return False
+            sent -= head.nbytes
+            left.popleft()
+        return not left
+
+    def _done(self, outgoing: _Outgoing) -> None:
+        """Count an answer written whole."""
+        self.worker.counters.sent(outgoing.size, outgoing.answers)
+        self.compressor.sent(outgoing.size, time.perf_counter() - outgoing.started)
 
     def _wait_for_room(self) -> None:
         """Wait (holding ``_lock``, through ``_room``) until the outbox has room; close the session if it never
@@ -325,76 +374,83 @@ class ClientConnection:
         return since is not None and now - since > self.worker.timeout
 
     def _write(self) -> None:
-        with self._lock:
-            taken, self._outbox = self._outbox, []
-            self._wakeup = Wakeup.IDLE
-            closed = self._state is SessionState.CLOSED
-        if closed:
-            return
-        self._writing.extend(taken)
-        if self._room_watch is Room.UNWATCHED:
+        if self._room_watch is Room.UNWATCHED:  # else the loop writes once the socket has room
             self._write_ready()
 
     def _write_ready(self) -> None:
-        """Write what the socket takes now; watch it for room if something is left."""
+        """Write what the socket takes now, the outbox included; watch the socket for room if something is left."""
         writing = self._writing
-        done_bytes = done_answers = 0
+        done: list[_Outgoing] = []
+        blocked = False
         try:
-            while writing:
-                views = [view for outgoing in writing for view in outgoing.left][:_IOV_MAX]
-                now = time.perf_counter()
-                for outgoing in writing:
-                    if not outgoing.started:
-                        outgoing.started = now
-                try:
-                    sent = self.sock.send(views[0]) if self._tls or len(views) == 1 else self.sock.sendmsg(views)
-                except _WOULD_BLOCK:
-                    break
-                while sent:
-                    outgoing = writing[0]
-                    head = outgoing.left[0]
-                    if sent < head.nbytes:
-                        outgoing.left[0] = head[sent:]
-                        sent = 0
+            while not blocked:
+                with self._lock:
+                    if self._state is SessionState.CLOSED:
+                        return
+                    writing.extend(self._outbox)
+                    self._outbox = []
+                    if not writing:
+                        self._writer = Writer.DIRECT
                         break
-                    sent -= head.nbytes
-                    outgoing.left.popleft()
-                    if not outgoing.left:
-                        writing.popleft()
-                        done_bytes += outgoing.size
-                        done_answers += outgoing.answers
-                        self.compressor.sent(outgoing.size, time.perf_counter() - outgoing.started)
-                while writing and not writing[0].left:  # an empty frame part
-                    outgoing = writing.popleft()
-                    done_bytes += outgoing.size
-                    done_answers += outgoing.answers
+                blocked = self._write_some(writing, done)
         except OSError as exc:
             if not self.closed:
                 log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
-            self._account(done_bytes, done_answers)
+            self._account(done)
             self.close()
             return
-        self._account(done_bytes, done_answers)
+        self._account(done)
         loop = process_loop()
-        if writing and self._room_watch is Room.UNWATCHED:
+        if blocked and self._room_watch is Room.UNWATCHED:
             self._room_watch = Room.WATCHED
             loop.add_writer(self.sock.fileno(), self._room_again)
-        elif not writing and self._room_watch is Room.WATCHED:
+        elif not blocked and self._room_watch is Room.WATCHED:
             self._room_watch = Room.UNWATCHED
             loop.remove_writer(self.sock.fileno())
+
+    def _write_some(self, writing: collections.deque[_Outgoing], done: list[_Outgoing]) -> bool:
+        """One system call's worth of ``writing``; the frames written whole move to ``done``. Return whether
+        the socket had no room."""
+        views = [view for outgoing in writing for view in outgoing.left][:_IOV_MAX]
+        now = time.perf_counter()
+        for outgoing in writing:
+            if not outgoing.started:
+                outgoing.started = now
+        try:
+            sent = self.sock.send(views[0]) if self._tls or len(views) == 1 else self.sock.sendmsg(views)
+        except _WOULD_BLOCK:
+            return True
+        while writing:
+            outgoing = writing[0]
+            while sent and outgoing.left:
+                head = outgoing.left[0]
+                if sent < head.nbytes:
+                    outgoing.left[0] = head[sent:]
+                    return False
+                sent -= head.nbytes
+                outgoing.left.popleft()
+            if outgoing.left:
+                return False
+            done.append(writing.popleft())
+        return False
 
     def _room_again(self) -> None:
         if self.closed:
             return
         self._write_ready()
 
-    def _account(self, written: int, answers: int) -> None:
-        if not written and not answers:
+    def _account(self, done: list[_Outgoing]) -> None:
+        if not done:
             return
-        self.worker.counters.sent(written, answers)
+        for outgoing in done:
+            self._done(outgoing)
         with self._lock:
-            self._outbox_bytes -= written
+            self._outbox_bytes -= sum(outgoing.size for outgoing in done)
             self._room.notify_all()
+
+
+def _bytes_view(piece: bytes | memoryview) -> memoryview:
+    return memoryview(piece).cast("B")
 
 
 def shutdown_socket(sock: socket.socket) -> None:
