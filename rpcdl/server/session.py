@@ -61,6 +61,7 @@ from .receiving import FrameAssembler, Scratch
 
 log = logging.getLogger("rpcdl.worker")
 
+HELD_ANSWERS = 32  #: answers held back at most, to go out with the next (see ClientConnection.send)
 OUTBOX_BYTES = 8 << 20  #: bytes of answers a session holds unwritten before a thread posting one waits
 _IOV_MAX = 1024
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
@@ -156,6 +157,7 @@ class ClientConnection:
         self._outbox: list[_Outgoing] = []
         self._outbox_bytes = 0
         self._writer = Writer.DIRECT
+        self._held: list[_Outgoing] = []  # answers waiting for the next one of the thread that sends them
         self._writing: collections.deque[_Outgoing] = collections.deque()  # the loop's
         self._room_watch = Room.UNWATCHED  # the loop's
 
@@ -208,13 +210,20 @@ class ClientConnection:
         with self._lock:
             return self._outbox_bytes
 
-    def send(self, frame: Frame, answers_call: bool = False) -> None:
+    def send(self, frame: Frame, answers_call: bool = False, hold: bool = False) -> None:
         """Post ``frame`` for the loop to write (counting its call as done if it ``answers_call``).
 
         Its large buffers are compressed, or placed in the shared segment, here,
         in the calling thread. A thread other than the loop's waits while the
         outbox is full (see the module); a connection that takes nothing for the
         worker's ``timeout`` is closed.
+
+        Args:
+            frame: what to send.
+            answers_call: it answers a call (counted as done once written).
+            hold: the caller sends again soon (it runs this client's next call, a
+                quick one): the frame waits for that send, and both go out in one
+                system call (at most :data:`HELD_ANSWERS` wait so).
         """
         placed = frame.buffers and frame.kind is Kind.RESULT and self.segment is not None and self.segment.place(frame)
         if frame.buffers and frame.kind is Kind.RESULT and not placed:
@@ -225,55 +234,41 @@ class ClientConnection:
         on_loop = in_loop_thread()
         may_write = not self._tls or on_loop  # a TLS socket is written by the loop alone: one thread per TLS object
         error: OSError | None = None
+        unanswered = 0  # answers that will never be written (the connection closed)
+        done: list[_Outgoing] = []
         post = False
         with self._lock:
             if self._outbox_bytes > OUTBOX_BYTES and not on_loop:
                 self._wait_for_room()
-            state = self._state
-            if state is SessionState.CLOSED:
-                pass
-            elif self._writer is Writer.DIRECT and may_write:
-                try:
-                    written = self._write_now(outgoing)
-                except OSError as exc:
-                    written, error = True, exc
-                if not written:  # the socket took part of it: the loop writes the rest once it has room
-                    self._writer = Writer.LOOP
-                    self._outbox.append(outgoing)
-                    self._outbox_bytes += outgoing.size
-                    post = True
+            if self._state is SessionState.CLOSED:
+                unanswered = outgoing.answers
+            elif hold and self._writer is Writer.DIRECT and len(self._held) < HELD_ANSWERS:
+                self._held.append(outgoing)
+                return
             else:
-                post = self._writer is Writer.DIRECT
-                self._writer = Writer.LOOP
-                self._outbox.append(outgoing)
-                self._outbox_bytes += outgoing.size
-        if state is SessionState.CLOSED:  # nobody to answer, but the call is done
-            self.worker.counters.sent(0, outgoing.answers)
-        elif error is not None:
-            self.worker.counters.sent(0, outgoing.answers)
+                writing = collections.deque(self._held)
+                writing.append(outgoing)
+                self._held = []
+                if self._writer is Writer.DIRECT and may_write:
+                    try:
+                        self._write_some(writing, done)
+                    except OSError as exc:
+                        error, unanswered = exc, sum(pending.answers for pending in writing)
+                        writing.clear()
+                if writing:  # what the socket did not take now: the loop writes it once it has room
+                    post = self._writer is Writer.DIRECT
+                    self._writer = Writer.LOOP
+                    self._outbox.extend(writing)
+                    self._outbox_bytes += sum(pending.size for pending in writing)
+        for written in done:
+            self._done(written)
+        if unanswered:  # nobody to answer, but the calls are done
+            self.worker.counters.sent(0, unanswered)
+        if error is not None:
             log.warning("could not answer client %s: %s", self.peer, error or type(error).__name__)
             self.close()
         elif post:
             call_soon(self._write)
-        elif not outgoing.left:
-            self._done(outgoing)
-
-    def _write_now(self, outgoing: _Outgoing) -> bool:
-        """Write what the socket takes of ``outgoing`` now, without waiting; return whether it took it all."""
-        left = outgoing.left
-        outgoing.started = time.perf_counter()
-        try:
-            sent = self.sock.send(left[0]) if len(left) == 1 else self.sock.sendmsg(list(left)[:_IOV_MAX])
-        except _WOULD_BLOCK:
-            return False
-        while sent:
-            head = left[0]
-            if sent < head.nbytes:
-                left[0] = head[sent:]
-                return False
-            sent -= head.nbytes
-            left.popleft()
-        return not left
 
     def _done(self, outgoing: _Outgoing) -> None:
         """Count an answer written whole."""
@@ -302,7 +297,8 @@ class ClientConnection:
             if self._state is SessionState.CLOSED:
                 return
             self._state = SessionState.CLOSED
-            dropped, self._outbox, self._outbox_bytes = self._outbox, [], 0
+            dropped, self._outbox, self._outbox_bytes = self._outbox + self._held, [], 0
+            self._held = []
             self._room.notify_all()
         answers = sum(outgoing.answers for outgoing in dropped)
         if answers:

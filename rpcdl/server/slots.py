@@ -31,6 +31,7 @@ from ..transport.wire import Frame, Kind
 from .calls import Session
 from .fair_queue import FairQueue
 
+QUICK_CALL = 0.0005  #: seconds: the answer of a quicker call may wait for the next call's (see Session.send)
 LARGE_ANSWER = 1 << 20  #: bytes of buffers from which an answer is sent after its slot is freed
 
 
@@ -117,7 +118,10 @@ class Slots:
                         self._running -= 1
                         if large and self._queue:
                             self._runnable.notify()
-            session.send(answer, answers_call=True)
+            # a quick call's answer waits for the next of the same client, run next here: one system call for both
+            session.send(
+                answer, answers_call=True, hold=queued is not None and queued[0] is session and ran < QUICK_CALL
+            )
             if queued is None:
                 return
             session, frame = queued
