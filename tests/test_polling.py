@@ -52,12 +52,10 @@ def test_the_window_comes_from_the_environment_in_microseconds(monkeypatch, text
 
 
 @pytest.mark.parametrize("text", ["-1", "1.5", "fast", "100001"])
-def test_a_bad_window_fails_at_once_naming_the_variable_for_workers_and_callers(monkeypatch, text):
+def test_a_bad_window_fails_at_once_naming_the_variable_for_callers(monkeypatch, text):
     monkeypatch.setenv(POLL_ENV, text)
     with pytest.raises(ValueError, match=f"{POLL_ENV} must be a whole number of microseconds from 0"):
         window_from_environment()
-    with pytest.raises(ValueError, match=POLL_ENV):
-        rpcdl.Worker()
     with pytest.raises(ValueError, match=POLL_ENV):
         rpcdl.rpc_sync("127.0.0.1:9", abs, (-1,), timeout=1)  # before any connection is tried
 
