@@ -22,7 +22,7 @@ import rpcdl
 from rpcdl.errors import ConnectionLost
 from rpcdl.server.worker import Phase
 from rpcdl.transport.control import encode_release
-from rpcdl.transport.wire import _HEADER, AWAITED, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import _HEADER, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
 _ANSWER_WAIT = 10.0  # seconds a test waits for one answer before failing
 
@@ -209,33 +209,6 @@ def test_answers_held_back_in_a_burst_go_out_when_control_frames_end_it(start_wo
     client.send(_call(1, operator.add, 1, 1), _call(2, operator.add, 2, 2), _control(Kind.PING, 3))
     frames = {frame.call_id: frame for frame in (client.answer() for _ in range(3))}
     assert (_value(frames[1]), _value(frames[2]), frames[3].kind) == (2, 4, Kind.PONG)
-
-
-def test_after_answering_an_awaited_call_the_worker_polls_while_its_caller_comes_back_quickly(
-    start_worker, monkeypatch
-):
-    monkeypatch.setenv("RPCDL_POLL_MICROSECONDS", "100000")  # 0.1 s: a next call sent at once comes within it
-    _, connect = start_worker()
-    client = connect()
-    poller = client.session.poller
-    call_ids = iter(range(1, 100))
-
-    def round_trip(value: int, gap: float = 0.0, flags: int = AWAITED) -> None:
-        time.sleep(gap)
-        client.send(_call(next(call_ids), operator.neg, value, flags=flags))
-        assert _value(client.answer()) == -value
-
-    round_trip(1)
-    round_trip(2, gap=0.5)  # the worker polled in vain, then read it: nothing is lost
-    assert not poller.pays
-    for attempt in range(5):  # a call that comes at once is caught again (a loaded machine may delay one)
-        round_trip(3 + attempt)
-        if poller.pays:
-            break
-    assert poller.pays
-    round_trip(10, flags=0)
-    round_trip(11, gap=0.5, flags=0)  # the answer of a call nobody awaits is not followed by polling
-    assert poller.pays
 
 
 def _quick_or_slow(value: int) -> int:

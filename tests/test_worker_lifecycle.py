@@ -51,7 +51,7 @@ def _raw_round_trip(address: str, call_id: int) -> Kind | None:
 
 def _threads_of(before: set[threading.Thread]) -> list[str]:
     """The names of the threads alive now that started since ``before`` and belong to a worker."""
-    prefixes = ("rpcdl-accept-", "rpcdl-promoter-", "rpcdl-peer-", "rpcdl-service-", "rpcdl-executor-")
+    prefixes = ("rpcdl-accept-", "rpcdl-peer-", "rpcdl-service-", "rpcdl-promoter-", "rpcdl-executor-")
     return sorted(t.name for t in set(threading.enumerate()) - before if t.name.startswith(prefixes))
 
 
@@ -84,7 +84,7 @@ def test_a_stop_racing_clients_that_connect_and_call_leaves_no_thread_and_no_ses
     assert not thread_errors
     stats = worker.stats()
     assert (stats["clients"], stats["calls_in_flight"], stats["draining"]) == (0, 0, True)
-    deadline = time.monotonic() + _WAIT  # a handshake thread may still be refusing its last connection
+    deadline = time.monotonic() + _WAIT
     while _threads_of(before) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _threads_of(before) == []
@@ -130,19 +130,45 @@ def test_every_thread_a_worker_starts_is_named_and_ends_with_it():
     with rpcdl.Worker(timeout=_WAIT, parallel=3) as worker:
         assert _raw_round_trip(worker.address, 1) == Kind.RESULT
         assert rpcdl.rpc_sync(worker.address, operator.mul, (6, 7)) == 42
-        deadline = time.monotonic() + _WAIT  # the session's second service thread starts after the first
-        while sum(name.startswith("rpcdl-service-") for name in started()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
         names = started()
         assert all(name.startswith("rpcdl-") for name in names), names
-        assert {"rpcdl-executor-0", "rpcdl-executor-1", "rpcdl-executor-2"} <= set(names)
-        assert f"rpcdl-accept-{worker.address}" in names and f"rpcdl-promoter-{worker.address}" in names
-        assert sum(name.startswith("rpcdl-service-") for name in names) >= 2, names  # two per session
+        # the loop (rpcdl-loop) accepts, runs the handshakes and serves the sessions: the executors are the rest
+        assert set(names) - {"rpcdl-loop"} == {"rpcdl-executor-0", "rpcdl-executor-1", "rpcdl-executor-2"}
     rpcdl.shutdown()
     deadline = time.monotonic() + _WAIT
     while _threads_of(before) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _threads_of(before) == []
+
+
+def _open_session(address: str) -> socket.socket:
+    """A raw client past its handshake whose one call was answered: a session the worker serves."""
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=_WAIT)
+    client_negotiate(sock, None, address, compression="off")
+    stream = io_stream(sock, receive=_WAIT, send=_WAIT)
+    stream.sendall(_call_bytes(7, operator.add, 7, 1))
+    frame = FrameReader(stream, Limits(), stall_timeout=_WAIT).read_frame()
+    assert frame is not None and frame.kind == Kind.RESULT and pickle.loads(frame.payload) == 8
+    return sock
+
+
+def test_a_worker_has_the_same_threads_with_64_clients_as_with_one():
+    def worker_threads() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("rpcdl-"))
+
+    clients: list[socket.socket] = []
+    with rpcdl.Worker(timeout=_WAIT, parallel=2) as worker:
+        try:
+            clients.append(_open_session(worker.address))
+            with_one = worker_threads()
+            clients += [_open_session(worker.address) for _ in range(63)]
+            assert worker.stats()["clients"] == 64
+            assert worker_threads() == with_one
+            assert "rpcdl-loop" in with_one
+        finally:
+            for sock in clients:
+                sock.close()
 
 
 def test_stats_read_while_sessions_come_and_go(embedded_worker, switching_often, thread_errors):

@@ -1,8 +1,8 @@
 """Which new connections a worker admits to a handshake: a bound like OpenSSH's ``MaxStartups``.
 
 A connection is unauthenticated until its handshake passes, and each one in its
-handshake holds a socket and a thread of the worker for up to the handshake
-deadline. So a worker holds at most ``limit`` of them
+handshake holds a socket and a handshake in progress on the worker's loop for
+up to the handshake deadline. So a worker holds at most ``limit`` of them
 (``RPCDL_MAX_HANDSHAKES``, default 256):
 
 * below ``start`` (half the limit) a new connection is admitted;
@@ -17,15 +17,17 @@ So a client arriving while a flood of idle connections, or a drip of slow
 handshakes, goes on gets in at once (it evicts the oldest of them), and a client
 admitted has at least ``grace`` seconds to finish before anything can evict it.
 
-Threads: the accept thread admits (:meth:`Admission.admit`, which evicts); each
-handshake thread says when its socket changes (:meth:`Admission.rebind`, as it
-wraps it in TLS) and when it leaves (:meth:`Admission.leave`). The admission's
-lock (``_lock``) guards the table of handshakes in progress, the random
-generator, and each :class:`Pending`'s socket and state, for every read and
-write. A :class:`QuietLog` guards its counts with its own lock (the accept
-thread and handshake threads log through it). An eviction shuts a socket down under that lock and a handshake thread
-closes its socket, or hands it to a session, only after leaving: a socket is
-never shut down once another owner has it.
+Threads: the process loop (``rpcdl-loop``) admits each connection it accepts
+(:meth:`Admission.admit`, which evicts), and its handshake, on the loop too,
+says when its socket changes (:meth:`Admission.rebind`, as it wraps it in
+TLS) and when it leaves (:meth:`Admission.leave`). The admission's lock
+(``_lock``) guards the table of handshakes in progress, the random generator,
+and each :class:`Pending`'s socket and state, for every read and write, so
+that the admission may be used from any thread. A :class:`QuietLog` guards
+its counts with its own lock. An eviction shuts a socket down under that
+lock (its handshake then fails its read), and a handshake closes its socket,
+or hands it to a session, only after leaving: a socket is never shut down
+once another owner has it.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class PendingState(enum.Enum):
 
     IN_HANDSHAKE = "in handshake"
     EVICTED = "evicted"  #: its socket was shut down to make room for a newer connection
-    LEFT = "left"  #: its handshake thread is done with the admission
+    LEFT = "left"  #: its handshake is done with the admission
 
 
 class Pending:
@@ -143,7 +145,7 @@ class Admission:
                     return Full(count, self.limit)
                 del self._pending[oldest]
                 oldest.state = PendingState.EVICTED
-                _shut_down(oldest.sock)  # wakes its handshake thread, which closes it
+                _shut_down(oldest.sock)  # its handshake fails its next read, and closes it
             pending = Pending(sock, peer, now)
             self._pending[pending] = None
             return pending
@@ -215,12 +217,12 @@ class QuietLog:
 
 
 def _shut_down(sock: socket.socket) -> None:
-    """Shut the TCP connection down under its handshake thread, which then fails its read and closes it.
+    """Shut the TCP connection down under its handshake, which then fails its read and closes it.
 
     Through :class:`socket.socket`'s own method: :meth:`ssl.SSLSocket.shutdown` would
-    also drop the TLS object that thread is using.
+    also drop the TLS object that handshake is using.
     """
     try:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    except OSError:  # detached by a TLS wrapper not recorded yet: rebind tells its thread
+    except OSError:  # detached by a TLS wrapper not recorded yet: rebind tells its handshake
         pass

@@ -38,8 +38,9 @@ class Session(Protocol):
         """Whether the connection is closed (its calls have nobody to answer)."""
         ...
 
-    def send(self, frame: Frame, answers_call: bool = False) -> None:
-        """Send ``frame``, counting its call as answered if it ``answers_call``."""
+    def send(self, frame: Frame, answers_call: bool = False, hold: bool = False) -> None:
+        """Send ``frame``, counting its call as answered if it ``answers_call``; with ``hold``, together with
+        the next frame sent (sent soon by the same thread)."""
         ...
 
 

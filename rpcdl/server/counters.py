@@ -1,7 +1,7 @@
 """A worker's counters, as :meth:`rpcdl.server.worker.Worker.stats` reports them.
 
 Threading: one lock guards every counter, for every read and write. The
-threads counting are the service threads reading frames (bytes in, calls
+threads counting are the process loop reading frames (bytes in, calls
 received), the threads running calls (busy time, calls served and failed,
 batches made) and those sending (bytes out, calls answered); :meth:`Counters.totals`
 reads them all at once under the lock, so a call is never seen answered and not received.

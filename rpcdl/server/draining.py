@@ -1,10 +1,8 @@
 """A worker leaving well: telling its clients, and the drain of a worker process stopped by signals.
 
 Threading: ``serve_until_stopped`` runs in a worker process's main
-thread: it waits for a stop signal, then drains. ``announce_leaving`` starts the announcer thread
-(``rpcdl-leaving-ADDRESS``), which owns nothing: it sends one ``LEAVING`` frame
-on each session through the session's public ``announce_leaving`` (which
-takes that session's send lock) and ends. ``drain_process`` runs in the
+thread: it waits for a stop signal, then drains (the worker posts one ``LEAVING``
+frame to each session, which the process loop writes). ``drain_process`` runs in the
 main thread of a worker process; it reads the worker's count of calls in
 flight (the counters' own lock) and the signals' times (set by the handlers,
 read by the main thread only).
@@ -15,9 +13,8 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .process import StopSignals, add_address, process_exists, remove_address
@@ -27,38 +24,6 @@ log = logging.getLogger("rpcdl.worker")
 
 ANNOUNCE_WAIT = 1.0  #: seconds a stop waits at least for the clients to be told, even one at once
 SAME_SIGNAL_WINDOW = 0.5  #: seconds after the first stop signal in which another is the same notice
-
-
-class Announced(Protocol):
-    """What the announcer needs of a session (:class:`rpcdl.server.session.ClientConnection`)."""
-
-    def announce_leaving(self, payload: bytes) -> None:
-        """Send the client a ``LEAVING`` frame with ``payload``."""
-        ...
-
-
-def announce_leaving(address: str, sessions: Sequence[Announced], payload: bytes) -> threading.Thread:
-    """Send every session a ``LEAVING`` frame, from a thread of its own; return that thread, started.
-
-    A thread, so that a client that does not read cannot hold the drain: the
-    worker closes its connection once the drain ends (which ends the send).
-
-    Args:
-        address: the worker's address, for the thread's name.
-        sessions: the sessions to tell.
-        payload: the frame's payload (:func:`rpcdl.transport.control.encode_leaving`).
-
-    Returns:
-        The announcer thread (a daemon).
-    """
-
-    def announce() -> None:
-        for session in sessions:
-            session.announce_leaving(payload)
-
-    thread = threading.Thread(target=announce, name=f"rpcdl-leaving-{address}", daemon=True)
-    thread.start()
-    return thread
 
 
 class DrainEnd(enum.Enum):

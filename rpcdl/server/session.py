@@ -1,52 +1,48 @@
-"""The worker's side of one client connection: a session, its read turn and its answers.
+"""The worker's side of one client connection: a session, read and written on the process loop.
 
-Threading: a session has two service threads (``rpcdl-service-PEER``) and one
-read turn (:class:`Turn`). The thread holding the turn reads frames; a call it
-may run at once (a slot free, the other thread standing by) it runs itself,
-*lending* the turn, so a call costs no thread switch; other calls it queues in
-the worker's slots (:mod:`rpcdl.server.slots`), control frames it hands to the
-worker (:meth:`rpcdl.server.worker.Worker.handle_control`). Nobody reads while
-the turn is lent; it is *offered* to the other thread, the standby, at once
-when the worker has slots left for more calls, else by the worker's promoter
-(``rpcdl-promoter-ADDRESS``) once the call has run for a while
-(:data:`PROMOTE_AFTER`), so that pings, releases and calls for the queue are
-read during long calls. The lender takes the turn back if nobody took it, else
-becomes the standby. The reader runs a call itself only while the standby
-waits, so one thread can always take the turn.
+Threading: no thread is a session's own. The process loop (``rpcdl-loop``,
+:mod:`rpcdl.transport.event_loop`) reads the socket when it is readable,
+assembles frames (:mod:`rpcdl.server.receiving`) and hands each to the worker
+(:meth:`rpcdl.server.worker.Worker.dispatch`): a call goes to the slots'
+fair queue (:mod:`rpcdl.server.slots`), where an executor thread runs it; a
+ping, a release or a request for counters is answered on the loop (they run
+no user code). The executor thread that ran a call prepares its answer
+(pickled by the call runner; its large buffers compressed when the
+connection's :class:`~rpcdl.transport.compression.Compressor` says so, or
+placed in the connection's shared segment, :mod:`rpcdl.transport.shm`, so
+only their offsets cross the socket). When nothing else waits to be written,
+that thread writes the answer itself, without waiting: a plain socket takes
+a small answer whole, and the loop is not woken at all. What the socket did
+not take, and every answer posted while something waits, goes to the
+session's outbox; the loop writes what it holds, a burst of answers in one
+system call, and goes back to the socket when it has room again. A TLS
+socket is written by the loop alone (one thread per TLS object).
 
 Who owns what:
 
-* the turn, the session's :class:`SessionState`, when the turn was lent and
-  whether a standby waits: the session's lock (``_lock``), for every read and
-  write; the standby waits on ``_turn_offered``, a condition of that lock. The
-  worker's stop drains the session (:meth:`ClientConnection.drain`), the
-  promoter offers the turn (:meth:`ClientConnection.offer_if_lent_before`),
-  and any thread may close it (:meth:`ClientConnection.close`).
-* the frame reader, the poller and the count of bytes read: the thread holding
-  the turn (the lock hands them from one thread to the other).
-* the answers held back: each service thread its own (:class:`_HeldAnswers`).
-  The reader running a quick call itself while the next call already waits in
-  its receive buffer holds the (small) answer back, and sends what it holds in
-  one go once nothing more waits, after a slower call or after
-  :data:`_OUTBOX_ANSWERS` answers: one system call for a burst.
-* the socket's sending side: the send lock, taken by whichever thread answers
-  (the one that ran the call). It compresses its answer's large buffers first,
-  outside the lock, when the connection's
-  :class:`~rpcdl.transport.compression.Compressor` says so (that compressor
-  has its own lock), or places them in the connection's shared segment
-  (:mod:`rpcdl.transport.shm`, its own lock) when it has one, so that only
-  their offsets cross the socket.
+* the socket's reading side, the frame assembler, the answers the loop writes and whether the
+  socket is watched for room (:class:`Room`): the loop's thread, alone;
+* the session's :class:`SessionState`, the outbox, the bytes it holds and
+  who writes next (:class:`Writer`): the session's lock (``_lock``), for every
+  read and write; the writing side of the socket belongs to the thread
+  holding that lock while the writer is ``DIRECT``, to the loop while it is
+  ``LOOP``. A thread posting an answer while the
+  outbox holds more than :data:`OUTBOX_BYTES` waits on ``_room``, a condition
+  of that lock, for the loop to write it out (up to the worker's ``timeout``,
+  then the connection is closed: a client that does not read holds no more
+  than that). The loop never waits there.
 
-Once it has answered a call marked awaited (an ``rpc_sync``), the reader polls
-for that caller's next call before it blocks, while the worker runs nothing
-else (:mod:`rpcdl.transport.polling`).
+Any thread may close a session (:meth:`ClientConnection.close`); the socket is
+closed on the loop.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Protocol
@@ -56,34 +52,41 @@ import torch
 from ..errors import ConnectionLost, ProtocolError
 from ..rpc.rref import RRefStore, StoreView
 from ..transport.compression import Compressor
-from ..transport.control import decode_span_release, encode_rejected
-from ..transport.polling import Poller
+from ..transport.control import decode_span_release
+from ..transport.event_loop import call_soon, in_loop_thread, process_loop
 from ..transport.shm import WorkerSegment
-from ..transport.wire import AWAITED, COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
+from ..transport.wire import COMPRESSED, Frame, Kind, Limits, encode_frame
 from .counters import Counters
-from .slots import Slots
+from .receiving import FrameAssembler, Scratch
 
 log = logging.getLogger("rpcdl.worker")
 
-PROMOTE_AFTER = 0.02  #: seconds a call runs inline before the standby thread reads in its place
-_OUTBOX_ANSWERS = 32  # answers held back at most
-_QUICK_CALL = 0.0005  # seconds: the answer of a call that ran longer is not held back
+HELD_ANSWERS = 32  #: answers held back at most, to go out with the next (see ClientConnection.send)
+OUTBOX_BYTES = 8 << 20  #: bytes of answers a session holds unwritten before a thread posting one waits
+_IOV_MAX = 1024
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class SessionState(enum.Enum):
     """Where a session is in its life."""
 
     SERVING = "serving"  #: calls are run
-    DRAINING = "draining"  #: the worker stops: calls arriving are rejected, calls running finish
-    CLOSED = "closed"  #: the connection is closed: no one reads again
+    DRAINING = "draining"  #: the worker stops: calls arriving are rejected, calls queued or running finish
+    CLOSED = "closed"  #: the connection is closed: nothing is read or written again
 
 
-class Turn(enum.Enum):
-    """Who reads the connection (while it is not closed)."""
+class Writer(enum.Enum):
+    """Who writes the socket next (under the session's lock)."""
 
-    OFFERED = "offered"  #: free: the standby takes it
-    READING = "reading"  #: a service thread holds it and reads
-    LENT = "lent"  #: its holder runs a call; nobody reads until it is offered or taken back
+    DIRECT = "direct"  #: nothing is left unwritten: the thread posting an answer writes what the socket takes
+    LOOP = "loop"  #: the loop writes: answers posted meanwhile join the outbox, in order
+
+
+class Room(enum.Enum):
+    """Whether the loop watches the socket for room to write what is left (the loop's own)."""
+
+    UNWATCHED = "unwatched"  #: nothing is left to write, or it has not tried yet
+    WATCHED = "watched"  #: the socket took less than was left: the loop writes the rest once it has room
 
 
 class Server(Protocol):
@@ -91,13 +94,12 @@ class Server(Protocol):
 
     store: RRefStore
     counters: Counters
-    slots: Slots
     limits: Limits
-    timeout: float  #: seconds a client may stall mid-message; a call may wait for its RRef
-    poll_window: float  #: seconds to poll for an awaited caller's next call
+    scratch: Scratch
+    timeout: float  #: seconds a client may stall mid-message; a call may wait for its RRef; an answer for room
 
-    def handle_control(self, connection: ClientConnection, frame: Frame) -> None:
-        """Handle a frame that is not a call."""
+    def dispatch(self, connection: ClientConnection, frame: Frame) -> None:
+        """Handle a frame just read, on the loop."""
         ...
 
     def forget(self, connection: ClientConnection) -> None:
@@ -105,23 +107,24 @@ class Server(Protocol):
         ...
 
 
-class _HeldAnswers:
-    """The answers one service thread holds back, encoded: made, changed and sent by that thread only."""
+class _Outgoing:
+    """An encoded frame being written, on the loop: what is left of it, and what it counts."""
 
-    __slots__ = ("answers", "holding", "pieces")
+    __slots__ = ("answers", "left", "size", "started")
 
-    def __init__(self) -> None:
-        self.holding = False  # while this thread runs a call whose answer it holds back
-        self.pieces: list[bytes | memoryview] = []
-        self.answers = 0
+    def __init__(self, views: list[memoryview], size: int, answers: int):
+        self.left = collections.deque(views)
+        self.size = size
+        self.answers = answers
+        self.started = 0.0
 
 
 class ClientConnection:
-    """The worker's side of one client connection (see the module for its threads).
+    """The worker's side of one client connection (see the module for who runs what).
 
     Args:
         worker: the worker serving it.
-        sock: the connection, handshake done, set up by :func:`~rpcdl.transport.wire.io_stream`.
+        sock: the connection, handshake done (a plain or a TLS socket).
         peer: the client's address, for messages.
         compressor: what compresses answers on this connection (default: none).
         segment: the shared segment agreed with a client on this host (default: none).
@@ -145,21 +148,18 @@ class ClientConnection:
         self.compressor = compressor or Compressor("off")
         #: the context its calls run in (see rpcdl.transport.context): (un)pickled for the peer, answers in the segment
         self.call_context = (peer, StoreView(worker.store, self, worker.timeout), None, segment)
-        self.reader = FrameReader(sock, worker.limits, stall_timeout=worker.timeout)
-        self.poller = Poller(sock, worker.poll_window)  # for the next call of a caller that awaits each answer
-        # the lock alone where nobody waits: a Condition's ``with`` is a Python call more on every call
-        self._lock = threading.Lock()
-        self._turn_offered = threading.Condition(self._lock)  # or the session closed
-        self._state = SessionState.SERVING
-        self._turn = Turn.OFFERED
-        self._lent_at = 0.0
-        self._standby_waits = False
-        self._own = threading.local()  # .held: the _HeldAnswers of the service thread that reads it
-        self._send_lock = threading.Lock()
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._assembler = FrameAssembler(worker.limits, allocate_buffer, worker.scratch)
         self._counted = 0
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"rpcdl-service-{peer}", daemon=True) for _ in range(2)
-        ]
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # the outbox has room again (or the session closed)
+        self._state = SessionState.SERVING
+        self._outbox: list[_Outgoing] = []
+        self._outbox_bytes = 0
+        self._writer = Writer.DIRECT
+        self._held: list[_Outgoing] = []  # answers waiting for the next one of the thread that sends them
+        self._writing: collections.deque[_Outgoing] = collections.deque()  # the loop's
+        self._room_watch = Room.UNWATCHED  # the loop's
 
     @property
     def closed(self) -> bool:
@@ -167,13 +167,32 @@ class ClientConnection:
         with self._lock:
             return self._state is SessionState.CLOSED
 
+    @property
+    def serving(self) -> bool:
+        """Whether calls arriving are run (not draining, not closed)."""
+        with self._lock:
+            return self._state is SessionState.SERVING
+
+    @property
+    def mid_frame_since(self) -> float | None:
+        """When the client last sent a byte of a frame it has not finished (``None``: between frames).
+
+        Read on the loop only.
+        """
+        return self._assembler.progress_at if self._assembler.mid_frame else None
+
     def start(self) -> None:
-        """Start the service threads."""
-        for thread in self._threads:
-            thread.start()
+        """Have the loop read the connection (callable from any thread)."""
+        call_soon(self._start_reading)
+
+    def _start_reading(self) -> None:
+        if self.closed:
+            return
+        self.sock.setblocking(False)
+        process_loop().add_reader(self.sock.fileno(), self._readable)
 
     def drain(self) -> None:
-        """Reject the calls that arrive from now on (the worker stops); calls running finish."""
+        """Reject the calls that arrive from now on (the worker stops); calls queued or running finish."""
         with self._lock:
             if self._state is SessionState.SERVING:
                 self._state = SessionState.DRAINING
@@ -181,67 +200,127 @@ class ClientConnection:
     def announce_leaving(self, payload: bytes) -> None:
         """Tell the client the worker is leaving: a ``LEAVING`` frame (see :mod:`rpcdl.transport.control`).
 
-        Sent by the thread announcing the worker's drain, after :meth:`drain`;
-        nothing if the connection is closed meanwhile.
+        Posted after :meth:`drain`; the loop writes it; nothing if the connection is closed meanwhile.
         """
-        if not self.closed:
-            self.send(Frame(Kind.LEAVING, 0, payload=payload))
+        self.send(Frame(Kind.LEAVING, 0, payload=payload))
 
-    def send(self, frame: Frame, answers_call: bool = False) -> None:
-        """Send ``frame`` (counting its call as done if it ``answers_call``); a connection
-        that cannot take it is closed."""
-        is_result = frame.kind is Kind.RESULT
-        if frame.buffers:
-            in_segment = is_result and self.segment is not None and self.segment.place(frame)
-            if is_result and not in_segment:
-                frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
-                frame.flags |= COMPRESSED if frame.decoded_sizes else 0
-        else:
-            held = getattr(self._own, "held", None)  # None: not a service thread of this session
-            if held is not None and held.holding:  # the reader runs quick calls itself: it sends them later
-                held.pieces += encode_frame(frame)
-                held.answers += answers_call
+    @property
+    def unwritten(self) -> int:
+        """Bytes posted and not yet handed to the system (a hint)."""
+        with self._lock:
+            return self._outbox_bytes
+
+    def send(self, frame: Frame, answers_call: bool = False, hold: bool = False) -> None:
+        """Post ``frame`` for the loop to write (counting its call as done if it ``answers_call``).
+
+        Its large buffers are compressed, or placed in the shared segment, here,
+        in the calling thread. A thread other than the loop's waits while the
+        outbox is full (see the module); a connection that takes nothing for the
+        worker's ``timeout`` is closed.
+
+        Args:
+            frame: what to send.
+            answers_call: it answers a call (counted as done once written).
+            hold: the caller sends again soon (it runs this client's next call, a
+                quick one): the frame waits for that send, and both go out in one
+                system call (at most :data:`HELD_ANSWERS` wait so).
+        """
+        placed = frame.buffers and frame.kind is Kind.RESULT and self.segment is not None and self.segment.place(frame)
+        if frame.buffers and frame.kind is Kind.RESULT and not placed:
+            frame.buffers, frame.decoded_sizes = self.compressor.prepare(frame.buffers)
+            frame.flags |= COMPRESSED if frame.decoded_sizes else 0
+        views = [view for view in map(_bytes_view, encode_frame(frame)) if view.nbytes]
+        outgoing = _Outgoing(views, sum(view.nbytes for view in views), int(answers_call))
+        on_loop = in_loop_thread()
+        may_write = not self._tls or on_loop  # a TLS socket is written by the loop alone: one thread per TLS object
+        error: OSError | None = None
+        unanswered = 0  # answers that will never be written (the connection closed)
+        done: list[_Outgoing] = []
+        post = False
+        with self._lock:
+            if self._outbox_bytes > OUTBOX_BYTES and not on_loop:
+                self._wait_for_room()
+            if self._state is SessionState.CLOSED:
+                unanswered = outgoing.answers
+            elif hold and self._writer is Writer.DIRECT and len(self._held) < HELD_ANSWERS:
+                self._held.append(outgoing)
                 return
-        self._send_pieces(encode_frame(frame), int(answers_call))  # an answer's buffers go out here
+            else:
+                writing = collections.deque(self._held)
+                writing.append(outgoing)
+                self._held = []
+                if self._writer is Writer.DIRECT and may_write:
+                    try:
+                        self._write_some(writing, done)
+                    except OSError as exc:
+                        error, unanswered = exc, sum(pending.answers for pending in writing)
+                        writing.clear()
+                if writing:  # what the socket did not take now: the loop writes it once it has room
+                    post = self._writer is Writer.DIRECT
+                    self._writer = Writer.LOOP
+                    self._outbox.extend(writing)
+                    self._outbox_bytes += sum(pending.size for pending in writing)
+        for written in done:
+            self._done(written)
+        if unanswered:  # nobody to answer, but the calls are done
+            self.worker.counters.sent(0, unanswered)
+        if error is not None:
+            log.warning("could not answer client %s: %s", self.peer, error or type(error).__name__)
+            self.close()
+        elif post:
+            call_soon(self._write)
 
-    def _send_pieces(self, pieces: list[bytes | memoryview], answers: int) -> None:
-        sent = 0
-        try:
-            with self._send_lock:
-                if self.compressor.mode != "auto":  # nothing to decide from the time a send takes
-                    sent = send_pieces(self.sock, pieces)
-                else:
-                    started = time.perf_counter()
-                    sent = send_pieces(self.sock, pieces)
-                    self.compressor.sent(sent, time.perf_counter() - started)
-        except OSError as exc:
-            if not self.closed:
-                log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
-                self.close()
-        finally:
-            self.worker.counters.sent(sent, answers)
+    def _done(self, outgoing: _Outgoing) -> None:
+        """Count an answer written whole."""
+        self.worker.counters.sent(outgoing.size, outgoing.answers)
+        self.compressor.sent(outgoing.size, time.perf_counter() - outgoing.started)
 
-    def _flush(self, held: _HeldAnswers) -> None:
-        """Send the answers this thread held back, in one go."""
-        pieces, answers = held.pieces, held.answers
-        if not pieces:
-            return
-        held.pieces, held.answers = [], 0
-        if len(pieces) > 1 and all(type(piece) is bytes for piece in pieces):
-            pieces = [b"".join(pieces)]
-        self._send_pieces(pieces, answers)
+    def _wait_for_room(self) -> None:
+        """Wait (holding ``_lock``, through ``_room``) until the outbox has room; close the session if it never
+        does within the timeout."""
+        deadline = time.monotonic() + self.worker.timeout
+        while self._outbox_bytes > OUTBOX_BYTES and self._state is not SessionState.CLOSED:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._lock.release()
+                try:
+                    log.warning("could not answer client %s: it took nothing for %gs", self.peer, self.worker.timeout)
+                    self.close()
+                finally:
+                    self._lock.acquire()
+                return
+            self._room.wait(left)
 
     def close(self) -> None:
-        """Close the connection (once) and have the worker forget it and the RRefs it held."""
-        with self._lock:  # never held during a send, which may block for the whole timeout
+        """Close the connection (once), on the loop, and have the worker forget it and the RRefs it held."""
+        with self._lock:
             if self._state is SessionState.CLOSED:
                 return
             self._state = SessionState.CLOSED
-            self._turn_offered.notify_all()
-        shutdown_socket(self.sock)
-        if self.segment is not None:
-            self.segment.close()
-        self.worker.forget(self)
+            dropped, self._outbox, self._outbox_bytes = self._outbox + self._held, [], 0
+            self._held = []
+            self._room.notify_all()
+        answers = sum(outgoing.answers for outgoing in dropped)
+        if answers:
+            self.worker.counters.sent(0, answers)
+        call_soon(self._close_on_loop)
+
+    def _close_on_loop(self) -> None:
+        loop = process_loop()
+        try:
+            fd = self.sock.fileno()
+            if fd >= 0:
+                loop.remove_reader(fd)
+                loop.remove_writer(fd)
+        finally:
+            answers = sum(outgoing.answers for outgoing in self._writing)
+            self._writing.clear()
+            if answers:
+                self.worker.counters.sent(0, answers)
+            shutdown_socket(self.sock)
+            if self.segment is not None:
+                self.segment.close()
+            self.worker.forget(self)
 
     def release_spans(self, payload: bytes | bytearray | memoryview) -> None:
         """Free the spans of the shared segment a ``SEGMENT_RELEASE`` frame names.
@@ -259,141 +338,115 @@ class ClientConnection:
             return {"transport": "socket"}
         return {"transport": "shm", "shared_memory": self.segment.state()}
 
-    def offer_if_lent_before(self, moment: float) -> None:
-        """Offer the turn to the standby if it was lent before ``moment`` (``time.monotonic()``)."""
-        with self._lock:
-            if self._turn is Turn.LENT and self._lent_at <= moment and self._state is not SessionState.CLOSED:
-                self._turn = Turn.OFFERED
-                self._turn_offered.notify()
+    # ------------------------------------------------------------------ on the loop
 
-    # ------------------------------------------------------------------ the read turn
-
-    def _serve(self) -> None:
-        held = self._own.held = _HeldAnswers()
-        while self._wait_for_turn():
-            self._read_while_holding(held)
-            self._flush(held)  # the answers this thread held back go out (or fail, if the connection closed)
-
-    def _wait_for_turn(self) -> bool:
-        """Wait as the standby until the turn is offered, and take it; ``False`` once the connection is closed."""
-        with self._lock:
-            self._standby_waits = True
-            while self._turn is not Turn.OFFERED and self._state is not SessionState.CLOSED:
-                self._turn_offered.wait()
-            self._standby_waits = False
-            if self._state is SessionState.CLOSED:
-                return False
-            self._turn = Turn.READING
-            return True
-
-    def _read_while_holding(self, held: _HeldAnswers) -> None:
-        """Read and handle frames until the turn goes to the other thread or the connection closes."""
-        worker, reader, slots, poller = self.worker, self.reader, self.worker.slots, self.poller
-        waiting = reader.holds_frame  # a frame waits in the receive buffer: the next read does not wait
-        awaited = False  # the call run last was awaited by its caller, and answered
-        while True:
-            if held.pieces and not waiting:  # the read may wait: no answer waits with it
-                self._flush(held)
-            polled = awaited and not waiting and slots.idle  # its caller's next call is microseconds away
-            if polled:
-                poller.wait()
-            frame = self._read_frame()
-            if polled:
-                poller.arrived()
-            awaited = False
-            if frame is None:
-                if self.closed:
-                    return
-                waiting = reader.holds_frame
-                continue
-            bytes_in, self._counted = reader.bytes_read - self._counted, reader.bytes_read
-            is_call = frame.kind is Kind.CALL
-            worker.counters.received(bytes_in, is_call)
-            try:
-                if is_call:
-                    run_here = self._admit(frame)
-                else:
-                    worker.handle_control(self, frame)
-                    run_here = False
-            except ProtocolError as exc:
-                log.warning("closed connection from %s: %s", self.peer, exc)
-                self.close()
-                return
-            waiting = reader.holds_frame
-            if not run_here:
-                continue
-            if waiting and held.answers < _OUTBOX_ANSWERS:
-                self._run_holding_back(held, frame)
-            else:
-                slots.run(self, frame)
-            if not self._take_back():
-                return
-            awaited = frame.flags & AWAITED
-
-    def _admit(self, frame: Frame) -> bool:
-        """Decide the fate of a call just read; return whether this thread runs it now.
-
-        Draining: it is rejected. A slot free and the standby waiting: it runs
-        here, in a slot taken for it, and the turn is lent (offered at once if
-        slots are left for more calls). Else it waits in the slots' queue.
-        """
-        worker = self.worker
-        with self._lock:
-            serving = self._state is SessionState.SERVING
-            if serving:
-                if frame.ref:  # before the turn is lent: a call using the RRef, read next, waits for this one
-                    worker.store.expect(frame.ref, self)
-                free_after = worker.slots.take() if self._standby_waits else None
-                if free_after is not None:
-                    if free_after:
-                        self._turn = Turn.OFFERED
-                        self._turn_offered.notify()
-                    else:
-                        self._turn, self._lent_at = Turn.LENT, time.monotonic()
-        if not serving:
-            worker.counters.add(calls_rejected=1)
-            self.send(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()), answers_call=True)
-            return False
-        if free_after is None:
-            worker.slots.enqueue(self, frame)
-            return False
-        return True
-
-    def _run_holding_back(self, held: _HeldAnswers, frame: Frame) -> None:
-        """Run a call inline, its answer held back; send what is held after a slow call or when full."""
-        started = time.perf_counter()
-        held.holding = True
+    def _readable(self) -> None:
+        if self.closed:
+            return
         try:
-            self.worker.slots.run(self, frame, before_queued=lambda: self._stop_holding(held))
-        finally:
-            held.holding = False
-        if time.perf_counter() - started > _QUICK_CALL or held.answers >= _OUTBOX_ANSWERS:
-            self._flush(held)
-
-    def _stop_holding(self, held: _HeldAnswers) -> None:
-        """This thread goes on with queued calls (maybe other clients', maybe long): send what it held back."""
-        held.holding = False
-        self._flush(held)
-
-    def _read_frame(self) -> Frame | None:
-        """The next frame, or ``None`` if none came within the idle tick or the connection closed."""
-        try:
-            return self.reader.read_frame(allocate_buffer)
+            while True:
+                frames = self._assembler.receive(self.sock)
+                bytes_read = self._assembler.bytes_read
+                bytes_in, self._counted = bytes_read - self._counted, bytes_read
+                counters = self.worker.counters
+                for frame in frames:
+                    counters.received(bytes_in, frame.kind is Kind.CALL)
+                    bytes_in = 0
+                    self.worker.dispatch(self, frame)
+                if bytes_in:
+                    counters.received(bytes_in, False)
+                if not (self._tls and self.sock.pending()):  # a TLS socket may hold decrypted bytes the
+                    return  # system does not know of: the loop would not call again for them
         except ConnectionLost:
             log.debug("client %s disconnected", self.peer)
         except (OSError, ProtocolError) as exc:
             if not self.closed:
                 log.warning("closed connection from %s: %s", self.peer, exc or type(exc).__name__)
         self.close()
-        return None
 
-    def _take_back(self) -> bool:
-        """Take the turn back after a call if nobody took it; ``False``: the other thread reads (or closed)."""
-        with self._lock:
-            if self._state is SessionState.CLOSED or self._turn is Turn.READING:
-                return False
-            self._turn = Turn.READING
+    def stalled(self, now: float) -> bool:
+        """Whether the client stopped in the middle of a frame for longer than the timeout (on the loop)."""
+        since = self.mid_frame_since
+        return since is not None and now - since > self.worker.timeout
+
+    def _write(self) -> None:
+        if self._room_watch is Room.UNWATCHED:  # else the loop writes once the socket has room
+            self._write_ready()
+
+    def _write_ready(self) -> None:
+        """Write what the socket takes now, the outbox included; watch the socket for room if something is left."""
+        writing = self._writing
+        done: list[_Outgoing] = []
+        blocked = False
+        try:
+            while not blocked:
+                with self._lock:
+                    if self._state is SessionState.CLOSED:
+                        return
+                    writing.extend(self._outbox)
+                    self._outbox = []
+                    if not writing:
+                        self._writer = Writer.DIRECT
+                        break
+                blocked = self._write_some(writing, done)
+        except OSError as exc:
+            if not self.closed:
+                log.warning("could not answer client %s: %s", self.peer, exc or type(exc).__name__)
+            self._account(done)
+            self.close()
+            return
+        self._account(done)
+        loop = process_loop()
+        if blocked and self._room_watch is Room.UNWATCHED:
+            self._room_watch = Room.WATCHED
+            loop.add_writer(self.sock.fileno(), self._room_again)
+        elif not blocked and self._room_watch is Room.WATCHED:
+            self._room_watch = Room.UNWATCHED
+            loop.remove_writer(self.sock.fileno())
+
+    def _write_some(self, writing: collections.deque[_Outgoing], done: list[_Outgoing]) -> bool:
+        """One system call's worth of ``writing``; the frames written whole move to ``done``. Return whether
+        the socket had no room."""
+        views = [view for outgoing in writing for view in outgoing.left][:_IOV_MAX]
+        now = time.perf_counter()
+        for outgoing in writing:
+            if not outgoing.started:
+                outgoing.started = now
+        try:
+            sent = self.sock.send(views[0]) if self._tls or len(views) == 1 else self.sock.sendmsg(views)
+        except _WOULD_BLOCK:
             return True
+        while writing:
+            outgoing = writing[0]
+            while sent and outgoing.left:
+                head = outgoing.left[0]
+                if sent < head.nbytes:
+                    outgoing.left[0] = head[sent:]
+                    return False
+                sent -= head.nbytes
+                outgoing.left.popleft()
+            if outgoing.left:
+                return False
+            done.append(writing.popleft())
+        return False
+
+    def _room_again(self) -> None:
+        if self.closed:
+            return
+        self._write_ready()
+
+    def _account(self, done: list[_Outgoing]) -> None:
+        if not done:
+            return
+        for outgoing in done:
+            self._done(outgoing)
+        with self._lock:
+            self._outbox_bytes -= sum(outgoing.size for outgoing in done)
+            self._room.notify_all()
+
+
+def _bytes_view(piece: bytes | memoryview) -> memoryview:
+    return memoryview(piece).cast("B")
 
 
 def shutdown_socket(sock: socket.socket) -> None:

@@ -2,20 +2,19 @@
 
 Threading: the slots' lock guards every access to the count of slots taken,
 the queue and the :class:`SlotsState`; executors wait on a condition of that
-lock for a queued call they may run. A call runs in the thread that got
-its slot: a session's service thread, inline, when a slot was free and nothing
-queued (:meth:`Slots.take`, see :mod:`rpcdl.server.session`), else one of
-``parallel`` executor threads (``rpcdl-executor-N``) that wait for queued calls.
-A thread whose call is done runs the next queued call in the same slot if
-there is one (no thread switch per call), else frees the slot; it frees the
-slot before sending a large answer, so the next call runs meanwhile. The
-queue is fair by time (:class:`~rpcdl.server.fair_queue.FairQueue`): each
-client's calls wait in their own line, in the order they arrived; the thread
-that ran a call charges its duration, measured where it ran, to its client,
-and a freed slot takes the next call of the waiting client that has used the
-least time, so neither a client with many calls queued nor one with long
-calls can starve one with few or short ones. Nothing else is called under
-the lock.
+lock for a queued call they may run. Calls arrive from the process loop,
+which reads them (:meth:`Slots.enqueue`, see :mod:`rpcdl.server.session`), and
+run only on the ``parallel`` executor threads (``rpcdl-executor-N``): user
+code never runs on the loop. A thread whose call is done runs the next queued
+call in the same slot if there is one (no thread switch per call), else frees
+the slot; it frees the slot before posting a large answer, so the next call
+runs meanwhile. The queue is fair by time
+(:class:`~rpcdl.server.fair_queue.FairQueue`): each client's calls wait in
+their own line, in the order they arrived; the thread that ran a call charges
+its duration to its client, and a freed slot takes the next call of the
+waiting client that has used the least time, so neither a client with many
+calls queued nor one with long calls can starve one with few or short ones.
+Nothing else is called under the lock.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from ..transport.wire import Frame, Kind
 from .calls import Session
 from .fair_queue import FairQueue
 
+QUICK_CALL = 0.0005  #: seconds: the answer of a quicker call may wait for the next call's (see Session.send)
 LARGE_ANSWER = 1 << 20  #: bytes of buffers from which an answer is sent after its slot is freed
 
 
@@ -65,12 +65,6 @@ class Slots:
             threading.Thread(target=self._executor, name=f"rpcdl-executor-{i}", daemon=True) for i in range(parallel)
         ]
 
-    @property
-    def idle(self) -> bool:
-        """Whether no call runs or waits (a hint: it may change as soon as it is read)."""
-        with self._lock:
-            return not self._running and not self._queue
-
     def start(self) -> None:
         """Start the executor threads."""
         with self._lock:
@@ -90,19 +84,6 @@ class Slots:
             for thread in self._threads:
                 thread.join(timeout=timeout)
 
-    def take(self) -> int | None:
-        """Take a slot for a call to run in this thread.
-
-        Returns:
-            how many slots are still free after this one, or ``None``: none was
-            taken (none free, calls queued, or the slots not open).
-        """
-        with self._lock:
-            if self._running < self.parallel and not self._queue and self._state is SlotsState.OPEN:
-                self._running += 1
-                return self.parallel - self._running
-            return None
-
     def enqueue(self, session: Session, frame: Frame) -> None:
         """Queue a call of ``session`` for a free slot, after that session's other queued calls."""
         with self._lock:
@@ -110,18 +91,15 @@ class Slots:
             if self._running < self.parallel:  # else whoever frees a slot takes it
                 self._runnable.notify()
 
-    def run(self, session: Session, frame: Frame, before_queued: Callable[[], None] | None = None) -> None:
+    def run(self, session: Session, frame: Frame) -> None:
         """Run a call in a slot already taken, then the queued calls while there are any; answer each.
 
         A large answer takes a while to send: its slot goes to the next queued
-        call before it is sent, so that call runs while it goes out.
+        call before it is posted, so that call runs while it goes out.
 
         Args:
             session: the session of the call.
             frame: the call.
-            before_queued: called once before the first queued call runs (the
-                reader that ran ``frame`` inline sends the answers it held back:
-                the queued calls may be other clients', and run for long).
         """
         while True:
             queued = answer = None
@@ -140,12 +118,12 @@ class Slots:
                         self._running -= 1
                         if large and self._queue:
                             self._runnable.notify()
-            session.send(answer, answers_call=True)
+            # a quick call's answer waits for the next of the same client, run next here: one system call for both
+            session.send(
+                answer, answers_call=True, hold=queued is not None and queued[0] is session and ran < QUICK_CALL
+            )
             if queued is None:
                 return
-            if before_queued is not None:
-                before_queued()
-                before_queued = None
             session, frame = queued
 
     def _refuse(self, frame: Frame) -> Frame:

@@ -4,9 +4,9 @@ It is the closest thing to a raw socket on the path between a client and a
 worker that needs nothing but the worker: ``rpcdl bench --workers ... --link``
 divides rpcdl's own rates by it. The bytes are drawn once per size and reused.
 
-Threading: runs in the service thread that read the request, which holds the
-connection's read turn until the last frame is sent (the connection's other
-frames wait meanwhile); frames go out under the connection's send lock. The
+Threading: runs on the process loop, which read the request: it posts every
+frame to the connection's outbox at once (each a view of the same drawn bytes,
+nothing copied), and the loop writes them as the socket takes them. The
 cache of drawn bytes (``_drawn``) is shared by every session: ``_drawn_lock``
 guards every access to it, and the arrays it hands out are never written again.
 """

@@ -2,39 +2,41 @@
 
 Threads of a worker:
 
-* the accept thread (``rpcdl-accept-ADDRESS``) takes connections, has the
-  admission (:mod:`rpcdl.server.admission`) admit or refuse each, and starts a
-  handshake thread (``rpcdl-peer-PEER``) for each admitted; a connection that
-  passes its handshake, within one deadline counted from the accept, becomes a session;
-* two service threads per session (``rpcdl-service-PEER``,
-  :mod:`rpcdl.server.session`) read its frames and run its calls inline;
+* the process loop (``rpcdl-loop``, :mod:`rpcdl.transport.event_loop`) takes
+  connections, has the admission (:mod:`rpcdl.server.admission`) admit or
+  refuse each, and runs the handshake of each admitted
+  (:mod:`rpcdl.transport.handshake_server`, TLS included); a connection that
+  passes its handshake, within one deadline counted from the accept, becomes
+  a session, which the loop reads and writes (:mod:`rpcdl.server.session`): it
+  answers pings, releases and requests for counters itself, queues calls for
+  the executors, posts the ``LEAVING`` frames as the worker drains, and every
+  second closes the sessions whose client stalled in the middle of a frame;
 * ``parallel`` executor threads (``rpcdl-executor-N``, :mod:`rpcdl.server.slots`)
-  run the calls that found no free slot at once;
-* the promoter thread (``rpcdl-promoter-ADDRESS``) hands a session's reading to
-  its standby thread when a call has run inline for a while;
+  run every call and prepare its answer, which the loop writes;
 * the thread that calls :meth:`Worker.start`, :meth:`Worker.drain` and
-  :meth:`Worker.stop` (and the exit hook, which stops the workers still running);
-* as the worker drains, the announcer thread (``rpcdl-leaving-ADDRESS``,
-  :mod:`rpcdl.server.draining`) sends every client a ``LEAVING`` frame.
+  :meth:`Worker.stop` (and the exit hook, which stops the workers still running).
+
+So a worker's threads are the same with one client as with a thousand.
 
 Who owns what: the worker's lock (``_lock``) guards its :class:`Phase`, its
 set of sessions, the count of clients among them and of the places reserved
 by handshakes past their verdict (``max_sessions`` bounds the two together),
 for every read and write, so that a session is admitted only while the worker
 serves, a stop sees every session admitted, and no more clients are taken
-than the limit, and the announcer thread once started. ``_stop_lock`` is held by the one thread that
-stops the worker (a second stop waits for it). The admission guards its own
-table of connections in their handshake (see its module). A session owns
-its own state (its module says how); the worker reaches it through its public
-methods: :meth:`~rpcdl.server.session.ClientConnection.drain` when it stops,
-:meth:`~rpcdl.server.session.ClientConnection.offer_if_lent_before` from the
-promoter, ``close`` at the end. The slots, the counters and the RRef store
+than the limit. ``_stop_lock`` is held by the one thread that stops the
+worker (a second stop waits for it). The admission guards its own table of
+connections in their handshake (see its module). A session owns its own
+state (its module says how); the worker reaches it through its public
+methods: :meth:`~rpcdl.server.session.ClientConnection.drain` and
+:meth:`~rpcdl.server.session.ClientConnection.announce_leaving` as it drains,
+``close`` at the end. The slots, the counters and the RRef store
 (:class:`rpcdl.rpc.rref.RRefStore`) each guard their state with their own
-lock; the fields set in the constructor do not change. Locks nest in one order
-only, and no deeper: the slots' and the exit hook's registry inside the
-worker's (:meth:`Worker.start`), each session's inside the worker's (its drain,
-as the worker starts draining), the store's and the slots' inside a session's (a call admitted), the compressor's
-inside a session's send lock (timing a send). No lock is held while a call runs.
+lock; the fields set in the constructor do not change, and the scratch buffer
+sessions receive into is the loop's. Locks nest in one order only, and no
+deeper: the slots' and the exit hook's registry inside the worker's
+(:meth:`Worker.start`), each session's inside the worker's (its drain, as the
+worker starts draining), the compressor's inside a session's (an answer
+written). No lock is held while a call runs.
 
 No client can stop the worker: a connection that misbehaves is logged in one
 line and closed.
@@ -42,6 +44,7 @@ line and closed.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import os
@@ -63,26 +66,31 @@ from ..registry import RegistryURL
 from ..rpc import client as _client  # noqa: F401  (user code here may fetch an RRef from another worker)
 from ..rpc.rref import RRefStore
 from ..transport.compression import Compressor, resolve_mode
-from ..transport.control import DEFAULT_LEAVING, decode_release, encode_leaving, encode_stats
-from ..transport.handshake import Agreement, Deadline, send_refusal, server_negotiate
-from ..transport.polling import window_from_environment
+from ..transport.control import DEFAULT_LEAVING, decode_release, encode_leaving, encode_rejected, encode_stats
+from ..transport.event_loop import call_soon, in_loop_thread, process_loop
+from ..transport.handshake import Agreement, Deadline, send_refusal
+from ..transport.handshake_server import accept_handshake
 from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.shm import WorkerSegment, resolve_bytes
-from ..transport.wire import Frame, Kind, Limits, io_stream
+from ..transport.wire import Frame, Kind, Limits
 from .admission import DEFAULT_MAX_SESSIONS, MAX_HANDSHAKES_ENV, Admission, Full, Pending, QuietLog, max_handshakes
 from .calls import CallRunner
 from .counters import Counters
-from .draining import ANNOUNCE_WAIT, announce_leaving, serve_until_stopped
+from .draining import ANNOUNCE_WAIT, serve_until_stopped
 from .metrics import serve_worker_metrics
+from .receiving import Scratch
 from .registration import Registration
-from .session import PROMOTE_AFTER, ClientConnection, shutdown_socket
+from .session import ClientConnection, shutdown_socket
 from .slots import Slots
 from .streaming import stream
 
 log = logging.getLogger("rpcdl.worker")
 
 _WILDCARDS = {"", "0.0.0.0", "::"}
-_IDLE_TICK = 1.0
+_STALL_TICK = 1.0  # seconds between two looks for clients stalled in the middle of a frame
+_ACCEPTS_PER_TURN = 64  # connections accepted before the loop serves the sessions again
+_ACCEPT_RETRY = 0.05  # seconds before accepting again after the system refused (out of descriptors, say)
+_CLOSE_WAIT = 2.0  # seconds a stop waits for the loop to close the sessions
 
 
 class Phase(enum.Enum):
@@ -134,10 +142,6 @@ class Worker:
     included; at most ``RPCDL_MAX_HANDSHAKES`` (default 256) are in their
     handshake at once (see ``rpcdl.server.admission`` and SECURITY.md).
 
-    After answering a call whose caller blocks for it (:func:`rpcdl.rpc_sync`),
-    a worker with nothing else to run polls for that caller's next call for up
-    to ``RPCDL_POLL_MICROSECONDS`` (see :mod:`rpcdl.transport.polling`).
-
     Attributes:
         address: the ``"host:port"`` clients reach this worker at, known as
             soon as it is constructed (the port chosen with ``port=0`` included).
@@ -174,7 +178,6 @@ class Worker:
         self.limits = limits or Limits()
         self.compression = resolve_mode(compression)
         self.shared_memory = resolve_bytes(shared_memory)
-        self.poll_window = window_from_environment()
         self._token = resolve_token(token)
         if self._token is None and not insecure and not is_loopback(host or "0.0.0.0"):
             raise PermissionError(
@@ -194,19 +197,16 @@ class Worker:
         self.counters = Counters()
         self.calls = CallRunner(self.store, self.limits, self.counters)
         self.slots = Slots(self.parallel, self.calls.run, self.store)
+        self.scratch = Scratch()  # the loop's: every session receives small pieces of frames into it
         self._lock = threading.Lock()
         self._phase = Phase.NEW
         self._connections: set[ClientConnection] = set()
         self._clients = 0  # sessions among _connections that are not observers
         self._reserved = 0  # clients past the verdict of their handshake, not yet sessions: they count as clients
-        self._announcer: threading.Thread | None = None  # set with the phase DRAINING, under _lock
         self._stop_lock = threading.Lock()
         self._admission = Admission(max_handshakes(), self.limits.handshake_timeout)
         self._quiet_log = QuietLog(log)  # refusals a flood repeats: one warning per 10 s, with a count
-        self._threads = (
-            threading.Thread(target=self._accept, name=f"rpcdl-accept-{self.address}", daemon=True),
-            threading.Thread(target=self._promote, name=f"rpcdl-promoter-{self.address}", daemon=True),
-        )
+        self._handshakes: set[asyncio.Task] = set()  # the loop's: handshakes in progress, kept from the collector
         self._stopped = threading.Event()
         self._started_at = time.monotonic()
 
@@ -233,8 +233,9 @@ class Worker:
             self._phase = Phase.SERVING
             raise_open_file_limit()  # once per process: a worker holds a socket per client
             self.slots.start()
-            for thread in self._threads:
-                thread.start()
+            loop = process_loop()
+            loop.call_soon_threadsafe(self._listen)
+            loop.call_soon_threadsafe(self._close_stalled)
             _running.add(self)  # before any stop() can discard it
         return self
 
@@ -269,8 +270,9 @@ class Worker:
             connections = list(self._connections)
             for connection in connections:  # with the phase: no call is admitted once it drains
                 connection.drain()
-            self._announcer = announce_leaving(self.address, connections, payload)
-        shutdown_socket(self._listener)
+        for connection in connections:  # posted: the loop writes them, a client that does not read holds nothing
+            connection.announce_leaving(payload)
+        call_soon(self._stop_listening)
         log.info("rpcdl worker %s is leaving (%s): %d client(s) told", self.address, reason, len(connections))
         return True
 
@@ -315,18 +317,19 @@ class Worker:
                 time.sleep(0.01)
             finished = self.counters.outstanding <= 0
             with self._lock:
-                announcer = self._announcer
-            if announcer is not None:  # the clients hear LEAVING before their connections close, even at once
-                announcer.join(timeout=max(ANNOUNCE_WAIT, deadline - time.monotonic()))
-            with self._lock:
                 connections = list(self._connections)
+            told_by = time.monotonic() + max(ANNOUNCE_WAIT, deadline - time.monotonic())
+            # the clients hear LEAVING (and the last answers) before their connections close, even at once
+            while any(connection.unwritten for connection in connections) and time.monotonic() < told_by:
+                time.sleep(0.01)
             for connection in connections:
                 connection.close()
             with self._lock:
                 self._phase = Phase.STOPPED
             self.slots.stop(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-            for thread in self._threads:
-                thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            closed_by = time.monotonic() + _CLOSE_WAIT
+            while self._connections_left() and time.monotonic() < closed_by and not in_loop_thread():
+                time.sleep(0.01)
             self._stopped.set()
             _running.discard(self)
             return finished
@@ -395,15 +398,34 @@ class Worker:
 
     # ------------------------------------------------------------------ threads
 
+    def _listen(self) -> None:
+        """On the loop: take connections as they come, while the worker serves."""
+        if self.phase is not Phase.SERVING:
+            return
+        self._listener.setblocking(False)
+        process_loop().add_reader(self._listener.fileno(), self._accept)
+
+    def _stop_listening(self) -> None:
+        """On the loop: take no more connections, and close the listening socket."""
+        if self._listener.fileno() >= 0:
+            process_loop().remove_reader(self._listener.fileno())
+        shutdown_socket(self._listener)
+
     def _accept(self) -> None:
-        while self.phase is Phase.SERVING:
+        """On the loop, when connections wait: admit or refuse each, and start the handshake of those admitted."""
+        loop = process_loop()
+        for _ in range(_ACCEPTS_PER_TURN):
             try:
                 sock, address = self._listener.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, say: try again shortly
                 if self.phase is not Phase.SERVING:
                     return
-                time.sleep(0.05)  # out of descriptors, say: try again shortly
-                continue
+                self._quiet_log.warning("accept", "could not accept a connection: %s", _why(exc))
+                loop.remove_reader(self._listener.fileno())
+                loop.call_later(_ACCEPT_RETRY, self._listen)
+                return
             peer = format_address(address[0], address[1])
             pending = self._admission.admit(sock, peer)
             if isinstance(pending, Full):
@@ -418,14 +440,9 @@ class Worker:
                 )
                 send_refusal(sock, pending.pending, pending.limit, tls=self._ssl is not None)
                 continue
-            thread = threading.Thread(
-                target=self._handshake, args=(pending, sock, peer), name=f"rpcdl-peer-{peer}", daemon=True
-            )
-            try:
-                thread.start()
-            except RuntimeError as exc:  # no more threads: refuse this one, keep accepting
-                self._admission.leave(pending)
-                self._refuse(sock, peer, str(exc))
+            task = loop.create_task(self._handshake(pending, sock, peer))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
         self.counters.add(connections_refused=1)
@@ -439,35 +456,43 @@ class Worker:
         )
         shutdown_socket(sock)
 
-    def _handshake(self, pending: Pending, sock: socket.socket, peer: str) -> None:
-        """Run a handshake within its deadline from the accept, TLS included; serve the connection if it passes.
+    async def _handshake(self, pending: Pending, sock: socket.socket, peer: str) -> None:
+        """On the loop: run a handshake within its deadline from the accept, TLS included; serve the
+        connection if it passes.
 
         The socket is closed, or handed to a session, only once the admission let it go (it may evict it).
         """
         deadline = Deadline(self.limits.handshake_timeout, start=pending.accepted_at)
         agreed = Agreement("off")
         reserved: list[bool] = []  # whether the verdict reserved a client's place (the one call of admit)
+        current = [sock]  # the socket to close on failure: its TLS socket once wrapped
 
         def admit(observer: bool) -> str:
             full = self._reserve(observer)
             reserved.append(not full and not observer)
             return full
 
+        def wrapped(tls_sock: socket.socket) -> bool:
+            current[0] = tls_sock
+            return self._admission.rebind(pending, tls_sock)
+
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-                if not self._admission.rebind(pending, sock):
-                    raise ConnectionAbortedError("evicted")
-                deadline.arm(sock)
-                sock.do_handshake()  # one call: the socket's timeout bounds it whole
-            agreed = server_negotiate(
-                sock, self._token, peer, self.compression, self.shared_memory, deadline, admit=admit
+            sock, agreed = await accept_handshake(
+                sock,
+                self._token,
+                peer,
+                deadline,
+                tls=self._ssl,
+                compression=self.compression,
+                shared_memory=self.shared_memory,
+                admit=admit,
+                wrapped=wrapped,
             )
             if not self._admission.leave(pending):  # evicted as it passed: its socket is shut down
                 raise ConnectionAbortedError("evicted")
-            sock = io_stream(sock, receive=_IDLE_TICK, send=self.timeout)
         except Exception as exc:
+            sock = current[0]
             if reserved and reserved[0]:
                 self._unreserve()
             if agreed.segment is not None:
@@ -516,7 +541,7 @@ class Worker:
         """Serve a client on ``sock``, connected and past the handshake; return its session.
 
         Args:
-            sock: the connection, set up by :func:`~rpcdl.transport.wire.io_stream`.
+            sock: the connection (a plain or a TLS socket); the loop reads and writes it from now on.
             peer: the client's address, for messages.
             compressor: what compresses answers on it (default: none).
             segment: the shared segment agreed with a client on this host (default: answers on the socket).
@@ -549,14 +574,22 @@ class Worker:
         self.store.release_holder(connection)
         log.log(logging.DEBUG if connection.observer else logging.INFO, "client %s left", connection.peer)
 
-    def handle_control(self, connection: ClientConnection, frame: Frame) -> None:
-        """Handle a frame other than a call, just read from ``connection`` (its calls go to the slots).
+    def dispatch(self, connection: ClientConnection, frame: Frame) -> None:
+        """Handle a frame just read from ``connection``, on the loop: queue a call, answer anything else.
 
         Raises:
             ProtocolError: a frame a client may not send, or a malformed one.
         """
         kind = frame.kind
-        if kind is Kind.RELEASE:
+        if kind is Kind.CALL:
+            if not connection.serving:  # it drains: the client retries the call elsewhere
+                self.counters.add(calls_rejected=1)
+                connection.send(Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected()), answers_call=True)
+                return
+            if frame.ref:  # before any later call that uses the RRef is read: it waits for this one
+                self.store.expect(frame.ref, connection)
+            self.slots.enqueue(connection, frame)
+        elif kind is Kind.RELEASE:
             for uid in decode_release(frame.payload):
                 self.store.release(uid)
         elif kind is Kind.SEGMENT_RELEASE:
@@ -571,17 +604,26 @@ class Worker:
         else:
             raise ProtocolError(f"a client may not send {kind.name} frames")
 
-    def _promote(self) -> None:
-        """Every tick, have sessions whose call has run inline for ``PROMOTE_AFTER`` read again."""
-        while True:
-            time.sleep(PROMOTE_AFTER / 2)
-            with self._lock:
-                if self._phase is Phase.STOPPED:
-                    return
-                connections = list(self._connections)
-            moment = time.monotonic() - PROMOTE_AFTER
-            for connection in connections:
-                connection.offer_if_lent_before(moment)
+    def _connections_left(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    def _close_stalled(self) -> None:
+        """On the loop, every tick while the worker runs: close the sessions whose client stalled mid-frame."""
+        with self._lock:
+            if self._phase is Phase.STOPPED:
+                return
+            connections = list(self._connections)
+        now = time.monotonic()
+        for connection in connections:
+            if connection.stalled(now):
+                log.warning(
+                    "closed connection from %s: it sent nothing for %gs in the middle of a message",
+                    connection.peer,
+                    self.timeout,
+                )
+                connection.close()
+        process_loop().call_later(_STALL_TICK, self._close_stalled)
 
 
 def _why(exc: BaseException) -> str:

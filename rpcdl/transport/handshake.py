@@ -60,7 +60,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -316,6 +316,88 @@ def client_negotiate(
     return Agreement(mode, segment)
 
 
+@dataclass(frozen=True)
+class Read:
+    """A step of the worker's handshake: it needs the next ``size`` bytes from the client (``what``, for messages)."""
+
+    size: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Write:
+    """A step of the worker's handshake: send ``data`` to the client."""
+
+    data: bytes
+
+
+ServerSteps = Generator["Read | Write", "bytes | None", Agreement]
+
+
+def server_steps(
+    token: Token | None,
+    peer: str,
+    compression: str = "off",
+    shared_memory: int = 0,
+    admit: Callable[[bool], str] | None = None,
+) -> ServerSteps:
+    """The worker's side of the handshake without its I/O: a generator of steps.
+
+    It yields :class:`Read` (send it the bytes read) and :class:`Write` (send it
+    ``None`` once written) and returns the :class:`Agreement`; it raises what
+    :func:`server_negotiate` raises. A driver does the I/O: the blocking
+    :func:`server_negotiate`, or the process loop's
+    (:mod:`rpcdl.transport.handshake_server`). A driver whose I/O fails throws
+    the error into the generator, which cleans up (a segment offered is closed)
+    and raises it again.
+
+    Args:
+        token, peer, compression, shared_memory, admit: as for :func:`server_negotiate`.
+
+    Example::
+
+        >>> steps = server_steps(None, "10.0.0.7:51234")
+        >>> next(steps)
+        Read(size=6, what='hello')
+    """
+    magic = yield Read(len(MAGIC), "hello")  # alone first: a stranger's short request is refused at once
+    if magic != MAGIC:
+        raise ProtocolError("not an rpcdl client (bad magic bytes)")
+    rest = yield Read(HELLO.size - len(MAGIC), "hello")
+    _, version, client_flags, client_nonce = HELLO.unpack(magic + rest)
+    worker_nonce = os.urandom(NONCE_BYTES)
+    mode = negotiate(mode_of(client_flags), bool(client_flags & DECODES_LZ4), compression)
+    flags = (HAS_TOKEN if token is not None else 0) | MODE_BITS[mode] << MODE_SHIFT
+    # compression forced on is meant to compress this connection's answers: they stay on the socket
+    flags |= SHARED_MEMORY if shared_memory and client_flags & SHARED_MEMORY and mode != "on" else 0
+    proof = proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
+    yield Write(WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
+    if version != VERSION:
+        reason = f"the client speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
+        yield Write(_verdict(reason))
+        raise ProtocolError(reason)
+    client_proof = yield Read(32, "proof")
+    client_has_token = bool(client_flags & HAS_TOKEN)
+    reason = ""
+    if token is not None and not client_has_token:
+        reason = "this worker requires a token (RPCDL_TOKEN) and the client sent none"
+    elif token is None and client_has_token:
+        reason = "this worker has no token but the client sent one"
+    elif not hmac.compare_digest(client_proof, proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
+        reason = "token mismatch: the client holds a different token"
+    observer = bool(client_flags & OBSERVER)
+    full = admit(observer) if admit is not None and not reason else ""
+    yield Write(_verdict(reason or full, FULL if full else REFUSED_VERDICT))
+    if reason:
+        raise AuthenticationError(reason)
+    if full:
+        raise SessionsFull(full)
+    if not flags & SHARED_MEMORY:
+        return Agreement(mode, observer=observer)
+    segment = yield from _offer_segment(peer, shared_memory)
+    return Agreement(mode, segment, observer)
+
+
 def server_negotiate(
     sock: socket.socket,
     token: Token | None,
@@ -358,44 +440,22 @@ def server_negotiate(
 
         >>> agreed = server_negotiate(sock, token, "10.0.0.7:51234", deadline=Deadline(10.0))  # doctest: +SKIP
     """
-    magic = _recv_exact(
-        sock, len(MAGIC), "hello", deadline
-    )  # alone first: a stranger's short request is refused at once
-    if magic != MAGIC:
-        raise ProtocolError("not an rpcdl client (bad magic bytes)")
-    _, version, client_flags, client_nonce = HELLO.unpack(
-        magic + _recv_exact(sock, HELLO.size - len(MAGIC), "hello", deadline)
-    )
-    worker_nonce = os.urandom(NONCE_BYTES)
-    mode = negotiate(mode_of(client_flags), bool(client_flags & DECODES_LZ4), compression)
-    flags = (HAS_TOKEN if token is not None else 0) | MODE_BITS[mode] << MODE_SHIFT
-    # compression forced on is meant to compress this connection's answers: they stay on the socket
-    flags |= SHARED_MEMORY if shared_memory and client_flags & SHARED_MEMORY and mode != "on" else 0
-    welcome_proof = proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
-    _send(sock, WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, welcome_proof), deadline)
-    if version != VERSION:
-        reason = f"the client speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
-        _send_verdict(sock, reason, deadline)
-        raise ProtocolError(reason)
-    client_proof = _recv_exact(sock, 32, "proof", deadline)
-    client_has_token = bool(client_flags & HAS_TOKEN)
-    reason = ""
-    if token is not None and not client_has_token:
-        reason = "this worker requires a token (RPCDL_TOKEN) and the client sent none"
-    elif token is None and client_has_token:
-        reason = "this worker has no token but the client sent one"
-    elif not hmac.compare_digest(client_proof, proof(token, b"rpcdl-client", worker_nonce, client_nonce)):
-        reason = "token mismatch: the client holds a different token"
-    observer = bool(client_flags & OBSERVER)
-    full = admit(observer) if admit is not None and not reason else ""
-    _send_verdict(sock, reason or full, deadline, FULL if full else REFUSED_VERDICT)
-    if reason:
-        raise AuthenticationError(reason)
-    if full:
-        raise SessionsFull(full)
-    if not flags & SHARED_MEMORY:
-        return Agreement(mode, observer=observer)
-    return Agreement(mode, _offer_segment(sock, peer, shared_memory, deadline), observer)
+    steps = server_steps(token, peer, compression, shared_memory, admit)
+    reply: bytes | None = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        try:
+            if isinstance(step, Read):
+                reply = _recv_exact(sock, step.size, step.what, deadline)
+            else:
+                _send(sock, step.data, deadline)
+                reply = None
+        except BaseException as exc:
+            steps.throw(exc)
+            raise
 
 
 def send_refusal(sock: socket.socket, pending: int, limit: int, tls: bool = False) -> None:
@@ -445,12 +505,13 @@ def tls_refusal(error: BaseException, peer: str) -> WorkerFull | None:
     return None
 
 
-def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline | None) -> WorkerSegment | None:
+def _offer_segment(peer: str, size: int) -> Generator[Read | Write, bytes | None, WorkerSegment | None]:
     """Offer a client on this host a segment of ``size`` bytes; return it if the client maps it."""
     from .shm import WorkerSegment, host_identity  # here: numpy only where segments are (rpcdl status has none)
 
     segment = None
-    if hmac.compare_digest(_recv_exact(sock, 32, "host identity", deadline), host_identity()):
+    identity = yield Read(32, "host identity")
+    if hmac.compare_digest(identity, host_identity()):
         try:
             segment = WorkerSegment(size)
         except OSError as exc:
@@ -458,12 +519,12 @@ def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline
     else:
         log.debug("no shared memory for %s: another host or namespace", peer)
     if segment is None:
-        _send(sock, SEGMENT.pack(0, 0, 0, bytes(32)), deadline)
+        yield Write(SEGMENT.pack(0, 0, 0, bytes(32)))
         return None
     try:
         offer = segment.offer()
-        _send(sock, SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce), deadline)
-        confirmed = _recv_exact(sock, 1, "shared-memory confirmation", deadline) == b"\x01"
+        yield Write(SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce))
+        confirmed = (yield Read(1, "shared-memory confirmation")) == b"\x01"
     except BaseException:
         segment.close()
         raise
@@ -474,6 +535,6 @@ def _offer_segment(sock: socket.socket, peer: str, size: int, deadline: Deadline
     return segment
 
 
-def _send_verdict(sock: socket.socket, reason: str, deadline: Deadline | None, status: int = REFUSED_VERDICT) -> None:
+def _verdict(reason: str, status: int = REFUSED_VERDICT) -> bytes:
     message = reason.encode()[:MAX_VERDICT_MESSAGE]
-    _send(sock, VERDICT.pack(status if reason else 0, len(message)) + message, deadline)
+    return VERDICT.pack(status if reason else 0, len(message)) + message

@@ -46,7 +46,7 @@ _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
 IN_SEGMENT = 2  #: frame flag: an offset follows the lengths, and buffers with one are in the shared segment
 NOT_IN_SEGMENT = 2**64 - 1  #: the offset of a buffer sent on the socket in an IN_SEGMENT frame
-AWAITED = 4  #: frame flag of a call whose caller blocks for its answer (see rpcdl.transport.polling)
+AWAITED = 4  #: frame flag of a call whose caller blocks for its answer (information only)
 _LAYOUT_FLAGS = COMPRESSED | IN_SEGMENT  # the flags that add to a frame's layout
 
 
