@@ -370,8 +370,8 @@ def server_steps(
     flags = (HAS_TOKEN if token is not None else 0) | MODE_BITS[mode] << MODE_SHIFT
     # compression forced on is meant to compress this connection's answers: they stay on the socket
     flags |= SHARED_MEMORY if shared_memory and client_flags & SHARED_MEMORY and mode != "on" else 0
-    proof = proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
-    yield Write(WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, proof))
+    welcome_proof = proof(token, b"rpcdl-worker", client_nonce, worker_nonce)
+    yield Write(WELCOME.pack(MAGIC, VERSION, flags, worker_nonce, welcome_proof))
     if version != VERSION:
         reason = f"the client speaks rpcdl protocol version {version}, this worker speaks {VERSION}"
         yield Write(_verdict(reason))
