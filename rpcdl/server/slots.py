@@ -1,8 +1,10 @@
 """A worker's slots: ``parallel`` places where calls run, and the queue of calls waiting for one.
 
 Threading: the slots' lock guards every access to the count of slots taken,
-the queue and the :class:`SlotsState`; executors wait on a condition of that
-lock for a queued call they may run. Calls arrive from the process loop,
+the queue, the :class:`SlotsState` and the executors parked; an executor
+with nothing to run parks on a lock of its own (held, so that it blocks),
+and whoever queues a call it may run hands it that lock, released: one
+C-level wake, no condition's waiter list. Calls arrive from the process loop,
 which reads them (:meth:`Slots.enqueue`, see :mod:`rpcdl.server.session`), and
 run only on the ``parallel`` executor threads (``rpcdl-executor-N``): user
 code never runs on the loop. A thread whose call is done runs the next queued
@@ -57,7 +59,7 @@ class Slots:
         self._execute = execute
         self._store = store
         self._lock = threading.Lock()  # alone where nobody waits: see ClientConnection's
-        self._runnable = threading.Condition(self._lock)  # a queued call may run (or the slots stopped)
+        self._parked: list[threading.Lock] = []  # executors waiting for a call they may run (or a stop)
         self._queue: FairQueue[Session, Frame] = FairQueue()
         self._running = 0
         self._state = SlotsState.NEW
@@ -79,7 +81,9 @@ class Slots:
         with self._lock:
             started = self._state is not SlotsState.NEW
             self._state = SlotsState.STOPPED
-            self._runnable.notify_all()
+            parked, self._parked = self._parked, []
+        for park in parked:
+            park.release()
         if started:
             for thread in self._threads:
                 thread.join(timeout=timeout)
@@ -88,8 +92,9 @@ class Slots:
         """Queue a call of ``session`` for a free slot, after that session's other queued calls."""
         with self._lock:
             self._queue.push(session, frame)
-            if self._running < self.parallel:  # else whoever frees a slot takes it
-                self._runnable.notify()
+            park = self._parked.pop() if self._running < self.parallel and self._parked else None
+        if park is not None:  # else whoever frees a slot takes it, or an executor not parked yet finds it
+            park.release()
 
     def run(self, session: Session, frame: Frame) -> None:
         """Run a call in a slot already taken, then the queued calls while there are any; answer each.
@@ -108,6 +113,7 @@ class Slots:
                 # a closed session has nobody to answer: its calls are not run
                 answer = self._refuse(frame) if session.closed else self._execute(session, frame)
             finally:
+                park = None
                 large = answer is not None and bool(answer.buffers) and answer.buffer_bytes >= LARGE_ANSWER
                 ran = perf_counter() - started
                 with self._lock:
@@ -116,8 +122,10 @@ class Slots:
                         queued = self._queue.pop()
                     else:
                         self._running -= 1
-                        if large and self._queue:
-                            self._runnable.notify()
+                        if large and self._queue and self._parked:
+                            park = self._parked.pop()
+                if park is not None:
+                    park.release()
             # a quick call's answer waits for the next of the same client, run next here: one system call for both
             session.send(
                 answer, answers_call=True, hold=queued is not None and queued[0] is session and ran < QUICK_CALL
@@ -132,12 +140,19 @@ class Slots:
         return Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
 
     def _executor(self) -> None:
+        park = threading.Lock()
+        park.acquire()  # held: acquiring it again blocks until a caller releases it
         while True:
             with self._lock:
-                while self._state is SlotsState.OPEN and not (self._queue and self._running < self.parallel):
-                    self._runnable.wait()
                 if self._state is not SlotsState.OPEN:
                     return
-                session, frame = self._queue.pop()
-                self._running += 1
-            self.run(session, frame)
+                runnable = bool(self._queue) and self._running < self.parallel
+                if runnable:
+                    session, frame = self._queue.pop()
+                    self._running += 1
+                else:
+                    self._parked.append(park)
+            if runnable:
+                self.run(session, frame)
+            else:
+                park.acquire()  # released by enqueue(), a freed slot or stop(), which took it off _parked
