@@ -141,52 +141,29 @@ def draw_worker(ax):
     thread(
         ax,
         7.9,
-        6.0,
-        2.75,
-        0.8,
-        "rpcdl-accept-ADDR",
-        "takes connections, starts\none handshake thread each",
-    )
-    thread(
-        ax,
-        10.95,
-        6.0,
-        2.75,
-        0.8,
-        "rpcdl-peer-PEER",
-        "the handshake, then the\nsession's service threads",
-    )
-    thread(
-        ax,
-        7.9,
-        4.3,
+        5.0,
         5.8,
-        1.4,
-        "rpcdl-service-PEER (two per client)",
-        "the one holding the session's read turn reads frames and runs a\n"
-        "quick call itself, lending the turn to the other (the standby);\n"
-        "slower calls go to the slots' queue. It owns the frame reader.",
+        1.8,
+        "rpcdl-loop (the process's one loop, whatever the clients)",
+        "accepts connections and runs each handshake (TLS) within its\n"
+        "deadline; reads every session's frames into pooled buffers; answers\n"
+        "pings, releases and counters itself; queues calls fairly by time;\n"
+        "writes the answers a session holds and the LEAVING notices.",
     )
     thread(
         ax,
         7.9,
         3.0,
-        2.75,
-        1.0,
-        "rpcdl-executor-N",
-        "run the queued calls\n(parallel of them)",
-    )
-    thread(
-        ax,
-        10.95,
-        3.0,
-        2.75,
-        1.0,
-        "rpcdl-promoter-ADDR",
-        "hands the read turn of a\nlong inline call to the\nstandby",
+        5.8,
+        1.6,
+        "rpcdl-executor-N (parallel of them)",
+        "the only threads that run your code: each takes the next call of\n"
+        "the client that has used the least time, runs it, pickles its answer\n"
+        "(compressed, or placed in shared memory) and writes it itself when\n"
+        "nothing else waits on a plain socket, else leaves it to the loop.",
     )
     lock(ax, 7.9, 1.6, 2.75, 1.1, "worker lock", "phase (new, serving,\ndraining, stopped), sessions")
-    lock(ax, 10.95, 1.6, 2.75, 1.1, "session lock", "read turn, session state;\na send lock for the socket")
+    lock(ax, 10.95, 1.6, 2.75, 1.1, "session lock", "session state, answers not\nwritten yet, who writes next")
     lock(
         ax,
         7.9,
