@@ -201,27 +201,19 @@ def describe_answer(first: bytes) -> str:
     return f"it answered {first[:16]!r}, not rpcdl's magic bytes {MAGIC!r}"
 
 
-def _first_answer(sock: socket.socket, peer: str, answer_timeout: float | None) -> bytes:
-    """The first bytes the peer sends after the hello, checked to start like rpcdl's welcome."""
+def _first_answer(sock: socket.socket, step: FirstAnswer) -> bytes | None:
+    """The first bytes the peer sends after the hello: ``b""`` if it closed, ``None`` past the step's timeout."""
     previous = sock.gettimeout()
-    if answer_timeout is not None:
-        sock.settimeout(answer_timeout)
+    if step.timeout is not None:
+        sock.settimeout(step.timeout)
     try:
-        first = sock.recv(WELCOME.size)
+        return sock.recv(step.size)
     except TimeoutError:
-        raise ProtocolError(
-            f"{peer} is not an rpcdl worker (it accepted the connection but did not answer rpcdl's hello "
-            f"within {answer_timeout:g}s; rpcdl workers answer at once)"
-        ) from None
+        return None
     except ConnectionResetError:
-        first = b""
+        return b""
     finally:
         sock.settimeout(previous)
-    if not first:
-        raise HelloUnanswered(f"{peer} closed the connection after rpcdl's hello without answering")
-    if not MAGIC.startswith(first[: len(MAGIC)]):
-        raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(first)})")
-    return first
 
 
 def client_negotiate(
@@ -259,22 +251,109 @@ def client_negotiate(
         WorkerFull: the worker refused the connection for now (see :class:`WorkerFull`).
         AuthenticationError: the tokens differ, or only one side has one.
     """
+    steps = client_steps(token, peer, answer_timeout, compression, shared_memory, observer)
+    reply: bytes | None = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(step, FirstAnswer):
+            reply = _first_answer(sock, step)
+        elif isinstance(step, Read):
+            reply = _recv_exact(sock, step.size, step.what)
+        else:
+            sock.sendall(step.data)
+            reply = None
+
+
+@dataclass(frozen=True)
+class Read:
+    """A step of a handshake: it needs the next ``size`` bytes from the peer (``what``, for messages)."""
+
+    size: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Write:
+    """A step of a handshake: send ``data`` to the peer."""
+
+    data: bytes
+
+
+ServerSteps = Generator["Read | Write", "bytes | None", Agreement]
+
+
+@dataclass(frozen=True)
+class FirstAnswer:
+    """A step of the client's handshake: the first bytes the worker answers the hello with, up to ``size``.
+
+    The driver sends back what came (``b""`` if the peer closed the connection
+    first), or ``None`` if nothing came within ``timeout`` seconds (``None``:
+    the driver's own limit).
+    """
+
+    size: int
+    timeout: float | None
+
+
+ClientSteps = Generator["FirstAnswer | Read | Write", "bytes | None", Agreement]
+
+
+def client_steps(
+    token: Token | None,
+    peer: str,
+    answer_timeout: float | None = None,
+    compression: str | None = None,
+    shared_memory: bool = False,
+    observer: bool = False,
+) -> ClientSteps:
+    """The client's side of the handshake without its I/O: a generator of steps.
+
+    It yields :class:`Write` (send it ``None`` once written), :class:`FirstAnswer`
+    and :class:`Read` (send it the bytes read), and returns the
+    :class:`Agreement`; it raises what :func:`client_negotiate` raises. A driver
+    does the I/O: the blocking :func:`client_negotiate`, or the process loop's
+    (:func:`rpcdl.transport.handshake_client.negotiate`).
+
+    Args:
+        token, peer, answer_timeout, compression, shared_memory, observer: as for
+            :func:`client_negotiate`.
+
+    Example::
+
+        >>> steps = client_steps(None, "10.0.0.7:6543", answer_timeout=5.0)
+        >>> type(next(steps)).__name__
+        'Write'
+        >>> steps.send(None)
+        FirstAnswer(size=73, timeout=5.0)
+    """
     client_nonce = os.urandom(NONCE_BYTES)
     flags = HAS_TOKEN if token is not None else 0
     flags |= (DECODES_LZ4 if lz4_available() else 0) | MODE_BITS[resolve_mode(compression)] << MODE_SHIFT
     flags |= SHARED_MEMORY if shared_memory else 0
     flags |= OBSERVER if observer else 0
-    sock.sendall(HELLO.pack(MAGIC, VERSION, flags, client_nonce))
-    first = _first_answer(sock, peer, answer_timeout)
+    yield Write(HELLO.pack(MAGIC, VERSION, flags, client_nonce))
+    first = yield FirstAnswer(WELCOME.size, answer_timeout)
+    if first is None:
+        raise ProtocolError(
+            f"{peer} is not an rpcdl worker (it accepted the connection but did not answer rpcdl's hello "
+            f"within {answer_timeout:g}s; rpcdl workers answer at once)"
+        )
+    if not first:
+        raise HelloUnanswered(f"{peer} closed the connection after rpcdl's hello without answering")
+    if not MAGIC.startswith(first[: len(MAGIC)]):
+        raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(first)})")
     if len(first) < VERSIONED:
-        first += _recv_exact(sock, VERSIONED - len(first), "welcome")
+        first += yield Read(VERSIONED - len(first), "welcome")
     if struct.unpack_from("!H", first, len(MAGIC))[0] == REFUSED:
-        refusal = first[: REFUSAL.size] + _recv_exact(sock, max(0, REFUSAL.size - len(first)), "refusal")
+        refusal = first[: REFUSAL.size] + (yield Read(max(0, REFUSAL.size - len(first)), "refusal"))
         magic, _, pending, limit = REFUSAL.unpack(refusal)
         if magic != MAGIC:
             raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(refusal)})")
         raise WorkerFull(peer, pending, limit)
-    welcome = first + _recv_exact(sock, WELCOME.size - len(first), "welcome")
+    welcome = first + (yield Read(WELCOME.size - len(first), "welcome"))
     magic, version, worker_flags, worker_nonce, worker_proof = WELCOME.unpack(welcome)
     if magic != MAGIC:
         raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(welcome)})")
@@ -283,9 +362,9 @@ def client_negotiate(
             f"{peer} speaks rpcdl protocol version {version}, this client speaks {VERSION}: "
             "install the same rpcdl version on both sides"
         )
-    sock.sendall(proof(token, b"rpcdl-client", worker_nonce, client_nonce))
-    status, length = VERDICT.unpack(_recv_exact(sock, VERDICT.size, "verdict"))
-    message = _recv_exact(sock, min(length, MAX_VERDICT_MESSAGE), "verdict").decode("utf-8", "replace")
+    yield Write(proof(token, b"rpcdl-client", worker_nonce, client_nonce))
+    status, length = VERDICT.unpack((yield Read(VERDICT.size, "verdict")))
+    message = (yield Read(min(length, MAX_VERDICT_MESSAGE), "verdict")).decode("utf-8", "replace")
     worker_has_token = bool(worker_flags & HAS_TOKEN)
     if worker_has_token and token is None:
         raise AuthenticationError(
@@ -308,30 +387,12 @@ def client_negotiate(
         return Agreement(mode)
     from .shm import HEADER_BYTES, ClientSegment, Offer, host_identity  # here: numpy only where segments are
 
-    sock.sendall(host_identity())
-    pid, fd, size, nonce = SEGMENT.unpack(_recv_exact(sock, SEGMENT.size, "shared-memory segment"))
+    yield Write(host_identity())
+    pid, fd, size, nonce = SEGMENT.unpack((yield Read(SEGMENT.size, "shared-memory segment")))
     segment = ClientSegment.open(Offer(pid, fd, size, nonce)) if size >= HEADER_BYTES else None
     if size:
-        sock.sendall(b"\x01" if segment is not None else b"\x00")
+        yield Write(b"\x01" if segment is not None else b"\x00")
     return Agreement(mode, segment)
-
-
-@dataclass(frozen=True)
-class Read:
-    """A step of the worker's handshake: it needs the next ``size`` bytes from the client (``what``, for messages)."""
-
-    size: int
-    what: str
-
-
-@dataclass(frozen=True)
-class Write:
-    """A step of the worker's handshake: send ``data`` to the client."""
-
-    data: bytes
-
-
-ServerSteps = Generator["Read | Write", "bytes | None", Agreement]
 
 
 def server_steps(

@@ -1,8 +1,9 @@
 """The client side of the handshake, on the event loop: connect, TLS through asyncio, then rpcdl's messages.
 
 The messages, proofs and the names given to peers that are not rpcdl workers
-are :mod:`rpcdl.transport.handshake`'s; this module runs the client's side of
-that exchange as coroutines, so that opening any number of connections takes
+are :mod:`rpcdl.transport.handshake`'s (its :func:`~rpcdl.transport.handshake.client_steps`,
+which the blocking :func:`~rpcdl.transport.handshake.client_negotiate` drives
+too); this module does that exchange's I/O as coroutines, so that opening any number of connections takes
 no thread of its own. Three steps, which the caller tells apart to judge a
 failure (see :mod:`rpcdl.rpc.dial`):
 
@@ -29,41 +30,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import hmac
 import ipaddress
-import os
 import socket
 import ssl
-import struct
 import threading
 
 from .._lifecycle import in_forked_child
-from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, SessionsFull, WorkerFull
-from .compression import lz4_available, resolve_mode
-from .handshake import (
-    DECODES_LZ4,
-    FULL,
-    HAS_TOKEN,
-    HELLO,
-    MAGIC,
-    MAX_VERDICT_MESSAGE,
-    MODE_BITS,
-    MODE_SHIFT,
-    NONCE_BYTES,
-    OBSERVER,
-    REFUSAL,
-    REFUSED,
-    SEGMENT,
-    SHARED_MEMORY,
-    VERDICT,
-    VERSION,
-    VERSIONED,
-    WELCOME,
-    Agreement,
-    describe_answer,
-    mode_of,
-    proof,
-)
+from ..errors import ConnectionLost
+from .handshake import Agreement, FirstAnswer, Read, client_steps
 from .security import Token
 
 RESOLVERS = 2  #: threads that resolve host names, at most
@@ -294,67 +268,17 @@ async def negotiate(
         >>> agreed = await negotiate(transport, reader, None, "h:1", deadline=d, answer_timeout=5)  # doctest: +SKIP
     """
     loop = asyncio.get_running_loop()
-    client_nonce = os.urandom(NONCE_BYTES)
-    flags = HAS_TOKEN if token is not None else 0
-    flags |= (DECODES_LZ4 if lz4_available() else 0) | MODE_BITS[resolve_mode(compression)] << MODE_SHIFT
-    flags |= SHARED_MEMORY if shared_memory else 0
-    flags |= OBSERVER if observer else 0
-    transport.write(HELLO.pack(MAGIC, VERSION, flags, client_nonce))
-    first = await reader.read_some(WELCOME.size, min(deadline, loop.time() + answer_timeout))
-    if first is None:
-        raise ProtocolError(
-            f"{peer} is not an rpcdl worker (it accepted the connection but did not answer rpcdl's hello "
-            f"within {answer_timeout:g}s; rpcdl workers answer at once)"
-        )
-    if not first:
-        raise HelloUnanswered(f"{peer} closed the connection after rpcdl's hello without answering")
-    if not MAGIC.startswith(first[: len(MAGIC)]):
-        raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(first)})")
-    if len(first) < VERSIONED:
-        first += await reader.read(VERSIONED - len(first), "welcome", deadline)
-    if struct.unpack_from("!H", first, len(MAGIC))[0] == REFUSED:
-        refusal = first[: REFUSAL.size] + await reader.read(max(0, REFUSAL.size - len(first)), "refusal", deadline)
-        magic, _, pending, limit = REFUSAL.unpack(refusal)
-        if magic != MAGIC:
-            raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(refusal)})")
-        raise WorkerFull(peer, pending, limit)
-    welcome = first + await reader.read(WELCOME.size - len(first), "welcome", deadline)
-    magic, version, worker_flags, worker_nonce, worker_proof = WELCOME.unpack(welcome)
-    if magic != MAGIC:
-        raise ProtocolError(f"{peer} is not an rpcdl worker ({describe_answer(welcome)})")
-    if version != VERSION:
-        raise ProtocolError(
-            f"{peer} speaks rpcdl protocol version {version}, this client speaks {VERSION}: "
-            "install the same rpcdl version on both sides"
-        )
-    transport.write(proof(token, b"rpcdl-client", worker_nonce, client_nonce))
-    status, length = VERDICT.unpack(await reader.read(VERDICT.size, "verdict", deadline))
-    message = (await reader.read(min(length, MAX_VERDICT_MESSAGE), "verdict", deadline)).decode("utf-8", "replace")
-    worker_has_token = bool(worker_flags & HAS_TOKEN)
-    if worker_has_token and token is None:
-        raise AuthenticationError(
-            f"worker {peer} requires a token: set RPCDL_TOKEN or RPCDL_TOKEN_FILE, or pass token=, "
-            "to the token the worker was started with"
-        )
-    if token is not None and not worker_has_token:
-        raise AuthenticationError(
-            f"worker {peer} runs without a token but this client has one: refusing to trust an "
-            "unauthenticated worker; start it with the same RPCDL_TOKEN, or unset the client's token"
-        )
-    if not hmac.compare_digest(worker_proof, proof(token, b"rpcdl-worker", client_nonce, worker_nonce)):
-        raise AuthenticationError(f"token mismatch: worker {peer} holds a different token than this client")
-    if status == FULL:
-        raise SessionsFull(f"rpcdl worker {peer} is full: {message}")
-    if status != 0:
-        raise AuthenticationError(f"worker {peer} refused the connection: {message}")
-    mode = mode_of(worker_flags) if flags & DECODES_LZ4 else "off"
-    if not (shared_memory and worker_flags & SHARED_MEMORY):
-        return Agreement(mode)
-    from .shm import HEADER_BYTES, ClientSegment, Offer, host_identity  # here: numpy only where segments are
-
-    transport.write(host_identity())
-    pid, fd, size, nonce = SEGMENT.unpack(await reader.read(SEGMENT.size, "shared-memory segment", deadline))
-    segment = ClientSegment.open(Offer(pid, fd, size, nonce)) if size >= HEADER_BYTES else None
-    if size:
-        transport.write(b"\x01" if segment is not None else b"\x00")
-    return Agreement(mode, segment)
+    steps = client_steps(token, peer, answer_timeout, compression, shared_memory, observer)
+    reply: bytes | None = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(step, FirstAnswer):
+            reply = await reader.read_some(step.size, min(deadline, loop.time() + answer_timeout))
+        elif isinstance(step, Read):
+            reply = await reader.read(step.size, step.what, deadline)
+        else:
+            transport.write(step.data)
+            reply = None
