@@ -35,7 +35,6 @@ from ..transport.wire import (
     COMPRESSED,
     GROWN_PAYLOAD_BYTES,
     IN_SEGMENT,
-    MAX_BUFFERS_ENV,
     MAX_MESSAGE_BYTES_ENV,
     Frame,
     Kind,
@@ -43,7 +42,6 @@ from ..transport.wire import (
 )
 
 _HEADER = struct.Struct("!BBHIQQQ")  # the layout of rpcdl.transport.wire's frame header
-_KINDS = {kind.value: kind for kind in Kind}
 SCRATCH_BYTES = 256 * 1024  #: the scratch buffer every session of a process shares
 SMALL_PIECE = 64 * 1024  #: a piece of a frame this small goes through the scratch buffer
 _RECEIVES_PER_TURN = 16  # receives for one session before the loop serves the others
@@ -255,23 +253,11 @@ class FrameAssembler:
 
     def _header(self, piece: Any) -> _Building:
         number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack(piece)
-        kind = _KINDS.get(number)
-        if kind is None:
-            raise ProtocolError(f"unknown frame kind {number}")
+        kind = self._limits.check_incoming(number, count, call_id, payload_size)
         if flags & COMPRESSED:
             raise ProtocolError("the peer sent a compressed frame: a client's frames are never compressed")
         if flags & IN_SEGMENT:
             raise ProtocolError("the peer sent a frame with buffers in a shared segment: a client's never are")
-        if count > self._limits.max_buffers:
-            raise FrameTooLarge(
-                f"frame announces {count} buffers, the limit is {self._limits.max_buffers} ({MAX_BUFFERS_ENV})", call_id
-            )
-        if payload_size > self._limits.max_message_bytes:
-            raise FrameTooLarge(
-                f"frame announces {payload_size} bytes, the limit is {self._limits.max_message_bytes} "
-                f"({MAX_MESSAGE_BYTES_ENV})",
-                call_id,
-            )
         return _Building(kind, flags, count, call_id, ref, payload_size)
 
     def _check_total(self, building: _Building) -> None:

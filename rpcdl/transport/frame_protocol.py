@@ -39,7 +39,6 @@ from .wire import (
     COMPRESSED,
     GROWN_PAYLOAD_BYTES,
     IN_SEGMENT,
-    MAX_BUFFERS_ENV,
     MAX_MESSAGE_BYTES_ENV,
     NOT_IN_SEGMENT,
     Frame,
@@ -48,7 +47,6 @@ from .wire import (
 )
 
 _HEADER = struct.Struct("!BBHIQQQ")
-_KINDS = {kind.value: kind for kind in Kind}
 _LAYOUT_FLAGS = COMPRESSED | IN_SEGMENT
 STAGING_BYTES = 256 * 1024  #: the staging buffer of a loop thread, shared by its connections
 DIRECT_BYTES = 64 * 1024  #: what is left of a payload or buffer from this size is received straight into it
@@ -269,20 +267,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def _header(self, header: memoryview) -> None:
         number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack(header)
-        kind = _KINDS.get(number)
-        if kind is None:
-            raise ProtocolError(f"unknown frame kind {number}")
-        limits = self._limits
-        if count > limits.max_buffers:
-            raise FrameTooLarge(
-                f"frame announces {count} buffers, the limit is {limits.max_buffers} ({MAX_BUFFERS_ENV})", call_id
-            )
-        if payload_size > limits.max_message_bytes:
-            raise FrameTooLarge(
-                f"frame announces {payload_size} bytes, the limit is {limits.max_message_bytes} "
-                f"({MAX_MESSAGE_BYTES_ENV})",
-                call_id,
-            )
+        kind = self._limits.check_incoming(number, count, call_id, payload_size)
         frame = self._frame = _Frame(kind, flags, count, call_id, ref, payload_size)
         compressed = bool(flags & COMPRESSED)
         if compressed and not self._decompress:

@@ -133,6 +133,42 @@ class Limits:
                 f"got {self.handshake_timeout}"
             )
 
+    def check_incoming(self, number: int, count: int, call_id: int, payload_size: int) -> Kind:
+        """The kind of a frame whose header was read, checked before anything is allocated for it.
+
+        Args:
+            number: the header's kind number.
+            count: the out-of-band buffers it announces.
+            call_id: its call, named by the error.
+            payload_size: the payload bytes it announces.
+
+        Returns:
+            the frame's :class:`Kind`.
+
+        Raises:
+            ProtocolError: an unknown kind.
+            FrameTooLarge: more buffers or payload bytes than these limits take.
+
+        Example::
+
+            >>> Limits(max_buffers=4).check_incoming(int(Kind.PING), 0, 7, 0)
+            <Kind.PING: 6>
+        """
+        kind = _KINDS.get(number)
+        if kind is None:
+            raise ProtocolError(f"unknown frame kind {number}")
+        if count > self.max_buffers:
+            raise FrameTooLarge(
+                f"frame announces {count} buffers, the limit is {self.max_buffers} ({MAX_BUFFERS_ENV})", call_id
+            )
+        if payload_size > self.max_message_bytes:
+            raise FrameTooLarge(
+                f"frame announces {payload_size} bytes, the limit is {self.max_message_bytes} "
+                f"({MAX_MESSAGE_BYTES_ENV})",
+                call_id,
+            )
+        return kind
+
     def check_outgoing(self, payload_bytes: int, buffer_sizes: Sequence[int], what: str | Callable[[], str]) -> None:
         """Raise :class:`~rpcdl.errors.LimitExceeded` if a frame to send would break a limit.
 
@@ -368,19 +404,7 @@ class FrameReader:
         start = self._start
         number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, start)
         self._start = start = start + _HEADER.size
-        kind = _KINDS.get(number)
-        if kind is None:
-            raise ProtocolError(f"unknown frame kind {number}")
-        if count > self._limits.max_buffers:
-            raise FrameTooLarge(
-                f"frame announces {count} buffers, the limit is {self._limits.max_buffers} ({MAX_BUFFERS_ENV})", call_id
-            )
-        if payload_size > self._limits.max_message_bytes:
-            raise FrameTooLarge(
-                f"frame announces {payload_size} bytes, the limit is {self._limits.max_message_bytes} "
-                f"({MAX_MESSAGE_BYTES_ENV})",
-                call_id,
-            )
+        kind = self._limits.check_incoming(number, count, call_id, payload_size)
         if not count and not flags & _LAYOUT_FLAGS:  # the common small frame: a header and a payload
             if self._end - start >= payload_size:  # all here already
                 self._start = start + payload_size
