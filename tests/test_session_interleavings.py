@@ -22,7 +22,7 @@ import rpcdl
 from rpcdl.errors import ConnectionLost
 from rpcdl.server.worker import Phase
 from rpcdl.transport.control import encode_release
-from rpcdl.transport.wire import _HEADER, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import HEADER, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
 
 _ANSWER_WAIT = 10.0  # seconds a test waits for one answer before failing
 
@@ -162,7 +162,7 @@ def test_client_closing_mid_frame_ends_its_session_and_the_worker_serves_others(
     worker, connect = start_worker()
     leaving = connect("leaving")
     frame = _call(1, operator.add, 1, 2)
-    leaving.send(frame[: _HEADER.size + 3])
+    leaving.send(frame[: HEADER.size + 3])
     _eventually(lambda: worker.stats()["clients"] == 1, "the session counted")
     leaving.close()
     _eventually(lambda: leaving.session.closed, "the session closed")
@@ -175,7 +175,7 @@ def test_client_closing_mid_frame_ends_its_session_and_the_worker_serves_others(
 def test_frame_over_the_limit_is_refused_by_closing_the_connection(start_worker, caplog):
     _, connect = start_worker(limits=Limits(max_message_bytes=4096))
     client = connect()
-    header = _HEADER.pack(Kind.CALL, 0, 0, 0, 1, 0, 1 << 20)
+    header = HEADER.pack(Kind.CALL, 0, 0, 0, 1, 0, 1 << 20)
     with caplog.at_level("WARNING", logger="rpcdl.worker"):
         client.send(header)
         with pytest.raises(ConnectionLost):

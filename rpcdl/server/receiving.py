@@ -34,6 +34,7 @@ from ..errors import ConnectionLost, FrameTooLarge, ProtocolError
 from ..transport.wire import (
     COMPRESSED,
     GROWN_PAYLOAD_BYTES,
+    HEADER,
     IN_SEGMENT,
     MAX_MESSAGE_BYTES_ENV,
     Frame,
@@ -41,7 +42,6 @@ from ..transport.wire import (
     Limits,
 )
 
-_HEADER = struct.Struct("!BBHIQQQ")  # the layout of rpcdl.transport.wire's frame header
 SCRATCH_BYTES = 256 * 1024  #: the scratch buffer every session of a process shares
 SMALL_PIECE = 64 * 1024  #: a piece of a frame this small goes through the scratch buffer
 _RECEIVES_PER_TURN = 16  # receives for one session before the loop serves the others
@@ -193,7 +193,7 @@ class FrameAssembler:
         position, end = 0, len(view)
         while position < end:
             building = self._building
-            size = _HEADER.size if building is None else building.next_size()
+            size = HEADER.size if building is None else building.next_size()
             if size <= SMALL_PIECE:
                 if end - position < size:
                     self._kept = bytes(view[position:end])
@@ -252,7 +252,7 @@ class FrameAssembler:
             self._take(memoryview(b""), frames)
 
     def _header(self, piece: Any) -> _Building:
-        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack(piece)
+        number, flags, _, count, call_id, ref, payload_size = HEADER.unpack(piece)
         kind = self._limits.check_incoming(number, count, call_id, payload_size)
         if flags & COMPRESSED:
             raise ProtocolError("the peer sent a compressed frame: a client's frames are never compressed")

@@ -38,6 +38,7 @@ from . import compression
 from .wire import (
     COMPRESSED,
     GROWN_PAYLOAD_BYTES,
+    HEADER,
     IN_SEGMENT,
     MAX_MESSAGE_BYTES_ENV,
     NOT_IN_SEGMENT,
@@ -46,7 +47,6 @@ from .wire import (
     Limits,
 )
 
-_HEADER = struct.Struct("!BBHIQQQ")
 _LAYOUT_FLAGS = COMPRESSED | IN_SEGMENT
 STAGING_BYTES = 256 * 1024  #: the staging buffer of a loop thread, shared by its connections
 DIRECT_BYTES = 64 * 1024  #: what is left of a payload or buffer from this size is received straight into it
@@ -156,7 +156,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._segment = segment
         self._allocate = allocate
         self._need = _Need.HEADER
-        self._wanted = _HEADER.size  # bytes the current part takes
+        self._wanted = HEADER.size  # bytes the current part takes
         self._partial = bytearray()  # a part begun in the staging buffer (header, tables, small payload)
         self._frame: _Frame | None = None
         self._target: Any = None  # the memory a payload or buffer is received into
@@ -234,8 +234,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Take ``data`` (received into the staging buffer) into the frames, part by part."""
         while data and self._need is not _Need.FAILED:
             need = self._need
-            if need is _Need.HEADER and not self._partial and len(data) >= _HEADER.size:
-                header, data = data[: _HEADER.size], data[_HEADER.size :]
+            if need is _Need.HEADER and not self._partial and len(data) >= HEADER.size:
+                header, data = data[: HEADER.size], data[HEADER.size :]
                 self._header(header)
                 continue
             if need in (_Need.PAYLOAD, _Need.BUFFER, _Need.PACKED) and self._target is not None:
@@ -266,7 +266,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     self._payload(part)
 
     def _header(self, header: memoryview) -> None:
-        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack(header)
+        number, flags, _, count, call_id, ref, payload_size = HEADER.unpack(header)
         kind = self._limits.check_incoming(number, count, call_id, payload_size)
         frame = self._frame = _Frame(kind, flags, count, call_id, ref, payload_size)
         compressed = bool(flags & COMPRESSED)
@@ -341,7 +341,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._part_done()
             return
         self._frame = None
-        self._expect(_Need.HEADER, _HEADER.size)
+        self._expect(_Need.HEADER, HEADER.size)
         self._sink.frame_received(
             Frame(frame.kind, frame.call_id, frame.ref, frame.payload, frame.buffers, frame.flags)
         )

@@ -37,7 +37,7 @@ from . import compression
 from .gathered import Gathered
 from .tls_stream import TLSStream
 
-_HEADER = struct.Struct("!BBHIQQQ")
+HEADER = struct.Struct("!BBHIQQQ")  #: a frame header: kind, flags, reserved, buffers, call id, ref, payload bytes
 _U64 = struct.Struct("!Q")
 _INLINE_PAYLOAD = 64 * 1024
 FIRST_READ_BYTES = 64 * 1024  #: the most a frame's first receive takes (see FrameReader)
@@ -232,7 +232,7 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     """
     payload = frame.payload
     if not frame.buffers:
-        head = _HEADER.pack(frame.kind, frame.flags, 0, 0, frame.call_id, frame.ref, len(payload))
+        head = HEADER.pack(frame.kind, frame.flags, 0, 0, frame.call_id, frame.ref, len(payload))
         return [head + payload] if len(payload) <= _INLINE_PAYLOAD else [head, payload]
     views = [
         b if type(b) is Gathered or (type(b) is memoryview and b.format == "B") else memoryview(b).cast("B")
@@ -243,7 +243,7 @@ def encode_frame(frame: Frame) -> list[memoryview | bytes]:
     )
     if frame.flags & COMPRESSED:
         lengths += struct.pack(f"!{len(views)}Q", *(frame.decoded_sizes or [0] * len(views)))
-    head = _HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(payload))
+    head = HEADER.pack(frame.kind, frame.flags, 0, len(views), frame.call_id, frame.ref, len(payload))
     if frame.flags & IN_SEGMENT:
         lengths += struct.pack(f"!{len(views)}Q", *frame.offsets)
         views = [view for view, offset in zip(views, frame.offsets, strict=True) if offset == NOT_IN_SEGMENT]
@@ -374,10 +374,10 @@ class FrameReader:
     def holds_frame(self) -> bool:
         """Whether a whole frame without buffers, or the head of one with buffers, waits in the buffer."""
         available = self._end - self._start
-        if available < _HEADER.size:
+        if available < HEADER.size:
             return False
-        _, flags, _, count, _, _, payload_size = _HEADER.unpack_from(self._buffer, self._start)
-        return available >= _HEADER.size + 8 * count * (2 if flags & COMPRESSED else 1) + (0 if count else payload_size)
+        _, flags, _, count, _, _, payload_size = HEADER.unpack_from(self._buffer, self._start)
+        return available >= HEADER.size + 8 * count * (2 if flags & COMPRESSED else 1) + (0 if count else payload_size)
 
     def read_frame(self, allocate: Callable[[int, int], Any] = _default_allocate) -> Frame | None:
         """Read one whole frame, or return ``None`` if none started within the receive timeout.
@@ -392,18 +392,18 @@ class FrameReader:
             ProtocolError: the frame breaks the protocol.
             TimeoutError: the peer stalled in the middle of a frame.
         """
-        if self._end - self._start < _HEADER.size:
+        if self._end - self._start < HEADER.size:
             try:
                 if self._start == self._end:  # the usual case: nothing buffered, and one receive fills from the start
                     self._start = self._end = 0
                     self._end = self._recv_into(self._first_read, idle=True)
-                if self._end - self._start < _HEADER.size:  # a frame has begun: the rest may not be idle
-                    self._fill(_HEADER.size)
+                if self._end - self._start < HEADER.size:  # a frame has begun: the rest may not be idle
+                    self._fill(HEADER.size)
             except _Idle:
                 return None
         start = self._start
-        number, flags, _, count, call_id, ref, payload_size = _HEADER.unpack_from(self._buffer, start)
-        self._start = start = start + _HEADER.size
+        number, flags, _, count, call_id, ref, payload_size = HEADER.unpack_from(self._buffer, start)
+        self._start = start = start + HEADER.size
         kind = self._limits.check_incoming(number, count, call_id, payload_size)
         if not count and not flags & _LAYOUT_FLAGS:  # the common small frame: a header and a payload
             if self._end - start >= payload_size:  # all here already
