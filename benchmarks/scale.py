@@ -6,7 +6,7 @@ Usage::
     python benchmarks/scale.py --real
 
 Nothing here opens a socket. The real :class:`~rpcdl.data.sources.Fleet`,
-:class:`~rpcdl.data.pool.WorkerPool` and :class:`~rpcdl.data.scheduler.Dispatch`
+:class:`~rpcdl.data.worker_pool.WorkerPool` and :class:`~rpcdl.data.scheduler.Dispatch`
 run as a trainer's loader runs them; the call layer is a stand-in that answers
 at once (a completed future), and the pool's revivals (a probe, a dataset
 built) go to the same stand-in. Every address the stand-in is asked to reach,
@@ -50,10 +50,10 @@ from collections.abc import Sequence
 import torch
 
 import rpcdl
-from rpcdl.data.pool import WorkerPool
 from rpcdl.data.probes import Revival
 from rpcdl.data.scheduler import Dispatch
 from rpcdl.data.sources import Fleet, own_share
+from rpcdl.data.worker_pool import WorkerPool
 from rpcdl.errors import ConnectionLost, WorkerUnavailable
 
 JOB = (1024, 4096)  # ranks, workers

@@ -9,7 +9,7 @@ failed chunk are the loader's.
 Threading: a :class:`RemoteMap` runs no thread; its passes are advanced by the
 threads that iterate them, one thread per pass at a time (see
 :mod:`rpcdl.data.scheduler`). What its passes share has its own owner: the
-pool's lock guards the workers' records (:mod:`rpcdl.data.pool`), the chunk
+pool's lock guards the workers' records (:mod:`rpcdl.data.worker_pool`), the chunk
 sizer and the served counts have their own locks; its settings do not change.
 """
 
@@ -25,9 +25,9 @@ from rpcdl import rpc_async
 from rpcdl.checks import check_positive_int, check_timeout
 from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ServedCounts
 from rpcdl.data.chunks import ChunkSizer, run_chunk
-from rpcdl.data.pool import WorkerPool
 from rpcdl.data.records import Task
 from rpcdl.data.sources import Fleet, WorkerSource, start_timeout, worker_source
+from rpcdl.data.worker_pool import WorkerPool
 
 #: The default bound of items in one chunk.
 DEFAULT_MAX_CHUNK_SIZE = 256

@@ -82,7 +82,7 @@ DOCTEST_MODULES = [
     "rpcdl.data.flow",
     "rpcdl.data.metrics",
     "rpcdl.data.guard",
-    "rpcdl.data.pool",
+    "rpcdl.data.worker_pool",
     "rpcdl.data.records",
     "rpcdl.data.scheduling_policy",
     "rpcdl.data.sources",

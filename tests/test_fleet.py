@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import rpcdl
-import rpcdl.data.pool
+import rpcdl.data.worker_pool
 from rpcdl.data.records import Attempt, WorkerSlot, WorkerState
 from rpcdl.data.scheduling_policy import HUNG_ALONE_FLOOR, HUNG_FLOOR, SchedulingPolicy
 from rpcdl.data.sources import DnsSource, FileSource, Fleet, RedisRegistry, SourceReadError, own_share, worker_source
@@ -149,7 +149,7 @@ class _NeverAnswers:
 def test_the_pool_follows_its_fleet_joins_leaves_and_returns():
     source = _Listed("a:1", "b:2")
     fleet = Fleet(source, interval=3600.0)  # refreshed by hand below
-    pool = rpcdl.data.pool.WorkerPool(fleet, prefetch_factor=2, timeout=30.0, setup=_NeverAnswers())
+    pool = rpcdl.data.worker_pool.WorkerPool(fleet, prefetch_factor=2, timeout=30.0, setup=_NeverAnswers())
     assert pool.states() == {"a:1": "active", "b:2": "active"}
     source.listed = ["a:1", "b:2", "c:3"]
     fleet.refresh()

@@ -23,10 +23,10 @@ import torch
 from rpcdl.data.chunked_pass import ChunkedPass, ServedCounts
 from rpcdl.data.chunks import ChunkSizer
 from rpcdl.data.events import Answered, Orphaned
-from rpcdl.data.pool import PassRecord, Registration, WorkerPool
 from rpcdl.data.probes import Revival
 from rpcdl.data.records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, WorkerState
 from rpcdl.data.scheduler import Dispatch, NoWorkersLeft, PassState
+from rpcdl.data.worker_pool import PassRecord, Registration, WorkerPool
 from rpcdl.errors import WorkerTimeout, WorkerUnavailable
 
 pytestmark = pytest.mark.timeout(30)

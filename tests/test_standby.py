@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import rpcdl
-import rpcdl.data.pool
 import rpcdl.data.scheduling_policy
+import rpcdl.data.worker_pool
 from rpcdl.cli.probe import ask_stats
 from rpcdl.data.records import Attempt, WorkerSlot, WorkerState
 from rpcdl.data.scheduling_policy import STANDBY_GROW_AFTER, SchedulingPolicy
@@ -118,13 +118,15 @@ def test_a_standby_idle_for_its_time_or_down_while_an_own_worker_serves_goes_bac
 def test_a_pool_over_thousands_of_addresses_has_records_for_its_share_only():
     addresses = [f"127.1.{i // 250}.{i % 250 + 1}:6543" for i in range(4000)]
     fleet = Fleet(addresses, rank=3, world_size=1000)
-    pool = rpcdl.data.pool.WorkerPool(fleet, prefetch_factor=2, timeout=30.0)
+    pool = rpcdl.data.worker_pool.WorkerPool(fleet, prefetch_factor=2, timeout=30.0)
     with pool.locked() as state:
         assert [slot.address for slot in state.in_use] == addresses[3::1000]
         assert len(state.reserve()) == 3996 and set(state.reserve()).isdisjoint(addresses[3::1000])
     states = pool.states()
     assert len(states) == 4000 and sum(value == "standby" for value in states.values()) == 3996
-    other = rpcdl.data.pool.WorkerPool(Fleet(addresses, rank=4, world_size=1000), prefetch_factor=2, timeout=30.0)
+    other = rpcdl.data.worker_pool.WorkerPool(
+        Fleet(addresses, rank=4, world_size=1000), prefetch_factor=2, timeout=30.0
+    )
     with pool.locked() as mine, other.locked() as theirs:
         assert mine.reserve()[:4] != theirs.reserve()[:4]  # ranks call on different workers first
 

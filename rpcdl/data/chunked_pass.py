@@ -38,9 +38,9 @@ from ..errors import ChunkFailed
 from ..serialization.pickling import load_exception
 from .chunks import ChunkReader, ChunkSizer
 from .flow import DataFlow
-from .pool import WorkerPool
 from .records import Task
 from .scheduler import Call, Dispatch
+from .worker_pool import WorkerPool
 
 __all__ = ["ChunkedItem", "ChunkedPass", "ChunkedPassState", "ServedCounts"]
 

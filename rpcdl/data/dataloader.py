@@ -13,7 +13,7 @@ iterators does the work, on the thread that calls it. Several iterators of one
 loader may be advanced by several threads at once, each iterator by one thread
 at a time (see :mod:`rpcdl.data.epoch`). What they share has one owner each:
 the workers' records are the pool's, under its lock
-(:mod:`rpcdl.data.pool`); the epochs' bookkeeping is the
+(:mod:`rpcdl.data.worker_pool`); the epochs' bookkeeping is the
 :class:`~rpcdl.data.epoch_book.EpochBook`'s, under its lock; the chunk sizer
 and the served counts have their own locks, and so has an
 :class:`~rpcdl.data.elastic.ElasticDistributedSampler` for the origin of its
@@ -45,10 +45,10 @@ from .epoch_book import EpochBook
 from .fetch import fetch_batches_at, fetch_samples_at
 from .flow import LIVE_POOLS, PROCESS_FLOW, DataFlow, FlowSnapshot
 from .metrics import serve_metrics_from_environment
-from .pool import WorkerPool
 from .probes import PROBE_TIMEOUT
 from .resume import epoch_batches, loader_shape, read_loader_state, write_loader_state
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
+from .worker_pool import WorkerPool
 
 log = logging.getLogger("rpcdl.dataloader")
 

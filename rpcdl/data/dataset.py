@@ -7,7 +7,7 @@ unless a trainer asks for its own (``rpcdl_per_trainer=True``).
 
 The dataset keeps where it is built (one reference per worker) and its recipe;
 whether a worker is usable is its loader's pool's record alone
-(:mod:`rpcdl.data.pool`). A call that finds the dataset gone from a worker (it
+(:mod:`rpcdl.data.worker_pool`). A call that finds the dataset gone from a worker (it
 restarted) fails with :class:`~rpcdl.errors.RRefNotFound`, which takes the
 worker out of the pool; the pool then revives it through the loader's
 :class:`DatasetSetup`, which builds the dataset there again.

@@ -60,9 +60,9 @@ from .dataset import RPCDataset
 from .epoch_book import EpochBook, Position
 from .flow import DataFlow, FlowFigures, FlowSnapshot
 from .guard import EntryGuard
-from .pool import WorkerPool
 from .records import Task
 from .scheduler import NoWorkersLeft
+from .worker_pool import WorkerPool
 
 __all__ = [
     "NO_WORK_STEP_SECONDS",

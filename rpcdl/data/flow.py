@@ -242,13 +242,13 @@ class LivePools:
         self._pools: list[weakref.ref] = []
 
     def add(self, pool: Any) -> None:
-        """Watch ``pool`` (a :class:`~rpcdl.data.pool.WorkerPool`) while it lives."""
+        """Watch ``pool`` (a :class:`~rpcdl.data.worker_pool.WorkerPool`) while it lives."""
         with self._lock:
             self._pools = [ref for ref in self._pools if ref() is not None]
             self._pools.append(weakref.ref(pool))
 
     def windows(self) -> list[dict[str, dict[str, Any]]]:
-        """For each pool alive, its :meth:`~rpcdl.data.pool.WorkerPool.windows`."""
+        """For each pool alive, its :meth:`~rpcdl.data.worker_pool.WorkerPool.windows`."""
         with self._lock:
             self._pools = [ref for ref in self._pools if ref() is not None]
             refs = list(self._pools)

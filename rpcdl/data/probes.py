@@ -1,6 +1,6 @@
 """How a worker taken out is asked whether it may serve again, and what it needs before it does.
 
-A :class:`~rpcdl.data.pool.WorkerPool` revives a worker through its
+A :class:`~rpcdl.data.worker_pool.WorkerPool` revives a worker through its
 :class:`WorkerSetup`: :class:`PingSetup` (the default) asks whether the worker
 answers (:func:`probe_async`); a loader's setup
 (:class:`rpcdl.data.dataset.DatasetSetup`) also builds its dataset there again

@@ -1,12 +1,12 @@
-"""What a :class:`~rpcdl.data.pool.WorkerPool` knows of each worker, and what a pass knows of its tasks.
+"""What a :class:`~rpcdl.data.worker_pool.WorkerPool` knows of each worker, and what a pass knows of its tasks.
 
 Plain records; the decisions that change them are
-:mod:`rpcdl.data.scheduling_policy`'s, the I/O is :mod:`rpcdl.data.pool`'s and
+:mod:`rpcdl.data.scheduling_policy`'s, the I/O is :mod:`rpcdl.data.worker_pool`'s and
 :mod:`rpcdl.data.scheduler`'s.
 
 Threading: no thread of its own. A :class:`WorkerSlot` and the state of an
 :class:`Attempt` belong to their pool's lock: every access is made holding it
-(:meth:`rpcdl.data.pool.WorkerPool.locked`). A :class:`Task` belongs to the
+(:meth:`rpcdl.data.worker_pool.WorkerPool.locked`). A :class:`Task` belongs to the
 thread advancing its pass, one at a time. An attempt's other fields are set
 before it is shared and never change. Nothing here points back at what holds
 it (an attempt names its task by number and its worker by index), so a dropped
@@ -174,7 +174,7 @@ class Attempt:
     Args:
         seq: the number of its task in its pass.
         worker: the index of its worker in the pool.
-        owner: the number of the pass that sent it (see :class:`rpcdl.data.pool.PassRecord`).
+        owner: the number of the pass that sent it (see :class:`rpcdl.data.worker_pool.PassRecord`).
         sent_at: when it was sent, by the pool's clock.
         future: the call's future.
     """

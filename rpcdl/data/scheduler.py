@@ -1,7 +1,7 @@
 """One pass over a source of payloads, each sent to workers that may be slow, fail, restart or come back.
 
 A :class:`Dispatch` is one pass (an epoch of a loader, a pass of a remote map)
-over a :class:`~rpcdl.data.pool.WorkerPool`:
+over a :class:`~rpcdl.data.worker_pool.WorkerPool`:
 
 - each payload goes to the worker expected to finish it first (its calls in
   flight times its service time), at most its window of calls in flight (at
@@ -42,7 +42,7 @@ loop, and the consumer unpickles each answer it takes, outside the pool's lock.
 
 A pass that is dropped without being closed is freed by reference counting
 (nothing here refers back to it) and its calls are let go by the pool at its
-next step (see :meth:`rpcdl.data.pool.PoolState.reclaim_dropped`).
+next step (see :meth:`rpcdl.data.worker_pool.PoolState.reclaim_dropped`).
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from ..errors import RPCDLError, WorkerLeaving, WorkerTimeout
 from ..rpc.calls import when_answered
 from .events import Answered, Orphaned, PassEvent, post
 from .guard import EntryGuard
-from .pool import PassRecord, PoolState, Registration, WorkerPool
 from .records import Attempt, Task, TaskState, WorkerSlot, WorkerState
 from .scheduling_policy import AllDownWatch, is_worker_failure
+from .worker_pool import PassRecord, PoolState, Registration, WorkerPool
 
 __all__ = ["Call", "Dispatch", "NoWorkersLeft", "PassState"]
 

@@ -1,6 +1,6 @@
 """The scheduler's decisions, as plain functions of the workers' and tasks' records and the time.
 
-:class:`~rpcdl.data.scheduler.Dispatch` and :class:`~rpcdl.data.pool.WorkerPool`
+:class:`~rpcdl.data.scheduler.Dispatch` and :class:`~rpcdl.data.worker_pool.WorkerPool`
 do the I/O (calls, futures, queues, logging); they ask a
 :class:`SchedulingPolicy` what to do. Nothing here reads a clock, sleeps,
 sends or waits: the time is an argument (``now``, from the pool's injected
@@ -12,7 +12,7 @@ is left and what to report.
 
 Threading: no thread, no lock of its own. A :class:`SchedulingPolicy` does not
 change after it is made; the records it reads and updates belong to their
-pool's lock, which its caller holds (see :mod:`rpcdl.data.pool`). An
+pool's lock, which its caller holds (see :mod:`rpcdl.data.worker_pool`). An
 :class:`AllDownWatch` belongs to the thread advancing its pass.
 
 Invariants, between any two steps of the threads advancing passes (each step
