@@ -7,7 +7,7 @@ batches made) and those sending (bytes out, calls answered); :meth:`Counters.tot
 reads them all at once under the lock, so a call is never seen answered and not received.
 
 A thread running a call knows its worker's counters through a thread-local
-(:func:`running_for`, set by :class:`rpcdl.server.calls.CallRunner`), so that
+(:func:`running_for`, set by :class:`rpcdl.server.call_runner.CallRunner`), so that
 the data layer's batch functions count their batches (:func:`count_batches`)
 without being handed the worker: each thread owns its own value.
 """

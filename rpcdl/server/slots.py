@@ -30,7 +30,7 @@ from ..errors import ConnectionLost
 from ..rpc.rref import RRefStore
 from ..transport.control import encode_rejected
 from ..transport.wire import Frame, Kind
-from .calls import Session
+from .call_runner import Session
 from .fair_queue import FairQueue
 
 QUICK_CALL = 0.0005  #: seconds: the answer of a quicker call may wait for the next call's (see Session.send)

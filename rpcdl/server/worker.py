@@ -74,7 +74,7 @@ from ..transport.security import Token, default_server_tls, resolve_token
 from ..transport.shm import WorkerSegment, resolve_bytes
 from ..transport.wire import Frame, Kind, Limits
 from .admission import DEFAULT_MAX_SESSIONS, MAX_HANDSHAKES_ENV, Admission, Full, Pending, QuietLog, max_handshakes
-from .calls import CallRunner
+from .call_runner import CallRunner
 from .counters import Counters
 from .draining import ANNOUNCE_WAIT, serve_until_stopped
 from .metrics import serve_worker_metrics
