@@ -30,7 +30,6 @@ from rpcdl.data.dataloader import RPCDataloader, check_max_batches_per_call
 from rpcdl.data.dataset import RPCDataset
 from rpcdl.data.elastic import ElasticDistributedSampler
 from rpcdl.data.flow import FlowSnapshot
-from rpcdl.data.metrics import serve_metrics_from_environment
 from rpcdl.data.resume import WHOLE_EPOCH, epoch_batches
 from rpcdl.data.sources import (
     WORKERS_ENV,
@@ -41,6 +40,7 @@ from rpcdl.data.sources import (
     worker_source,
     workers_from_environment,
 )
+from rpcdl.data.trainer_metrics import serve_metrics_from_environment
 from rpcdl.integrations._recipes import dataset_recipe, import_object
 from rpcdl.local import LocalWorkers, local_workers
 from rpcdl.seeding import derive_seed

@@ -43,7 +43,7 @@ _EXPORTS = {
     "WorkerSource": "data.sources",
     "local_workers": "local",
     "set_random_seeds": "seeding",
-    "serve_metrics": "data.metrics",
+    "serve_metrics": "data.trainer_metrics",
     "CacheLoader": "data.cache.cached",
     "CachedDataset": "data.cache.cached",
 }
@@ -106,9 +106,9 @@ if TYPE_CHECKING:
     from .data.cache.cached import CachedDataset, CacheLoader
     from .data.dataloader import RPCDataloader
     from .data.dataset import RPCDataset
-    from .data.metrics import serve_metrics
     from .data.scheduler import NoWorkersLeft
     from .data.sources import WorkerSource
+    from .data.trainer_metrics import serve_metrics
     from .errors import (
         AuthenticationError,
         CacheUnavailable,

@@ -80,7 +80,7 @@ DOCTEST_MODULES = [
     "rpcdl.data.samplers",
     "rpcdl.data.chunked_pass",
     "rpcdl.data.flow",
-    "rpcdl.data.metrics",
+    "rpcdl.data.trainer_metrics",
     "rpcdl.data.guard",
     "rpcdl.data.worker_pool",
     "rpcdl.data.records",

@@ -31,7 +31,7 @@ from helpers import RangeDataset, free_port
 import rpcdl
 from rpcdl.data import epoch as epoch_module
 from rpcdl.data.flow import CallSeconds, DataFlow, FlowSnapshot
-from rpcdl.data.metrics import serve_metrics_from_environment
+from rpcdl.data.trainer_metrics import serve_metrics_from_environment
 from rpcdl.metrics.names import TRAINER_METRICS, WORKER_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,7 +219,7 @@ def test_loaders_on_several_threads_count_every_batch_while_scraped(two_workers)
     import threading
 
     from rpcdl.data.flow import PROCESS_FLOW
-    from rpcdl.data.metrics import TrainerCollector
+    from rpcdl.data.trainer_metrics import TrainerCollector
 
     collector = TrainerCollector()
     start = PROCESS_FLOW.snapshot()
@@ -291,7 +291,7 @@ def test_serve_metrics_serves_a_port_once_and_names_a_taken_one(monkeypatch):
 
 
 def test_every_metric_is_exposed_and_in_the_documentation_table(embedded_worker):
-    from rpcdl.server.metrics import serve_worker_metrics
+    from rpcdl.server.worker_metrics import serve_worker_metrics
 
     worker = embedded_worker()
     server = serve_worker_metrics(worker, 0, "127.0.0.1")
@@ -329,7 +329,7 @@ def test_the_worker_command_names_a_taken_metrics_port(tmp_path):
 
 
 def test_worker_metrics_stop_with_the_worker_and_refuse_a_taken_port(embedded_worker):
-    from rpcdl.server.metrics import serve_worker_metrics
+    from rpcdl.server.worker_metrics import serve_worker_metrics
 
     worker = embedded_worker()
     server = serve_worker_metrics(worker, 0, "127.0.0.1")

@@ -44,10 +44,10 @@ from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan
 from .epoch_book import EpochBook
 from .fetch import fetch_batches_at, fetch_samples_at
 from .flow import LIVE_POOLS, PROCESS_FLOW, DataFlow, FlowSnapshot
-from .metrics import serve_metrics_from_environment
 from .probes import PROBE_TIMEOUT
 from .resume import epoch_batches, loader_shape, read_loader_state, write_loader_state
 from .torch_rules import FIXED_ATTRIBUTES, refuse_torch_only
+from .trainer_metrics import serve_metrics_from_environment
 from .worker_pool import WorkerPool
 
 log = logging.getLogger("rpcdl.dataloader")

@@ -1,6 +1,6 @@
 """The names of rpcdl's Prometheus metrics, their kinds and what they measure: the one table of them.
 
-The collectors (:mod:`rpcdl.server.metrics` for workers, :mod:`rpcdl.data.metrics`
+The collectors (:mod:`rpcdl.server.worker_metrics` for workers, :mod:`rpcdl.data.trainer_metrics`
 for trainers) take their help texts from here, and the documentation's table
 is checked against it.
 """

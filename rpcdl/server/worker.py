@@ -77,12 +77,12 @@ from .admission import DEFAULT_MAX_SESSIONS, MAX_HANDSHAKES_ENV, Admission, Full
 from .call_runner import CallRunner
 from .counters import Counters
 from .draining import ANNOUNCE_WAIT, serve_until_stopped
-from .metrics import serve_worker_metrics
 from .receiving import Scratch
 from .registration import Registration
 from .session import ClientConnection, shutdown_socket
 from .slots import Slots
 from .streaming import stream
+from .worker_metrics import serve_worker_metrics
 
 log = logging.getLogger("rpcdl.worker")
 
@@ -703,7 +703,7 @@ def run_worker(
         watch_pid: stop as SIGTERM would when the process with this pid is gone
             (local workers follow the process that started them).
         metrics_port: serve Prometheus metrics at ``http://HOST:PORT/metrics`` on
-            ``host``, this port (``0`` picks one; see :mod:`rpcdl.server.metrics`);
+            ``host``, this port (``0`` picks one; see :mod:`rpcdl.server.worker_metrics`);
             ``None``: no metrics.
         register: a Redis registry to join while serving,
             ``redis://HOST:PORT[/DB]?key=KEY[&ttl=SECONDS]`` (see :mod:`rpcdl.registry`):
