@@ -32,8 +32,8 @@ from rpcdl.checks import check_int, check_positive_int
 from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ChunkedPassState
 from rpcdl.data.dataloader import RPCDataloader
 from rpcdl.data.dataset import RPCDataset
-from rpcdl.data.distributed import rank_and_world_size
 from rpcdl.data.guard import EntryGuard
+from rpcdl.data.ranks import rank_and_world_size
 from rpcdl.data.sources import WorkerSource
 
 from ._remote_map import DEFAULT_MAX_CHUNK_SIZE, RemoteMap, check_fn, check_options, listed, workers_or_source

@@ -1,6 +1,6 @@
-"""Distributed training helpers (the public path; they live in ``rpcdl.data.distributed``)."""
+"""Distributed training helpers (the public path; they live in ``rpcdl.data.ranks``)."""
 
-from .data.distributed import distributed_loader, merge_states, shard_workers
 from .data.elastic import ElasticDistributedSampler
+from .data.ranks import distributed_loader, merge_states, shard_workers
 
 __all__ = ["ElasticDistributedSampler", "distributed_loader", "merge_states", "shard_workers"]

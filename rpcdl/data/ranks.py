@@ -1,4 +1,4 @@
-"""Helpers for data-parallel training: split workers and data across ranks.
+"""Helpers for data-parallel training: split workers and data across ranks (public as :mod:`rpcdl.distributed`).
 
 Threading: plain functions; they keep no state (the rank and world size come
 from the arguments or from torch.distributed's initialized group).

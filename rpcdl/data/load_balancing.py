@@ -4,7 +4,8 @@ Samples of variable cost (sequence lengths, image sizes) make replicas of a
 data-parallel job wait for the slowest. These samplers sort the samples by a
 measure of their cost, cut the sorted list into chunks of ``num_replicas``
 samples and give each replica one sample of every chunk, so the replicas'
-total costs differ by at most the cost of one sample.
+total costs differ by at most the cost of one sample. Users import them from
+:mod:`rpcdl.samplers`.
 
 Threading: as torch's samplers, a sampler is set (``set_epoch``) and iterated
 by the threads of the training loop; an :class:`~rpcdl.RPCDataloader` tells it
@@ -25,7 +26,7 @@ from torch.utils.data import Dataset, Sampler
 from ..checks import check_int, check_number
 from ..rpc.client import rpc_sync
 from .dataset import RPCDataset
-from .distributed import rank_and_world_size
+from .ranks import rank_and_world_size
 
 
 def _complexities_of(dataset: Any, complexity_fn: Callable[[Any], Any]) -> list[Any]:
