@@ -228,10 +228,10 @@ class _TrainerLoader(RPCDataloader):
         self._epoch_source = epoch_source
         self._batch_limit = batch_limit
 
-    def _requested_epoch(self) -> int | None:
+    def requested_epoch(self) -> int | None:
         return self._epoch_source()  # a loaded state still wins: it names its own epoch
 
-    def _consumer_limit(self) -> float:
+    def epoch_batch_limit(self) -> float:
         # Lightning ends an epoch at its batch limit without asking for more batches.
         return self._batch_limit()
 

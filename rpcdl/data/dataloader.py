@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ..checks import check_int, check_loader_timeout, check_positive_int
+from ..checks import check_int, check_loader_timeout, check_number, check_positive_int
 from .chunked_pass import ServedCounts
 from .chunks import ChunkSizer
 from .dataset import DatasetSetup, RPCDataset
@@ -287,7 +287,8 @@ class RPCDataloader:
         """Make the next iteration epoch ``epoch``.
 
         Otherwise epochs count iterations from 0, or follow the epoch last given
-        to the sampler's own ``set_epoch`` when the training loop calls it.
+        to the sampler's own ``set_epoch`` when the training loop calls it. A
+        subclass's :meth:`requested_epoch`, when it names one, comes first.
         """
         self._epochs.choose(check_int(epoch, "epoch", minimum=0))
 
@@ -334,20 +335,66 @@ class RPCDataloader:
         for iterator in self._epochs.open_iterators():
             iterator.close()
 
-    def _requested_epoch(self) -> int | None:
-        """The epoch the next iteration must be, when something outside the loader decides it (a trainer's
-        current epoch); ``None``: the loader's rules (see :meth:`set_epoch`)."""
+    def requested_epoch(self) -> int | None:
+        """The epoch the next iteration must be, when something outside the loader decides it.
+
+        An extension point for subclasses, as Lightning's ``LightningDataModule``
+        hooks are: a trainer's loader returns the trainer's current epoch, so
+        that the loader's epochs (the sampler's ``set_epoch``, the workers'
+        reseeding) follow the trainer whatever iterators it made and dropped
+        meanwhile. The loader calls it once as each epoch begins (the first
+        ``next()`` of an iterator), on the thread that advances that iterator.
+        A state loaded with :meth:`load_state_dict` still wins: it names its
+        own epoch.
+
+        Returns:
+            a non-negative epoch number, or ``None`` (the default) for the
+            loader's own rules: the epoch chosen with :meth:`set_epoch`, else the
+            one the user last told the sampler (its ``set_epoch``), else the one
+            after the last.
+
+        Example::
+
+            >>> class TrainerLoader(rpcdl.RPCDataloader):  # doctest: +SKIP
+            ...     def requested_epoch(self):
+            ...         return trainer.current_epoch
+        """
         return None
 
-    def _consumer_limit(self) -> float:
-        """The batches of an epoch its consumer takes at most, when something outside the loader ends epochs
-        early (a trainer's batch limit): a position there is the end of its epoch. Infinite: no limit."""
+    def epoch_batch_limit(self) -> float:
+        """The batches of an epoch its consumer takes at most, when something outside the loader ends epochs early.
+
+        An extension point for subclasses: a trainer that stops each epoch
+        after a number of batches without asking for more (Lightning's
+        ``limit_train_batches``) returns that number, so that a loader whose
+        epoch yielded that many batches tells, in :meth:`state_dict`, the start
+        of the next epoch rather than a position in this one. The loader calls
+        it in each :meth:`state_dict`, on the thread that calls that; it
+        matters only for a sampler with a length.
+
+        Returns:
+            a non-negative number of batches, or ``float("inf")`` (the
+            default): the consumer takes every batch.
+
+        Example::
+
+            >>> class TrainerLoader(rpcdl.RPCDataloader):  # doctest: +SKIP
+            ...     def epoch_batch_limit(self):
+            ...         return trainer.num_training_batches
+        """
         return float("inf")
 
     def _open_epoch(self) -> EpochPlan:
         """Begin an epoch (on its iterator's first ``next()``): what it needs."""
         batched = self.batch_sampler is not None
-        start = self._epochs.begin(self._requested_epoch(), self.batch_sampler if batched else self.sampler)
+        requested = check_int(
+            self.requested_epoch(),
+            f"{type(self).__name__}.requested_epoch()",
+            minimum=0,
+            optional=True,
+            wrong_type=TypeError,
+        )
+        start = self._epochs.begin(requested, self.batch_sampler if batched else self.sampler)
         position = start.position
         # torch's default collate (convert) function is named by None: nothing to pickle per call.
         default = default_collate if batched else default_convert
@@ -415,7 +462,9 @@ class RPCDataloader:
             batches: int | None = self._batches_numbered()
         except TypeError:
             batches = None
-        limit = self._consumer_limit()
+        limit = check_number(
+            self.epoch_batch_limit(), f"{type(self).__name__}.epoch_batch_limit()", minimum=0, unit="batches"
+        )
         position = self._epochs.position(min(batches, limit) if batches is not None else None)
         elastic = self._elastic_sampler()
         layout = elastic.layout() if elastic is not None else None
