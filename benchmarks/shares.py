@@ -1,18 +1,25 @@
 """The shares of a changing fleet at scale (rpcdl.data.shares): balance, movement and time.
 
-Usage: python benchmarks/shares.py [--workers 4096] [--ranks 1024] [--changes 200] [--seed 0]
+Usage: python benchmarks/shares.py [--ranks 1024] [--sizes 4096,4000,4097,1024,8192] [--changes 200]
+       [--seeds 0,1] [--workers 4096]
 
 Prints:
 
 * balance: for many (W, R), whether every rank got floor(W/R) or ceil(W/R) workers (one each with W < R, no
   worker serving more than ceil(R/W) ranks);
-* movement: over random single joins and leaves of a fleet of W workers over R ranks (W, W - 96, W / 2,
-  W / 4 and 2 W), the (rank, worker) pairs of the assignment that changed, as a fraction of its pairs, max,
-  mean and median. A worker moved from rank a to rank b is one pair changed ((a, w) became (b, w)); the
-  joined or left worker's pair is one more. That is the larger of (pairs only before, pairs only after);
-  counting both sides would count each moved worker twice against the pairs of one assignment;
-* time: one assignment of the whole fleet, and every rank's share computed in one process (as every rank of
-  a job does after a change), from a cold cache.
+* movement: for each fleet size W of ``--sizes`` over ``--ranks`` ranks, and for each seed of ``--seeds`` a
+  fleet of W random addresses, ``--changes`` single changes of that fleet (joins and leaves in turn, each
+  one worker, each against the same fleet): the (rank, worker) pairs of the assignment that changed, as a
+  fraction of its pairs, mean, 99th percentile and max over all the changes of all the seeds, and the same
+  as moved workers (the joined or left worker not counted). A worker moved from rank a to rank b is one pair
+  changed ((a, w) became (b, w)); the joined or left worker's pair is one more. That is the larger of
+  (pairs only before, pairs only after); counting both sides would count each moved worker twice against
+  the pairs of one assignment;
+* time: one assignment of ``--workers`` workers, and every rank's share computed in one process (as every
+  rank of a job does after a change), from a cold cache.
+
+The figures of benchmarks/README.md come from ``--changes 500 --seeds 0,1,2,3`` (2,000 changes per size;
+about 15 minutes on a 2-vCPU machine).
 """
 
 from __future__ import annotations
@@ -55,14 +62,44 @@ def changed_pairs(before: set[tuple[int, str]], after: set[tuple[int, str]]) -> 
     return max(len(before - after), len(after - before))
 
 
+def changes(workers: int, ranks: int, count: int, seed: int) -> list[tuple[int, int]]:
+    """(pairs changed, pairs of the larger assignment) for each of ``count`` single joins and leaves (in turn) of
+    one random fleet of ``workers`` addresses over ``ranks`` ranks: the same list for the same arguments on
+    every run."""
+    rng = random.Random(seed)
+    fleet = _fleet(workers, rng)
+    base = _pairs(shares.assignment(fleet, ranks))
+    counts = []
+    for change in range(count):
+        if change % 2 == 0:
+            changed = [*fleet, f"10.200.{change // 256}.{change % 256}:{7000 + seed}"]
+        else:
+            changed = list(fleet)
+            changed.pop(rng.randrange(len(changed)))
+        after = _pairs(shares.assignment(changed, ranks))
+        counts.append((changed_pairs(base, after), max(len(base), len(after))))
+    return counts
+
+
+def _percentile(ordered: list, fraction: float):
+    return ordered[min(len(ordered) - 1, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=4096)
     parser.add_argument("--ranks", type=int, default=1024)
-    parser.add_argument("--changes", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sizes", type=_sizes, default=[4096, 4000, 4097, 1024, 8192], help="fleet sizes W")
+    parser.add_argument("--changes", type=int, default=200, help="single joins and leaves per size and seed")
+    parser.add_argument("--seeds", type=_sizes, default=[0, 1], help="one random fleet per seed")
+    parser.add_argument("--workers", type=int, default=4096, help="the fleet size of the time measure")
     options = parser.parse_args()
-    rng = random.Random(options.seed)
+    if options.ranks < 1 or options.changes < 1 or not options.seeds or min(options.sizes, default=0) < 2:
+        parser.error("--ranks and --changes must be at least 1, --seeds not empty, every size at least 2")
+    rng = random.Random(options.seeds[0])
 
     sizes = [
         (w, r) for r in (1, 2, 3, 7, 8, 16, 64, 100, 1024) for w in (1, 2, r - 1, r, r + 1, 4 * r, 4 * r + 3, 10 * r)
@@ -70,23 +107,15 @@ def main() -> None:
     bad = [(w, r) for w, r in sizes if w >= 1 and not _balanced(_fleet(w, rng), r)]
     print(f"balance: {len(sizes) - len(bad)} of {len(sizes)} (W, R) balanced{'; not: ' + str(bad) if bad else ''}")
 
-    size = options.workers
-    for workers in (size, size - 96, size // 2, size // 4, 2 * size):
-        fleet = _fleet(workers, rng)
-        base = _pairs(shares.assignment(fleet, options.ranks))
-        fractions = []
-        for change in range(options.changes):
-            if change % 2 == 0:
-                changed = [*fleet, f"10.200.{change // 256}.{change % 256}:7000"]
-            else:
-                changed = list(fleet)
-                changed.pop(rng.randrange(len(changed)))
-            after = _pairs(shares.assignment(changed, options.ranks))
-            fractions.append(changed_pairs(base, after) / max(len(base), len(after)))
+    for workers in options.sizes:
+        measured = [pair for seed in options.seeds for pair in changes(workers, options.ranks, options.changes, seed)]
+        fractions = sorted(changed / pairs for changed, pairs in measured)
+        moved = sorted(changed - 1 for changed, _ in measured)  # the joined or left worker is not a move
         print(
-            f"movement at W={workers} R={options.ranks} over {options.changes} single joins and leaves: pairs "
-            f"changed max {max(fractions):.2%} mean {statistics.mean(fractions):.2%} "
-            f"median {statistics.median(fractions):.2%}"
+            f"movement at W={workers} R={options.ranks}, {len(measured)} changes ({len(options.seeds)} seeds): "
+            f"pairs changed mean {statistics.mean(fractions):.2%} p99 {_percentile(fractions, 0.99):.2%} "
+            f"max {fractions[-1]:.2%}; moved workers mean {statistics.mean(moved):.1f} "
+            f"p99 {_percentile(moved, 0.99)} max {moved[-1]}"
         )
 
     fleet = tuple(_fleet(options.workers, rng))  # a new fleet: nothing cached

@@ -101,27 +101,25 @@ def test_the_scale_of_a_large_job():
     assert _changed(_pairs(shares), _pairs(grown)) <= 0.01 * 4097
 
 
-@pytest.mark.parametrize("workers", [4096, 4000])
-def test_a_join_or_a_leave_at_scale_changes_at_most_one_percent(workers):
-    """The worst of a fixed set of joins and leaves at 1,024 ranks: at most 1% of the (rank, worker) pairs.
+#: The worst share of pairs one change may change, per fleet size over 1,024 ranks, in the fixed set of changes
+#: below. The moved workers of a change do not grow with the fleet (a chain about as long as the tree is deep,
+#: see rpcdl.data.shares), so the fraction shrinks as W grows; with one worker per rank (W = R) the same count
+#: is a larger part of the fleet. A cascade (one change spreading into many) breaks every one of these.
+_WORST = {4096: 0.01, 4000: 0.005, 4097: 0.01, 8192: 0.005, 1024: 0.04}
+
+
+@pytest.mark.parametrize("workers", sorted(_WORST))
+def test_a_join_or_a_leave_at_scale_changes_few_pairs(workers):
+    """The worst of a fixed set of joins and leaves over 1,024 ranks, counted as ``benchmarks/shares.py`` counts.
 
     The assignment is a pure function of the set, so the figure is the same on every run: a change to the
     algorithm that lets a join or a leave cascade shows here.
     """
-    addresses = _fleet(workers, 7)
-    before = _pairs(assignment(addresses, 1024))
-    rng = random.Random(11)
-    worst = 0
-    for change in range(12):
-        if change % 2 == 0:
-            changed = [*addresses, f"10.99.{change}.1:7000"]
-        else:
-            gone = rng.randrange(workers)
-            changed = addresses[:gone] + addresses[gone + 1 :]
-        after = _pairs(assignment(changed, 1024))
-        assert len(after) == len(changed)  # every worker serves one rank
-        worst = max(worst, _changed(before, after) / max(len(before), len(after)))
-    assert worst <= 0.01, f"a change moved {worst:.2%} of the pairs"
+    measured = _load_benchmark().changes(workers, 1024, 10, seed=7)
+    assert len(measured) == 10
+    worst = max(changed / pairs for changed, pairs in measured)
+    assert worst <= _WORST[workers], f"a change moved {worst:.2%} of the pairs at {workers} x 1,024"
+    assert all(pairs in (workers, workers + 1) for _, pairs in measured)  # every worker serves one rank
 
 
 @pytest.mark.parametrize(
@@ -131,12 +129,28 @@ def test_a_join_or_a_leave_at_scale_changes_at_most_one_percent(workers):
 )  # fmt: skip
 def test_balance_at_the_edges(workers, world_size):
     """W = R, W = R +- 1, primes, and fewer workers than ranks: floor or ceil, every worker used."""
-    addresses = _fleet(workers, workers * 31 + world_size)
+    _assert_balanced(_fleet(workers, workers * 31 + world_size), world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8, 13, 64, 100, 1000, 1024])
+def test_balance_over_many_fleet_sizes(world_size):
+    """Every fleet size around the multiples of R, from one worker to four per rank and more, at large R too."""
+    sizes = {1, 2, 3, world_size // 2, world_size - 1, world_size, world_size + 1, 2 * world_size - 1}
+    sizes |= {2 * world_size + 1, 4 * world_size - 1, 4 * world_size, 4 * world_size + 3}
+    for workers in sorted(size for size in sizes if size >= 1):
+        _assert_balanced(_fleet(workers, workers + 7 * world_size), world_size)
+
+
+def _assert_balanced(addresses: list[str], world_size: int) -> None:
+    """The invariants of rpcdl.data.shares's docstring, for one fleet: balance, nobody idle, order ignored."""
+    workers = len(addresses)
     shares = assignment(addresses, world_size)
+    assert len(shares) == world_size
     served = Counter(worker for share in shares for worker in share)
-    assert set(served) == set(addresses)
+    assert set(served) == set(addresses), f"a worker serves no rank at {workers} x {world_size}"
     if workers >= world_size:
-        assert {len(share) for share in shares} <= {workers // world_size, math.ceil(workers / world_size)}
+        sizes = {len(share) for share in shares}
+        assert sizes <= {workers // world_size, math.ceil(workers / world_size)}, f"{sizes} at {workers} x {world_size}"
         assert set(served.values()) == {1}
     else:
         assert all(len(share) == 1 for share in shares)

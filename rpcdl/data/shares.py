@@ -13,11 +13,13 @@ Invariants:
   ``ceil(R/W)`` ranks.
 * **Few moves.** A worker that joins or leaves moves some other workers
   between ranks, each one (rank, worker) pair of the assignment changed: a
-  chain of crossings from where the change lands to the rank whose count
-  changes, about as long as the tree is deep, where splitting the sorted
-  order into runs moves about ``R / 2``. ``benchmarks/shares.py`` measures the
-  mean and the worst over many changes; a test bounds the worst of a fixed
-  set of changes at 4,096 workers over 1,024 ranks.
+  few chains of crossings, each at most as long as the tree is deep, where
+  splitting the sorted order into runs moves about ``R / 2``. The count of
+  moved workers depends on ``R``, not on ``W``, so the changed part of the
+  pairs falls as the fleet grows. ``benchmarks/shares.py``
+  measures the mean, the 99th percentile and the worst over many changes;
+  tests bound the worst of a fixed set of changes at 1,024 ranks for 1,024,
+  4,000, 4,096, 4,097 and 8,192 workers.
 
 How (``W >= R``). Each address has two hashes: a position ``p`` in ``[0, 1)``
 and a priority ``g``. The ranks are split in halves recursively (a binary tree
@@ -52,12 +54,24 @@ crossed crosses again first: when a half must give one back, it gives the
 one that just came in, so a change travels as one worker passed on, from the
 node where it is forced towards the rank that takes the extra, instead of
 each crossing handing both halves a different change (a worker in and one
-out at independent places) that then spread in both. Where ``W`` is an exact
-multiple of ``R`` every count is forced and a change always reaches a rank of
-the other side; between multiples the counts have slack and fewer workers
-cross. With about one worker per rank, a change moves a large part of a small
-fleet. A leave is the same in reverse. Rendezvous hashing moves nobody but is
-uneven (some ranks get none); this gives up those moves for the balance.
+out at independent places) that then spread in both.
+
+Where the moves come from. Where ``W`` is an exact multiple of ``R`` every
+count is forced, and the rank that takes the extra lies at the end of a path
+of ``log2 R`` nodes. At each of them the newcomer (or the worker it passed
+on) lands on the extra's side or not: one chance in two, whatever rule
+picks that side from the counts, since no rule can tell from the set which
+of its workers is the new one. When not, one worker of its side crosses
+instead, and that side is left with a swap: one worker in, another out.
+A swap goes down to a leaf as one moved worker while its two workers stay
+on one side of each node, or while the worker that must cross is the one
+that came in; at about one node in five it is neither, and the swap becomes
+two. So a change moves about half the depth's worth of workers, times that
+growth: some 16 on average at 1,024 ranks, whatever ``W``, and in a few
+changes in a thousand two or three times as many. Between multiples the
+counts have slack and fewer workers cross. A leave is the same in reverse.
+Rendezvous hashing moves nobody but is uneven (some ranks get none); this
+gives up those moves for the balance.
 
 With ``W < R`` the same tree gives ``W`` ranks one worker each (``Q = 0``, so
 that one worker more or less near ``W = R`` moves as few as elsewhere); the
