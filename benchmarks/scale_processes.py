@@ -252,6 +252,8 @@ def _trainer_peers(addresses: list[str], counts: list[int]) -> int:
     import gc
     import tracemalloc
 
+    import torch  # noqa: F401  (its memory is not the connections')
+
     import rpcdl
 
     tracemalloc.start()
@@ -269,6 +271,8 @@ def _trainer_peers(addresses: list[str], counts: list[int]) -> int:
 def _worker_sessions(address: str, counts: list[int]) -> int:
     """Hold ``counts`` sessions on the worker at ``address`` in turn (this process and forked trainers, one
     call each); print the worker's figures per step, read by a call from this process."""
+    import torch  # noqa: F401  (imported once here, not by every forked trainer as it connects)
+
     import rpcdl
 
     def probe() -> dict[str, Any]:
