@@ -277,7 +277,7 @@ def _run_script(name: str, *args: str, timeout: float = 100) -> subprocess.Compl
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.timeout(200)  # five processes start torch at once: on a loaded machine, a minute
+@pytest.mark.timeout(200)  # five processes start torch at once, on a machine that may be busy
 def test_the_real_process_scale_bench_reports_threads_files_and_memory_per_peer_on_both_sides(tmp_path):
     report = tmp_path / "peers.json"
     counts = ["--trainer-workers", "1,2", "--worker-trainers", "1,2"]
