@@ -21,9 +21,11 @@ Each system runs in a trainer process of its own, set up once and warmed up
 and each round measures one epoch of ``--batches`` batches in that process:
 its user + system CPU seconds (``resource.getrusage(RUSAGE_SELF)``: every
 thread of the trainer process, none of its workers'), its minor page faults,
-its wall time. The batches are dropped unread, as a trainer that hands them to
-a GPU copy would leave their reading to the copy. Printed: each round's CPU
-per GB and its ratio to the socket's in the same round, and the medians::
+its wall time, and the load average of the minute as the epoch ends. The
+batches are dropped unread, as a trainer that hands them to a GPU copy would
+leave their reading to the copy. Printed: each round's CPU per GB and its ratio
+to the socket's in the same round, and the medians, each with the load beside
+it (the machine may be shared)::
 
     python benchmarks/trainer_cpu.py --rounds 3 [--batches 48] [--json FILE]
 
@@ -249,6 +251,7 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
             process.stdin.flush()
             figures = json.loads(process.stdout.readline())
             figures["cpu_per_gb"] = figures["cpu"] / (figures["bytes"] / 1e9)
+            figures["load"] = os.getloadavg()[0]  # the minute's, as this epoch ends
             return figures
 
         def show(index: int, measured: dict[str, dict[str, float]]) -> None:
@@ -260,7 +263,7 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
                 print(
                     f"  {system:21s} {figures['cpu_per_gb']:.3f} CPU s/GB{ratio} (user {figures['user']:.2f} s, "
                     f"sys {figures['sys']:.2f} s, {figures['minflt_per_batch']:.1f} page faults/batch, "
-                    f"{figures['bytes'] / 1e6 / figures['wall']:.0f} MB/s)",
+                    f"{figures['bytes'] / 1e6 / figures['wall']:.0f} MB/s; load {figures['load']:.1f})",
                     flush=True,
                 )
 
@@ -277,7 +280,8 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
             per_gb = harness.median(measured[system]["cpu_per_gb"] for measured in rounds)
             ratios = [m[system]["cpu_per_gb"] / m["socket"]["cpu_per_gb"] for m in rounds if "socket" in m]
             ratio = f", {harness.median(ratios):.2f}x socket" if ratios else ""
-            print(f"  {system:21s} {per_gb:.3f} CPU s/GB{ratio}")
+            loads = [measured[system]["load"] for measured in rounds]
+            print(f"  {system:21s} {per_gb:.3f} CPU s/GB{ratio} (load {min(loads):.1f}-{max(loads):.1f})")
         harness.save_json(args.json, {"rounds": rounds})
     finally:
         if profiler is not None:

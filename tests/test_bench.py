@@ -268,3 +268,50 @@ def test_releasing_a_parallel_mapper_stops_its_processes():
     assert _ended(started) == []
     with pytest.raises(RuntimeError, match="released"):
         next(mapper)
+
+
+def _run_script(name: str, *args: str, timeout: float = 100) -> subprocess.CompletedProcess:
+    """``python benchmarks/NAME ARGS``, this checkout's rpcdl first on its path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, str(BENCHMARKS / name), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(200)  # five processes start torch at once, on a machine that may be busy
+def test_the_real_process_scale_bench_reports_threads_files_and_memory_per_peer_on_both_sides(tmp_path):
+    report = tmp_path / "peers.json"
+    counts = ["--trainer-workers", "1,2", "--worker-trainers", "1,2"]
+    result = _run_script("scale_processes.py", "--part", "peers", *counts, "--json", str(report), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if " peers: " in line]
+    expected = [
+        "one trainer,   1 workers:",
+        "one trainer,   2 workers:",
+        "one trainer, per worker from 1 to 2:",
+        "one worker,   1 trainers:",
+        "one worker,   2 trainers:",
+        "one worker, per trainer from 1 to 2:",
+    ]
+    assert [next((text for text in expected if text in line), line) for line in lines] == expected
+    for line in lines:
+        assert re.search(r"threads .*files.*RSS .*Python .*\(load \d+\.\d\)$", line), line
+    peers = json.loads(report.read_text())["variants"]["after"]["peers"]
+    for side in ("trainer", "worker"):
+        first, second = peers[side]
+        assert (first["peers"], second["peers"]) == (1, 2)
+        assert second["sockets"] >= first["sockets"] + 1, (side, first, second)  # the new peer's connection is open
+        assert (
+            first["threads"] >= first["python_threads"] >= first["rpcdl_threads"] == sum(first["rpcdl_kinds"].values())
+        )
+        assert first["rss_mb"] > 0 and first["python_mb"] >= 0 and first["load"] >= 0
+    assert peers["trainer"][0]["rpcdl_threads"] >= 1  # the call went through rpcdl's own threads
+    assert set(peers["trainer_per_worker"]) == set(peers["worker_per_trainer"]) >= {"threads", "fds", "rss_mb", "load"}
+
+
+def test_the_trainer_cpu_bench_prints_the_load_beside_every_figure():
+    result = _run_script("trainer_cpu.py", "--rounds", "1", "--batches", "2", "--systems", "socket", "frames")
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = [line for line in result.stdout.splitlines() if "CPU s/GB" in line]
+    assert len(figures) == 4  # each system's round, then its median
+    for line in figures:
+        assert re.search(r"load \d+\.\d(-\d+\.\d)?\)$", line), line
