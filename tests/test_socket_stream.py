@@ -128,17 +128,27 @@ def test_the_end_of_the_stream_reaches_the_protocol_and_later_writes_are_dropped
         _abort(stream)
 
 
-def test_a_call_over_plain_tcp_is_sent_by_its_caller_while_the_loop_is_busy(tmp_path):
+@pytest.fixture(scope="module")
+def worker_process():
+    """An ``rpcdl worker`` process on loopback (plain TCP), its address."""
+    process, address = start_worker_process()
+    try:
+        yield address
+    finally:
+        rpcdl.shutdown()
+        stop_process(process, grace=5.0)
+
+
+def test_a_call_over_plain_tcp_is_sent_by_its_caller_while_the_loop_is_busy(worker_process, tmp_path):
     """The frame goes out from the calling thread: a worker in another process runs the call while this
     process's loop is held by a callback."""
-    process, address = start_worker_process()
     held, release = threading.Event(), threading.Event()
     try:
-        assert rpcdl.rpc_sync(address, pow, (2, 3), timeout=30) == 8  # connected
+        assert rpcdl.rpc_sync(worker_process, pow, (2, 3), timeout=30) == 8  # connected
         marker = tmp_path / "ran"
         event_loop.call_soon(lambda: (held.set(), release.wait(20)))
         assert held.wait(10)
-        future = rpcdl.rpc_async(address, marker.mkdir, timeout=30)
+        future = rpcdl.rpc_async(worker_process, marker.mkdir, timeout=30)
         for _ in range(100):
             if marker.exists():
                 break
@@ -149,5 +159,10 @@ def test_a_call_over_plain_tcp_is_sent_by_its_caller_while_the_loop_is_busy(tmp_
         assert ran_while_held, "the call did not reach the worker while the client's loop was busy"
     finally:
         release.set()
-        rpcdl.shutdown()
-        stop_process(process, grace=5.0)
+
+
+def test_an_answer_with_a_payload_larger_than_its_first_memory_arrives_whole(worker_process):
+    """A large pickled answer is received into memory that grows as its bytes arrive, over the stream."""
+    size = 24 << 20  # far above GROWN_PAYLOAD_BYTES: the memory grows several times
+    answer = rpcdl.rpc_sync(worker_process, bytes, (size,), timeout=60)
+    assert len(answer) == size and answer.count(0) == size

@@ -200,7 +200,7 @@ class SocketStream:
                 if buffered:
                     target = protocol.get_buffer(-1)
                     received = self._sock.recv_into(target)
-                    size = len(target)
+                    size, target = len(target), None  # a growing payload's memory cannot grow while viewed
                 else:
                     data = self._sock.recv(_RECEIVE_BYTES)
                     received, size = len(data), _RECEIVE_BYTES
