@@ -11,8 +11,10 @@ import asyncio
 import socket
 import struct
 import threading
+import time
 
 import pytest
+import torch
 from helpers import start_worker_process
 
 import rpcdl
@@ -166,3 +168,21 @@ def test_an_answer_with_a_payload_larger_than_its_first_memory_arrives_whole(wor
     size = 24 << 20  # far above GROWN_PAYLOAD_BYTES: the memory grows several times
     answer = rpcdl.rpc_sync(worker_process, bytes, (size,), timeout=60)
     assert len(answer) == size and answer.count(0) == size
+
+
+def test_a_tensor_may_change_once_its_call_returns_while_another_call_is_in_flight(worker_process):
+    """With a call in flight the frame goes to the loop, which writes it later: its tensor is copied first."""
+    held, release = threading.Event(), threading.Event()
+    try:
+        assert rpcdl.rpc_sync(worker_process, pow, (2, 3), timeout=30) == 8  # connected
+        slow = rpcdl.rpc_async(worker_process, time.sleep, (0.5,), timeout=30)
+        event_loop.call_soon(lambda: (held.set(), release.wait(20)))
+        assert held.wait(10)
+        tensor = torch.ones(1000)
+        future = rpcdl.rpc_async(worker_process, torch.sum, (tensor,), timeout=30)
+        tensor.zero_()  # allowed once rpc_async returned; the loop has not written the call yet
+        release.set()
+        assert future.wait().item() == 1000.0
+        slow.wait()
+    finally:
+        release.set()

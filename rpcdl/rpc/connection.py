@@ -9,39 +9,40 @@ Threads and what each owns (the one statement of the connection's model):
   (:class:`~rpcdl.transport.frame_protocol.FrameProtocol`, for which the
   connection is the sink) and completes their futures, fails overdue calls
   (a timer at the earliest deadline), hears the worker's ``LEAVING`` notice,
-  writes the frames of calls made while connecting (and every frame of a TLS
-  connection: one thread per TLS object), and sends releases (RRef ids, spans
-  of the shared segment) on its tick. The timers and the dial's task are its
+  writes the frames of the calls handed to it (made while connecting or while
+  other calls are in flight, and every frame of a TLS connection: one thread
+  per TLS object), and sends releases (RRef ids, spans of the shared segment)
+  on its tick. The timers and the dial's task are its
   alone. One loop serves every connection of the process: threads do not
   grow with workers.
 * **Any thread** makes calls (:meth:`Connection.submit`) and waits on their
   futures; it unpickles the answers it asks for
-  (:class:`~rpcdl.rpc.calls.CallFuture`). Over a plain socket, once open, it
-  writes its call's frame itself (with the releases waiting):
-  :class:`~rpcdl.transport.socket_stream.SocketStream` sends it at once
-  while nothing else waits to be written, so a call costs one ``send`` and
-  no wakeup of the loop; the stream's lock orders the writers. It never reads
-  the socket.
+  (:class:`~rpcdl.rpc.calls.CallFuture`). Over an open plain socket, a call
+  made while no other is in flight and none waits for the loop is written by
+  its caller (with the releases waiting):
+  :class:`~rpcdl.transport.socket_stream.SocketStream` sends it at once, so
+  a lone call (``rpc_sync``) costs one ``send`` and no wakeup of the loop.
+  Other calls go to the loop, a burst in one write; since a call handed to
+  the loop is in flight until answered, a call written by its caller never
+  overtakes one made before it. It never reads the socket.
 * **One lock**, ``Connection._lock``, guards the lifecycle state (exactly one
   of :class:`~rpcdl.rpc.state.Connecting`, :class:`~rpcdl.rpc.state.Open`,
   :class:`~rpcdl.rpc.state.Leaving`, :class:`~rpcdl.rpc.state.Closed`; a
   transition replaces it under the lock), the
   :class:`~rpcdl.rpc.state.PendingCalls` (a call is added before a byte of
   it is written, so its answer always finds it) and the calls submitted but
-  not yet taken by the loop (``_submitted``, with ``_posted``: whether the
-  loop was asked to take them; only while connecting, and over TLS). A burst
-  of such calls costs the loop one wakeup: the first call of a burst posts
-  the callback that takes them all. No user code runs under the lock, and no
-  I/O but the one non-blocking write of the frames queued while connecting,
-  as the connection opens (so they go out before any call made later).
+  not yet written by the loop (``_submitted``, with ``_posted``: whether the
+  loop was asked to take them and has not written them yet). A burst of such
+  calls costs the loop one wakeup: the first call of a burst posts the
+  callback that takes them all. No I/O and no user code run under the lock.
 * ``_releases`` is a lock-free queue (a :class:`collections.deque`): RRef
   finalizers append to it from any thread, at any allocation; whichever
   thread writes next sends what it holds, or the loop on its tick.
 
 A call with tensors (out-of-band buffers) returns once they are written (or
 what the socket did not take is copied), so its caller may change them then;
-where the loop writes them, small ones are copied instead, which costs less
-than a wait for the loop.
+where the loop writes them, small ones are copied at once instead, which
+costs less than a wait for the loop.
 """
 
 from __future__ import annotations
@@ -211,24 +212,26 @@ class Connection:
             return False
         frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers), flags)
         written = None
-        if frame.buffers and not _written_by_caller(self._state):  # else the stream copies what it does not send
-            size = sum(memoryview(b).nbytes for b in frame.buffers)
-            if size < COPY_BYTES or in_loop_thread():
-                frame.buffers = [memoryview(b).tobytes() for b in frame.buffers]  # the caller may change them
-            else:
-                written = threading.Event()
-        direct = sooner = post = False
-        with self._lock:
-            state = self._state
-            if isinstance(state, Closed):
-                return False
-            if isinstance(state, Leaving):
-                pass
-            elif _written_by_caller(state) and not self._posted and not self._calls:
-                direct, sooner = True, self._calls.add(call)  # before a byte is sent: the answer finds its call
-            else:
-                self._submitted.append((frame, call, written))
-                post, self._posted = not self._posted, True
+        prepared = not frame.buffers  # whether the loop may write the frame whenever it likes
+        retried = False
+        while True:
+            if not prepared and (retried or not self._writes_directly()):  # a hint; checked again under the lock
+                written, prepared = _for_the_loop(frame), True
+            direct = sooner = post = False
+            with self._lock:
+                state = self._state
+                if isinstance(state, Closed):
+                    return False
+                if isinstance(state, Leaving):
+                    break
+                if self._writes_directly():
+                    direct, sooner = True, self._calls.add(call)  # before a byte is sent: the answer finds it
+                elif prepared:
+                    self._submitted.append((frame, call, written))
+                    post, self._posted = not self._posted, True
+            if direct or prepared:
+                break
+            retried = True
         if isinstance(state, Leaving):  # failed outside the lock: the future's callbacks may make calls
             call.future.fail(self._leaving_error(state.reason, call))
             return True
@@ -242,6 +245,11 @@ class Connection:
         if written is not None:
             written.wait()
         return True
+
+    def _writes_directly(self) -> bool:
+        """Whether a call made now is written by its caller (see the module): open over a plain socket, no call
+        in flight and none waiting for the loop (exact under ``_lock``, a hint outside it)."""
+        return _written_by_caller(self._state) and not self._posted and not self._calls
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker: one atomic append, no lock (safe in a finalizer)."""
@@ -570,3 +578,13 @@ class Connection:
 def _written_by_caller(state: Connecting | Open | Closed) -> bool:
     """Whether the thread making a call writes its frame itself: an open connection over a plain socket."""
     return isinstance(state, Open) and isinstance(state.transport, SocketStream)
+
+
+def _for_the_loop(frame: Frame) -> threading.Event | None:
+    """Make ``frame``'s buffers safe for the loop to write later: small ones copied (the caller may change them
+    once its call returns); return the event to wait on for large ones (written, or copied, by the loop)."""
+    size = sum(memoryview(b).nbytes for b in frame.buffers)
+    if size < COPY_BYTES or in_loop_thread():
+        frame.buffers = [memoryview(b).tobytes() for b in frame.buffers]
+        return None
+    return threading.Event()
