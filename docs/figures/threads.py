@@ -89,7 +89,8 @@ def draw_trainer(ax):
         1.6,
         "training thread (any thread in an epoch's next())",
         "advances its epoch in next(): owns the pass (tasks waiting, in flight,\n"
-        "finished; its stage) and the iterator's stage. It submits calls and\n"
+        "finished; its stage) and the iterator's stage. It submits calls (over\n"
+        "plain TCP, with none in flight, it writes the frame itself) and\n"
         "unpickles the answers it takes; it never reads a socket.\n"
         "A second thread entering the same next() gets a RuntimeError.",
     )
@@ -100,9 +101,9 @@ def draw_trainer(ax):
         5.8,
         1.5,
         "rpcdl-loop (one per process, whatever the workers)",
-        "the event loop owns every socket: dials, handshakes (TLS), writes\n"
-        "calls, receives answers into pooled buffers and completes their\n"
-        "futures; fails overdue calls and sends releases on timers.",
+        "the event loop owns every socket: dials, handshakes (TLS), receives\n"
+        "answers into pooled buffers and completes their futures, writes the\n"
+        "calls handed to it; fails overdue calls, sends releases on timers.",
     )
     lock(
         ax,
@@ -111,7 +112,7 @@ def draw_trainer(ax):
         2.75,
         1.2,
         "connection lock",
-        "state: Connecting | Open |\nLeaving | Closed; calls submitted,\nnot yet taken by the loop",
+        "state: Connecting | Open |\nLeaving | Closed; calls in flight,\ncalls not yet taken by the loop",
     )
     lock(
         ax,
@@ -130,7 +131,7 @@ def draw_trainer(ax):
         1.0,
         "queues, not locks",
         "a call's hook only puts a typed event (Answered, Orphaned, ...) on its pass's\n"
-        "queue; RRef finalizers append releases to a lock-free deque the loop sends",
+        "queue; RRef finalizers append releases to a lock-free deque, sent with the next frame",
     )
     arrow(ax, (4.6, 4.7), (4.6, 5.2), EVENT, rad=0.0)
     ax.text(4.7, 4.92, "events", fontsize=7.4, color=EVENT, va="center")

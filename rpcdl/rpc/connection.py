@@ -3,34 +3,46 @@
 Threads and what each owns (the one statement of the connection's model):
 
 * **The event loop's thread**, ``rpcdl-loop`` (:mod:`rpcdl.transport.event_loop`),
-  owns the socket and everything that touches it: it dials the worker and runs
-  the handshake (:func:`rpcdl.rpc.dial.dial_on_loop`, TLS included), writes the
-  frames of calls, receives answers into pooled memory
+  owns the socket's reading side and the connection's life: it dials the
+  worker and runs the handshake (:func:`rpcdl.rpc.dial.dial_on_loop`, TLS
+  included), receives answers into pooled memory
   (:class:`~rpcdl.transport.frame_protocol.FrameProtocol`, for which the
   connection is the sink) and completes their futures, fails overdue calls
   (a timer at the earliest deadline), hears the worker's ``LEAVING`` notice,
-  and sends releases (RRef ids, spans of the shared segment). The
-  :class:`~rpcdl.rpc.state.PendingCalls`, the timers and the dial's task are
-  its alone. One loop serves every connection of the process: threads do not
+  writes the frames of the calls handed to it (made while connecting or while
+  other calls are in flight, and every frame of a TLS connection: one thread
+  per TLS object), and sends releases (RRef ids, spans of the shared segment)
+  on its tick. The timers and the dial's task are its
+  alone. One loop serves every connection of the process: threads do not
   grow with workers.
 * **Any thread** makes calls (:meth:`Connection.submit`) and waits on their
   futures; it unpickles the answers it asks for
-  (:class:`~rpcdl.rpc.calls.CallFuture`). It never reads or writes the socket.
+  (:class:`~rpcdl.rpc.calls.CallFuture`). Over an open plain socket, a call
+  made while no other is in flight and none waits for the loop is written by
+  its caller (with the releases waiting):
+  :class:`~rpcdl.transport.socket_stream.SocketStream` sends it at once, so
+  a lone call (``rpc_sync``) costs one ``send`` and no wakeup of the loop.
+  Other calls go to the loop, a burst in one write; since a call handed to
+  the loop is in flight until answered, a call written by its caller never
+  overtakes one made before it. It never reads the socket.
 * **One lock**, ``Connection._lock``, guards the lifecycle state (exactly one
   of :class:`~rpcdl.rpc.state.Connecting`, :class:`~rpcdl.rpc.state.Open`,
   :class:`~rpcdl.rpc.state.Leaving`, :class:`~rpcdl.rpc.state.Closed`; a
-  transition replaces it under the lock) and the calls submitted but not yet
-  taken by the loop (``_submitted``, with ``_posted``: whether the loop was
-  asked to take them). A burst of calls costs the loop one wakeup: the first
-  call of a burst posts the callback that takes them all. No I/O and no user
-  code run under the lock.
+  transition replaces it under the lock), the
+  :class:`~rpcdl.rpc.state.PendingCalls` (a call is added before a byte of
+  it is written, so its answer always finds it) and the calls submitted but
+  not yet written by the loop (``_submitted``, with ``_posted``: whether the
+  loop was asked to take them and has not written them yet). A burst of such
+  calls costs the loop one wakeup: the first call of a burst posts the
+  callback that takes them all. No I/O and no user code run under the lock.
 * ``_releases`` is a lock-free queue (a :class:`collections.deque`): RRef
-  finalizers append to it from any thread, at any allocation; the loop
-  sends what it holds with the next frames, or on its tick.
+  finalizers append to it from any thread, at any allocation; whichever
+  thread writes next sends what it holds, or the loop on its tick.
 
-A call with tensors (out-of-band buffers) returns once the loop wrote them (or
-copied what the socket did not take), so its caller may change them then;
-small ones are copied instead, which costs less than a wait for the loop.
+A call with tensors (out-of-band buffers) returns once they are written (or
+what the socket did not take is copied), so its caller may change them then;
+where the loop writes them, small ones are copied at once instead, which
+costs less than a wait for the loop.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ from ..transport.control import decode_leaving, drain, encode_release
 from ..transport.event_loop import in_loop_thread, process_loop
 from ..transport.frame_protocol import FrameProtocol
 from ..transport.security import Token
+from ..transport.socket_stream import SocketStream
 from ..transport.wire import Frame, Kind, Limits, encode_frame
 from .answers import ANSWERS, deliver, overdue_error
 from .calls import Call
@@ -171,10 +184,10 @@ class Connection:
         """Where the connection stands now: its state and the calls pending."""
         with self._lock:
             state = self._state
-            submitted = len(self._submitted)
+            pending = len(self._calls) + len(self._submitted)
         return Status(
             state=state.name,
-            pending=len(self._calls) + submitted,
+            pending=pending,
             shared_memory=isinstance(state, Open) and state.segment is not None,
         )
 
@@ -199,27 +212,44 @@ class Connection:
             return False
         frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers), flags)
         written = None
-        if frame.buffers:
-            size = sum(memoryview(b).nbytes for b in frame.buffers)
-            if size < COPY_BYTES or in_loop_thread():
-                frame.buffers = [memoryview(b).tobytes() for b in frame.buffers]  # the caller may change them
-            else:
-                written = threading.Event()
-        with self._lock:
-            state = self._state
-            if isinstance(state, Closed):
-                return False
-            if not isinstance(state, Leaving):
-                self._submitted.append((frame, call, written))
-                post, self._posted = not self._posted, True
+        prepared = not frame.buffers  # whether the loop may write the frame whenever it likes
+        retried = False
+        while True:
+            if not prepared and (retried or not self._writes_directly()):  # a hint; checked again under the lock
+                written, prepared = _for_the_loop(frame), True
+            direct = sooner = post = False
+            with self._lock:
+                state = self._state
+                if isinstance(state, Closed):
+                    return False
+                if isinstance(state, Leaving):
+                    break
+                if self._writes_directly():
+                    direct, sooner = True, self._calls.add(call)  # before a byte is sent: the answer finds it
+                elif prepared:
+                    self._submitted.append((frame, call, written))
+                    post, self._posted = not self._posted, True
+            if direct or prepared:
+                break
+            retried = True
         if isinstance(state, Leaving):  # failed outside the lock: the future's callbacks may make calls
             call.future.fail(self._leaving_error(state.reason, call))
+            return True
+        if direct:
+            if sooner:
+                self._loop.call_soon_threadsafe(self._arm_overdue_timer)
+            self._write(state, [frame])
             return True
         if post:
             self._loop.call_soon_threadsafe(self._take_submitted)
         if written is not None:
             written.wait()
         return True
+
+    def _writes_directly(self) -> bool:
+        """Whether a call made now is written by its caller (see the module): open over a plain socket, no call
+        in flight and none waiting for the loop (exact under ``_lock``, a hint outside it)."""
+        return _written_by_caller(self._state) and not self._posted and not self._calls
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker: one atomic append, no lock (safe in a finalizer)."""
@@ -252,18 +282,27 @@ class Connection:
     # ------------------------------------------------------------------ on the loop: sending
 
     def _take_submitted(self) -> None:
+        try:
+            self._write_submitted()
+        finally:
+            with self._lock:  # _posted stays set until they are written: no call made meanwhile overtakes them
+                self._posted = more = bool(self._submitted)
+            if more:
+                self._loop.call_soon(self._take_submitted)
+
+    def _write_submitted(self) -> None:
+        sooner = False
         with self._lock:
             submitted, self._submitted = self._submitted, []
-            self._posted = False
             state = self._state
+            if not isinstance(state, Closed):
+                for _, call, _ in submitted:
+                    sooner |= self._calls.add(call)
         if not submitted:
             return
         if isinstance(state, Closed):  # closed meanwhile (close() failed what it found)
             self._fail_submitted(submitted, state.error())
             return
-        sooner = False
-        for _, call, _ in submitted:
-            sooner |= self._calls.add(call)
         if sooner:
             self._arm_overdue_timer()
         if isinstance(state, Connecting):
@@ -281,10 +320,13 @@ class Connection:
                     written.set()
 
     def _write(self, state: Open, frames: list[Frame]) -> None:
-        """Write ``frames`` (after the releases waiting): small pieces joined, large ones from their memory."""
+        """Write ``frames`` (after the releases waiting): small pieces joined, large ones from their memory.
+
+        On the loop, or in the thread making a call on a :class:`~rpcdl.transport.socket_stream.SocketStream`.
+        """
         if self._releases or (state.segment is not None and state.segment.releases_waiting):
             frames = [*self._release_frames(state), *frames]
-        transport = state.transport
+        pieces: list[Any] = []
         joined: list[bytes] = []
         for frame in frames:
             for piece in encode_frame(frame):
@@ -292,11 +334,17 @@ class Connection:
                     joined.append(piece)
                     continue
                 if joined:
-                    transport.write(b"".join(joined))
+                    pieces.append(b"".join(joined))
                     joined = []
-                transport.write(piece)  # what the socket does not take now is copied by the transport
+                pieces.append(piece)
         if joined:
-            transport.write(joined[0] if len(joined) == 1 else b"".join(joined))
+            pieces.append(joined[0] if len(joined) == 1 else b"".join(joined))
+        transport = state.transport
+        if isinstance(transport, SocketStream):
+            transport.writelines(pieces)  # one system call; what the socket does not take now is copied
+            return
+        for piece in pieces:
+            transport.write(piece)  # what the socket does not take now is copied by the transport
 
     def _release_frames(self, state: Open) -> list[Frame]:
         uids = drain(self._releases)
@@ -356,7 +404,7 @@ class Connection:
             transport.abort()
             return
         worker_serves(self.address)
-        transport.set_protocol(protocol)
+        transport.set_protocol(protocol)  # the loop reads nothing before this callback returns
         protocol.connection_made(transport)
         self._tick = asyncio.get_running_loop().call_later(TICK, self._on_tick)
         if connecting.queued or self._releases:
@@ -372,11 +420,12 @@ class Connection:
         """
         with self._lock:
             state = self._state
+            latest = self._calls.latest_deadline()
         if not isinstance(state, Connecting):
             raise WorkerUnavailable(state.reason if isinstance(state, Closed) else "connected meanwhile")
         state.attempt_failed(exc)
         self._expire()
-        return state.wanted_until(self._calls.latest_deadline())
+        return state.wanted_until(latest)
 
     # ------------------------------------------------------------------ on the loop: what the protocol hands over
 
@@ -384,7 +433,8 @@ class Connection:
         """An answer completes its call (one that gave up waiting is dropped); a ``LEAVING`` notice is heard."""
         kind = frame.kind
         if kind in ANSWERS:
-            call = self._calls.pop(frame.call_id)
+            with self._lock:
+                call = self._calls.pop(frame.call_id)
             if call is not None:
                 deliver(self.address, self, frame, call)
             return
@@ -396,7 +446,8 @@ class Connection:
     def receiving_failed(self, error: Exception) -> None:
         """The worker's stream broke the protocol (a frame past this side's limits, say): the connection closes."""
         if isinstance(error, FrameTooLarge):  # the worker's limits are higher: that call fails for good
-            call = self._calls.pop(error.call_id)
+            with self._lock:
+                call = self._calls.pop(error.call_id)
             if call is not None:
                 call.future.fail(error.as_limit_exceeded(f"worker {self.address} answered {call.what}"))
         self._close_here(f"lost the connection to worker {self.address}: {error or type(error).__name__}")
@@ -424,7 +475,8 @@ class Connection:
 
     def _pins(self, call_id: int) -> bool:
         """Whether the answer to ``call_id`` is received into pinned memory."""
-        call = self._calls.get(call_id)
+        with self._lock:
+            call = self._calls.get(call_id)
         return call is not None and call.pin_memory and shm.can_pin()
 
     def _allocate(self, call_id: int, size: int) -> Any:
@@ -441,7 +493,8 @@ class Connection:
 
     def _arm_overdue_timer(self) -> None:
         """Make the loop look for overdue calls at the earliest deadline."""
-        when = self._calls.check_at
+        with self._lock:
+            when = self._calls.check_at
         if when >= self._overdue_at:
             return
         if self._overdue_timer is not None:
@@ -454,16 +507,18 @@ class Connection:
         self._overdue_timer = None
         self._overdue_at = float("inf")
         self._expire()
-        if self._calls.check_at != float("inf"):
+        with self._lock:
+            later = self._calls.check_at != float("inf")
+        if later:
             self._arm_overdue_timer()
 
     def _expire(self) -> None:
         """Fail the calls past their deadline."""
-        overdue = self._calls.pop_overdue(time.monotonic())
+        with self._lock:
+            overdue = self._calls.pop_overdue(time.monotonic())
+            state = self._state
         if not overdue:
             return
-        with self._lock:
-            state = self._state
         connect_error = state.last_error if isinstance(state, Connecting) else None
         for call in overdue:
             error = overdue_error(
@@ -511,8 +566,25 @@ class Connection:
                 previous.transport.abort()
             error = closed.error()
             self._fail_submitted(submitted, error)
-            for call in self._calls.clear():
+            with self._lock:
+                pending = self._calls.clear()
+            for call in pending:
                 call.future.fail(closed.error())
         finally:
             if finished is not None:
                 finished.set()
+
+
+def _written_by_caller(state: Connecting | Open | Closed) -> bool:
+    """Whether the thread making a call writes its frame itself: an open connection over a plain socket."""
+    return isinstance(state, Open) and isinstance(state.transport, SocketStream)
+
+
+def _for_the_loop(frame: Frame) -> threading.Event | None:
+    """Make ``frame``'s buffers safe for the loop to write later: small ones copied (the caller may change them
+    once its call returns); return the event to wait on for large ones (written, or copied, by the loop)."""
+    size = sum(memoryview(b).nbytes for b in frame.buffers)
+    if size < COPY_BYTES or in_loop_thread():
+        frame.buffers = [memoryview(b).tobytes() for b in frame.buffers]
+        return None
+    return threading.Event()

@@ -3,8 +3,9 @@
 Threading model: nothing here locks, and nothing here does I/O. Every object
 is a field of one :class:`~rpcdl.rpc.connection.Connection`, which says who
 may touch each: the lifecycle state is read and replaced under the
-connection's lock (callers read it to refuse a call at once); the
-:class:`PendingCalls` are the event loop's alone (``rpcdl-loop``).
+connection's lock (callers read it to refuse a call at once), and so are the
+:class:`PendingCalls` (a thread making a call over a plain socket adds it
+before it writes the frame; the loop takes it when its answer arrives).
 
 * The lifecycle: a connection holds exactly one of :class:`Connecting`,
   :class:`Open`, :class:`Leaving` and :class:`Closed`, and only ever moves forward
@@ -26,6 +27,7 @@ from .calls import Call
 if TYPE_CHECKING:
     from ..transport.frame_protocol import FrameProtocol
     from ..transport.shm import ClientSegment
+    from ..transport.socket_stream import SocketStream
     from ..transport.wire import Frame
 
 
@@ -63,7 +65,8 @@ class Open:
     """Frames go to the transport and answers come from its protocol.
 
     Args:
-        transport: the loop's transport of the connection (TLS included).
+        transport: the connection's stream over a plain socket (any thread writes it), or the loop's TLS
+            transport.
         protocol: the frame receiver that reads it.
         segment: the worker's shared segment this process maps, or ``None``.
         compression: the compression mode the worker chose.
@@ -75,7 +78,7 @@ class Open:
 
     def __init__(
         self,
-        transport: asyncio.Transport,
+        transport: asyncio.Transport | SocketStream,
         protocol: FrameProtocol,
         segment: ClientSegment | None,
         compression: str,

@@ -1,8 +1,12 @@
 """The worker's side of one client connection: a session, read and written on the process loop.
 
 Threading: no thread is a session's own. The process loop (``rpcdl-loop``,
-:mod:`rpcdl.transport.event_loop`) reads the socket when it is readable,
-assembles frames (:mod:`rpcdl.server.receiving`) and hands each to the worker
+:mod:`rpcdl.transport.event_loop`) reads the socket when it is readable into
+the frame receiver a client's connection uses too
+(:class:`~rpcdl.transport.frame_protocol.FrameProtocol`, for which the session
+is the sink; without compression or a segment agreed for what a client sends,
+a compressed frame or one with buffers in a segment is a protocol error), and
+hands each frame to the worker
 (:meth:`rpcdl.server.worker.Worker.dispatch`): a call goes to the slots'
 fair queue (:mod:`rpcdl.server.slots`), where an executor thread runs it; a
 ping, a release or a request for counters is answered on the loop (they run
@@ -20,7 +24,7 @@ socket is written by the loop alone (one thread per TLS object).
 
 Who owns what:
 
-* the socket's reading side, the frame assembler, the answers the loop writes and whether the
+* the socket's reading side, the frame receiver, the answers the loop writes and whether the
   socket is watched for room (:class:`Room`): the loop's thread, alone;
 * the session's :class:`SessionState`, the outbox, the bytes it holds and
   who writes next (:class:`Writer`): the session's lock (``_lock``), for every
@@ -54,16 +58,17 @@ from ..rpc.rref import RRefStore, StoreView
 from ..transport.compression import Compressor
 from ..transport.control import decode_span_release
 from ..transport.event_loop import call_soon, in_loop_thread, process_loop
+from ..transport.frame_protocol import FrameProtocol
 from ..transport.shm import WorkerSegment
 from ..transport.wire import COMPRESSED, Frame, Kind, Limits, encode_frame
 from .counters import Counters
-from .receiving import FrameAssembler, Scratch
 
 log = logging.getLogger("rpcdl.worker")
 
 HELD_ANSWERS = 32  #: answers held back at most, to go out with the next (see ClientConnection.send)
 OUTBOX_BYTES = 8 << 20  #: bytes of answers a session holds unwritten before a thread posting one waits
 _IOV_MAX = 1024
+_RECEIVES_PER_TURN = 16  # receives for one session before the loop serves the others
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -95,7 +100,6 @@ class Server(Protocol):
     store: RRefStore
     counters: Counters
     limits: Limits
-    scratch: Scratch
     timeout: float  #: seconds a client may stall mid-message; a call may wait for its RRef; an answer for room
 
     def dispatch(self, connection: ClientConnection, frame: Frame) -> None:
@@ -149,8 +153,8 @@ class ClientConnection:
         #: the context its calls run in (see rpcdl.transport.context): (un)pickled for the peer, answers in the segment
         self.call_context = (peer, StoreView(worker.store, self, worker.timeout), None, segment)
         self._tls = isinstance(sock, ssl.SSLSocket)
-        self._assembler = FrameAssembler(worker.limits, allocate_buffer, worker.scratch)
-        self._counted = 0
+        self._receiver = FrameProtocol(self, worker.limits, allocate=allocate_buffer)  # the loop's
+        self._uncounted = 0  # bytes received and not yet counted (the loop's)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # the outbox has room again (or the session closed)
         self._state = SessionState.SERVING
@@ -172,14 +176,6 @@ class ClientConnection:
         """Whether calls arriving are run (not draining, not closed)."""
         with self._lock:
             return self._state is SessionState.SERVING
-
-    @property
-    def mid_frame_since(self) -> float | None:
-        """When the client last sent a byte of a frame it has not finished (``None``: between frames).
-
-        Read on the loop only.
-        """
-        return self._assembler.progress_at if self._assembler.mid_frame else None
 
     def start(self) -> None:
         """Have the loop read the connection (callable from any thread)."""
@@ -343,31 +339,60 @@ class ClientConnection:
     def _readable(self) -> None:
         if self.closed:
             return
+        receiver = self._receiver
         try:
             while True:
-                frames = self._assembler.receive(self.sock)
-                bytes_read = self._assembler.bytes_read
-                bytes_in, self._counted = bytes_read - self._counted, bytes_read
-                counters = self.worker.counters
-                for frame in frames:
-                    counters.received(bytes_in, frame.kind is Kind.CALL)
-                    bytes_in = 0
-                    self.worker.dispatch(self, frame)
-                if bytes_in:
-                    counters.received(bytes_in, False)
+                for _ in range(_RECEIVES_PER_TURN):
+                    target = receiver.get_buffer(-1)
+                    try:
+                        received = self.sock.recv_into(target)
+                    except _WOULD_BLOCK:
+                        break
+                    if not received:
+                        raise ConnectionLost("the peer closed the connection")
+                    self._uncounted += received
+                    size, target = len(target), None  # a growing payload's memory cannot grow while viewed
+                    receiver.buffer_updated(received)  # whole frames go to frame_received
+                    if self.closed:
+                        return
+                    if received < size:  # it took all there was: the next receive would find nothing
+                        break
+                if self._uncounted:
+                    self.worker.counters.received(self._uncounted, False)
+                    self._uncounted = 0
                 if not (self._tls and self.sock.pending()):  # a TLS socket may hold decrypted bytes the
                     return  # system does not know of: the loop would not call again for them
         except ConnectionLost:
             log.debug("client %s disconnected", self.peer)
-        except (OSError, ProtocolError) as exc:
+        except OSError as exc:
             if not self.closed:
                 log.warning("closed connection from %s: %s", self.peer, exc or type(exc).__name__)
         self.close()
 
+    def frame_received(self, frame: Frame) -> None:
+        """A whole frame from the client (on the loop): counted, and handed to the worker.
+
+        Raises:
+            ProtocolError: a frame a client may not send (the receiver closes the session through
+                :meth:`receiving_failed`).
+        """
+        self.worker.counters.received(self._uncounted, frame.kind is Kind.CALL)
+        self._uncounted = 0
+        self.worker.dispatch(self, frame)
+
+    def receiving_failed(self, error: Exception) -> None:
+        """The client's stream broke the protocol (a frame past the limits, say): the session closes."""
+        if not self.closed:
+            log.warning("closed connection from %s: %s", self.peer, error or type(error).__name__)
+        self.close()
+
+    def stream_ended(self, error: Exception | None) -> None:
+        """The connection ended (``_readable`` learns of it first; here for the receiver's sake)."""
+        self.close()
+
     def stalled(self, now: float) -> bool:
         """Whether the client stopped in the middle of a frame for longer than the timeout (on the loop)."""
-        since = self.mid_frame_since
-        return since is not None and now - since > self.worker.timeout
+        return self._receiver.stalled_for(now) > self.worker.timeout
 
     def _write(self) -> None:
         if self._room_watch is Room.UNWATCHED:  # else the loop writes once the socket has room

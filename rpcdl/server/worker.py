@@ -31,8 +31,9 @@ methods: :meth:`~rpcdl.server.session.ClientConnection.drain` and
 :meth:`~rpcdl.server.session.ClientConnection.announce_leaving` as it drains,
 ``close`` at the end. The slots, the counters and the RRef store
 (:class:`rpcdl.rpc.rref.RRefStore`) each guard their state with their own
-lock; the fields set in the constructor do not change, and the scratch buffer
-sessions receive into is the loop's. Locks nest in one order only, and no
+lock; the fields set in the constructor do not change, and the staging buffer
+sessions receive small frames into is the loop thread's
+(:mod:`rpcdl.transport.frame_protocol`). Locks nest in one order only, and no
 deeper: the slots' and the exit hook's registry inside the worker's
 (:meth:`Worker.start`), each session's inside the worker's (its drain, as the
 worker starts draining), the compressor's inside a session's (an answer
@@ -77,7 +78,6 @@ from .admission import DEFAULT_MAX_SESSIONS, MAX_HANDSHAKES_ENV, Admission, Full
 from .call_runner import CallRunner
 from .counters import Counters
 from .draining import ANNOUNCE_WAIT, serve_until_stopped
-from .receiving import Scratch
 from .registration import Registration
 from .session import ClientConnection, shutdown_socket
 from .slots import Slots
@@ -197,7 +197,6 @@ class Worker:
         self.counters = Counters()
         self.calls = CallRunner(self.store, self.limits, self.counters)
         self.slots = Slots(self.parallel, self.calls.run, self.store)
-        self.scratch = Scratch()  # the loop's: every session receives small pieces of frames into it
         self._lock = threading.Lock()
         self._phase = Phase.NEW
         self._connections: set[ClientConnection] = set()

@@ -4,7 +4,7 @@ One value per thread, a tuple ``(peer, local_store, connection, segment)``:
 the serialization layer reads the first three while it (un)pickles (see
 ``peer_context`` in :mod:`rpcdl.serialization.pickling`), :func:`rpcdl.transport.shm.empty`
 the last while a worker's call runs. A worker running a call sets all four at
-once (``rpcdl.server.calls.CallRunner.run``).
+once (``rpcdl.server.call_runner.CallRunner.run``).
 
 Threading: a :class:`threading.local`; whoever sets a value sets the previous one back when done.
 """

@@ -3,8 +3,13 @@
 :class:`FrameProtocol` parses the layout of :mod:`rpcdl.transport.wire` (limits
 checked before anything is allocated, lz4-compressed buffers, buffers in a
 shared segment) from what the loop receives, and hands each whole frame to its
-owner (:class:`FrameSink`). The bytes land as :class:`~rpcdl.transport.wire.FrameReader`
-lands them:
+owner (:class:`FrameSink`). It is the one frame receiver of both sides: a
+client's connection (:mod:`rpcdl.rpc.connection`) sets it on its transport or
+:class:`~rpcdl.transport.socket_stream.SocketStream`, and a worker's session
+(:mod:`rpcdl.server.session`) drives it from its socket as asyncio would
+(``get_buffer``, ``recv_into``, ``buffer_updated``), without compression or a
+segment, so a client's frame with either is a protocol error. The bytes land
+as :class:`~rpcdl.transport.wire.FrameReader` lands them:
 
 * small frames go through one staging buffer that every connection of the
   loop's thread shares (the loop reads one socket at a time), so an idle

@@ -8,8 +8,10 @@ no thread of its own. Three steps, which the caller tells apart to judge a
 failure (see :mod:`rpcdl.rpc.dial`):
 
 1. :func:`connect_socket`: resolve the name and connect a non-blocking socket;
-2. :func:`attach`: hand the socket to the loop as a transport, TLS handshake
-   included when a context is given (asyncio's own ``ssl=``);
+2. :func:`attach`: hand the socket to the loop: a TLS transport, TLS handshake
+   included, when a context is given (asyncio's own ``ssl=``), else a
+   :class:`~rpcdl.transport.socket_stream.SocketStream` (plain TCP, which the
+   threads making calls write themselves);
 3. :func:`negotiate`: hello, welcome, proof, verdict, and the shared segment.
 
 What the worker sends after the handshake (a ``LEAVING`` notice, say) may
@@ -39,6 +41,7 @@ from .._lifecycle import in_forked_child
 from ..errors import ConnectionLost
 from .handshake import Agreement, FirstAnswer, Read, client_steps
 from .security import Token
+from .socket_stream import SocketStream
 
 RESOLVERS = 2  #: threads that resolve host names, at most
 
@@ -196,8 +199,9 @@ async def connect_socket(host: str, port: int, timeout: float) -> socket.socket:
 
 async def attach(
     sock: socket.socket, ssl_context: ssl.SSLContext | None, host: str, timeout: float
-) -> tuple[asyncio.Transport, HandshakeReader]:
-    """Give the connected ``sock`` to the loop, with a TLS handshake when ``ssl_context`` is given.
+) -> tuple[asyncio.Transport | SocketStream, HandshakeReader]:
+    """Give the connected ``sock`` to the loop: a TLS transport after a TLS handshake when ``ssl_context`` is
+    given, else a :class:`~rpcdl.transport.socket_stream.SocketStream` (which any thread may write).
 
     Args:
         sock: what :func:`connect_socket` returned; the transport owns it from now on (closed on failure).
@@ -206,7 +210,7 @@ async def attach(
         timeout: seconds the TLS handshake may take.
 
     Returns:
-        the transport and the reader of the handshake's bytes.
+        the transport (or stream) and the reader of the handshake's bytes.
 
     Raises:
         ssl.SSLError: the TLS handshake failed (``ssl.SSLCertVerificationError``: the certificate).
@@ -216,9 +220,11 @@ async def attach(
 
         >>> transport, reader = await attach(sock, context, "worker-0", 10.0)  # doctest: +SKIP
     """
-    loop = asyncio.get_running_loop()
     reader = HandshakeReader()
-    tls = {"ssl": ssl_context, "server_hostname": host, "ssl_handshake_timeout": timeout} if ssl_context else {}
+    if ssl_context is None:  # any thread may write a plain socket: see rpcdl.transport.socket_stream
+        return SocketStream(sock, reader), reader
+    loop = asyncio.get_running_loop()
+    tls = {"ssl": ssl_context, "server_hostname": host, "ssl_handshake_timeout": timeout}
     try:
         transport, _ = await loop.create_connection(lambda: reader, sock=sock, **tls)
     except BaseException:
