@@ -280,7 +280,8 @@ def run_system(
                 worker.stdout.close()
 
 
-def _forked_system(system: str, args: argparse.Namespace, connection: Any) -> None:
+def _forked_system(system: str, args: argparse.Namespace, connection: Any, drivers_end: Any) -> None:
+    drivers_end.close()  # the fork copied it: held here, it would keep a dead driver's pipe open
     run_system(system, args, connection.recv, connection.send)
 
 
@@ -292,7 +293,7 @@ def _measure_forked(system: str, args: argparse.Namespace) -> float:
 
     context = multiprocessing.get_context("fork")
     here, there = context.Pipe()
-    process = context.Process(target=_forked_system, args=(system, args, there), name=f"gpu-node-{system}")
+    process = context.Process(target=_forked_system, args=(system, args, there, here), name=f"gpu-node-{system}")
     process.start()
     there.close()
     try:
