@@ -4,10 +4,11 @@ Issue 26, item 8. The trainer process is held to ``--trainer-cores`` cores (2
 by default, ``os.sched_setaffinity``), as a node's share per GPU is; the data
 comes from worker processes on the other cores of the machine, one core each,
 that decode JPEGs (generated in memory with PIL, 256 to 320 pixels a side) and
-take a random resized crop of 224 x 224 with a random flip; batches of uint8
-[3, 224, 224]. The step is a ResNet-50 (torchvision's when installed, else the
-same network defined here) in bf16 autocast with SGD, on the GPU. Systems,
-each in a process of its own, taking turns round after round:
+take a random resized crop of 224 x 224 (64 x 64 with ``--quick``) with a
+random flip; batches of uint8 [3, side, side]. The step is a ResNet-50
+(torchvision's when installed, else the same network defined here) in bf16
+autocast with SGD, on the GPU. Systems, each in a process of its own, taking
+turns round after round:
 
 - ``gpu``: the GPU alone, on one batch already on the device: the ceiling;
 - ``rpcdl-tcp``: :class:`rpcdl.RPCDataloader` over the worker processes,
@@ -23,7 +24,7 @@ Printed: each system's images/s (median over the rounds) and its ratio to the
 GPU alone and to torch's DataLoader on the same cores::
 
     python benchmarks/gpu_node.py                       # a GPU host: ResNet-50, bf16, batches of 256
-    python benchmarks/gpu_node.py --device cpu --quick  # anywhere, in seconds: a tiny network, a few steps
+    python benchmarks/gpu_node.py --device cpu --quick  # anywhere, in seconds: a tiny network, small crops
 
 Not a test: it asserts nothing about speed (tests/test_gpu_node_bench.py runs
 the quick mode, to keep it working).
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ import harness
 
 SYSTEMS = ("gpu", "rpcdl-tcp", "rpcdl-shm", "torch", "torch-own", "decode")
 CROP = 224
+QUICK_CROP = 64  # --quick: a tiny network on a CPU needs no full-size picture to run every path
 
 
 # ---------------------------------------------------------------------------- data, on the workers
@@ -63,13 +66,15 @@ class JpegDataset:
         length: samples per epoch.
         distinct: how many distinct JPEGs to make (samples cycle through them).
         seed: the pictures drawn.
+        crop: the side of the square crops, in pixels.
     """
 
-    def __init__(self, length: int, distinct: int = 64, seed: int = 0):
+    def __init__(self, length: int, distinct: int = 64, seed: int = 0, crop: int = CROP):
         import numpy as np
         from PIL import Image
 
         self.length = length
+        self.crop = crop
         generator = np.random.default_rng(seed)
         self.jpegs = []
         for _ in range(distinct):
@@ -99,7 +104,7 @@ class JpegDataset:
         scale = random.uniform(0.35, 1.0)
         side = max(16, int(min(width, height) * scale**0.5))
         left, top = random.randint(0, width - side), random.randint(0, height - side)
-        crop = picture.resize((CROP, CROP), Image.BILINEAR, box=(left, top, left + side, top + side))
+        crop = picture.resize((self.crop, self.crop), Image.BILINEAR, box=(left, top, left + side, top + side))
         if random.random() < 0.5:
             crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
         return torch.from_numpy(np.asarray(crop).transpose(2, 0, 1).copy())
@@ -214,8 +219,14 @@ def _pin_torch_worker(cores: list[int], worker_id: int) -> None:
     os.sched_setaffinity(0, {cores[worker_id % len(cores)]})
 
 
-def run_system(system: str, args: argparse.Namespace) -> None:
-    """Measure ``system`` for ``args.rounds`` rounds, one per line read from stdin; print images/s as JSON."""
+def run_system(
+    system: str,
+    args: argparse.Namespace,
+    next_round: Callable[[], bool] = lambda: bool(sys.stdin.readline()),
+    say: Callable[[dict[str, Any]], None] = lambda message: print(json.dumps(message), flush=True),
+) -> None:
+    """Measure ``system`` for one round each time ``next_round()`` is true (by default a line read from
+    stdin); ``say`` it is ready, then each round's images/s (by default as a JSON line on stdout)."""
     import functools
 
     trainer_cores, worker_cores = json.loads(args.cores)
@@ -224,11 +235,12 @@ def run_system(system: str, args: argparse.Namespace) -> None:
     trainer = None if system == "decode" else Trainer(args.device, args.quick)
     length = args.batch_size * (args.warmup + args.steps)
     distinct = 8 if args.quick else 64
+    crop = QUICK_CROP if args.quick else CROP
     pin = args.device.startswith("cuda")
     workers: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as scratch:
         if system == "gpu":
-            batch = JpegDataset(args.batch_size, distinct=8)
+            batch = JpegDataset(args.batch_size, distinct=8, crop=crop)
             images = torch.stack([batch[index] for index in range(args.batch_size)]).to(trainer.device)
             loader: Any = [images] * (args.warmup + args.steps)
         elif system.startswith("rpcdl") or system == "decode":
@@ -238,7 +250,7 @@ def run_system(system: str, args: argparse.Namespace) -> None:
             if system == "rpcdl-tcp":
                 os.environ["RPCDL_SHM_BYTES"] = env["RPCDL_SHM_BYTES"] = "0"  # this trainer and its workers
             workers, addresses = _worker_processes(worker_cores, env, scratch)
-            dataset = rpcdl.RPCDataset(addresses, JpegDataset, length, distinct)
+            dataset = rpcdl.RPCDataset(addresses, JpegDataset, length, distinct, crop=crop)
             loader = rpcdl.RPCDataloader(
                 dataset, batch_size=args.batch_size, shuffle=True, pin_memory=pin, prefetch_factor=args.prefetch
             )
@@ -248,7 +260,7 @@ def run_system(system: str, args: argparse.Namespace) -> None:
             cores = worker_cores if system == "torch" else trainer_cores
             count = len(worker_cores) if system == "torch" else len(trainer_cores)
             loader = DataLoader(
-                JpegDataset(length, distinct),
+                JpegDataset(length, distinct, crop=crop),
                 batch_size=args.batch_size,
                 shuffle=True,
                 num_workers=count,
@@ -258,14 +270,40 @@ def run_system(system: str, args: argparse.Namespace) -> None:
                 worker_init_fn=functools.partial(_pin_torch_worker, cores),
             )
         try:
-            print(json.dumps({"ready": system}), flush=True)
-            while sys.stdin.readline():
-                print(json.dumps({"images_per_second": _one_round(loader, trainer, args)}), flush=True)
+            say({"ready": system})
+            while next_round():
+                say({"images_per_second": _one_round(loader, trainer, args)})
         finally:
             for worker in workers:
                 worker.terminate()
                 worker.wait(timeout=30)
                 worker.stdout.close()
+
+
+def _forked_system(system: str, args: argparse.Namespace, connection: Any, drivers_end: Any) -> None:
+    drivers_end.close()  # the fork copied it: held here, it would keep a dead driver's pipe open
+    run_system(system, args, connection.recv, connection.send)
+
+
+def _measure_forked(system: str, args: argparse.Namespace) -> float:
+    """One round of ``system`` in a process forked from this one, which imported torch already: on a CPU
+    (``--device cpu``, where nothing initialized a device that a fork would break) that spares each system
+    the seconds of a new interpreter importing torch."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    here, there = context.Pipe()
+    process = context.Process(target=_forked_system, args=(system, args, there, here), name=f"gpu-node-{system}")
+    process.start()
+    there.close()
+    try:
+        here.recv()  # ready
+        here.send(True)
+        return here.recv()["images_per_second"]
+    finally:
+        here.send(False)
+        process.join(timeout=120)
+        here.close()
 
 
 def _one_round(loader: Any, trainer: Trainer | None, args: argparse.Namespace) -> float:
@@ -327,6 +365,8 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
     ]
 
     def measure(system: str) -> float:
+        if args.device == "cpu":
+            return _measure_forked(system, args)
         process = subprocess.Popen(
             [*command, "--system", system], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -384,7 +424,7 @@ def _device_name(device: str) -> str:
 def main() -> None:
     parser = harness.parser(__doc__, rounds=3, json_file=True)
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
-    parser.add_argument("--quick", action="store_true", help="a tiny network, small batches, a few steps")
+    parser.add_argument("--quick", action="store_true", help="a tiny network, small crops and batches, a few steps")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--trainer-cores", type=int, default=2)
     parser.add_argument("--workers", type=int, default=0, help="worker processes (default: one per other core)")

@@ -23,6 +23,7 @@ import rpcdl
 import rpcdl.rpc.client
 from rpcdl.errors import RemoteError
 from rpcdl.processes import stop_process
+from rpcdl.rpc.dial import refusing
 from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate
 from rpcdl.transport.wire import Frame, Kind, send_frame
 
@@ -321,8 +322,12 @@ def test_unreachable_worker_fails_after_timeout_naming_it():
 
 def test_client_retries_until_the_worker_listens():
     port = helpers.port_for_a_late_worker()
-    future = rpcdl.rpc_async(f"127.0.0.1:{port}", min, (5, 3), timeout=30)
-    time.sleep(1.0)
+    address = f"127.0.0.1:{port}"
+    future = rpcdl.rpc_async(address, min, (5, 3), timeout=30)
+    deadline = time.monotonic() + 10
+    while refusing(address) is None:  # refused once at least: from now on it retries
+        assert time.monotonic() < deadline, "the call did not try to connect within 10 s"
+        time.sleep(0.01)
     process, _ = start_worker_process(code=f"import rpcdl; rpcdl.run_worker('127.0.0.1', {port})")
     try:
         assert future.wait() == 3

@@ -207,7 +207,11 @@ def test_a_worker_down_when_the_dataset_is_built_is_built_there_once_it_is_back(
 def test_a_worker_killed_between_epochs_costs_the_next_epoch_no_wait(spawn_workers, monkeypatch, caplog):
     """Killed while it had no call in flight, a worker is found gone by the next epoch's first call to it:
     refused, and not awaited as a worker not started yet, since it served before. (It was awaited for the
-    connect grace, and every batch it was given waited that long.)"""
+    connect grace, and every batch it was given waited that long.)
+
+    The first epoch after the kill need not call it: a worker measured much slower than the best is passed
+    over until it idled one of its service times, and an epoch of this size may end sooner. So epochs run
+    until one called it; none may wait."""
     caplog.set_level(logging.WARNING, logger="rpcdl")
     monkeypatch.setenv("RPCDL_CONNECT_GRACE", "100")  # an epoch that waited for it would hit the test's timeout
     workers = spawn_workers(3)
@@ -217,8 +221,8 @@ def test_a_worker_killed_between_epochs_costs_the_next_epoch_no_wait(spawn_worke
     assert loader.worker_windows()[workers[1]]["in_flight"] == 0  # an ended pass lets its calls go
     workers.kill(1)
     started = time.monotonic()
-    assert sorted(_epoch(loader)) == list(range(400))
-    assert time.monotonic() - started < 50, "the epoch waited for the connect grace"
+    _epochs_until(loader, 400, lambda: loader.worker_states()[workers[1]] != "active", deadline_s=50)
+    assert time.monotonic() - started < 50, "an epoch waited for the connect grace"
     assert loader.worker_states()[workers[1]] in ("down", "probing")
     down = [r.getMessage() for r in caplog.records if " is down: " in r.getMessage()]
     assert any(workers[1] in m and "served this process before" in m for m in down), down

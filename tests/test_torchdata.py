@@ -119,7 +119,10 @@ def test_rpc_mapper_raises_an_item_that_times_out_on_every_worker(two_workers):
         next(node)
     assert any("timed out on 2 workers" in note for note in caught.value.__notes__)
     assert list(node) == [None, None]  # the other items come through
-    time.sleep(1.0)  # let the workers finish the calls left running before the next test
+    deadline = time.monotonic() + 10  # the workers finish the calls left running before the next test
+    while any(rpcdl.stats(worker)["calls_in_flight"] for worker in two_workers):
+        assert time.monotonic() < deadline, "the timed-out calls still run on the workers after 10 s"
+        time.sleep(0.02)
 
 
 def test_rpc_mapper_rejects_bad_arguments(two_workers):

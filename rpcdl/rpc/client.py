@@ -76,7 +76,6 @@ def _call(
     pin_memory: bool = False,
     rref: bool = False,
     timeout: float = 120.0,
-    awaited: bool = False,
     token: str | bytes | None = None,
     ssl_context: ssl.SSLContext | None = None,
 ) -> Call:
@@ -91,7 +90,6 @@ def _call(
         buffers,
         pin_memory=pin_memory,
         ref=uid,
-        awaited=awaited,
         transform_for=_rref_for(address, uid) if rref else None,
         token=token,
         ssl_context=ssl_context,
@@ -187,7 +185,7 @@ def rpc_sync(
                 f"rpc_sync() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                 f"it takes {', '.join(sorted(_SYNC_OPTIONS))} besides host, func, args, kwargs and timeout"
             )
-        return _call(host, func, args, kwargs, timeout=timeout, awaited=True, **options).future.wait()
+        return _call(host, func, args, kwargs, timeout=timeout, **options).future.wait()
     return call_and_wait(host, func, args, kwargs, timeout, **options)
 
 
@@ -228,9 +226,7 @@ def ping(host: str, timeout: float = 10.0, **options: Any) -> float:
         WorkerUnavailable: the worker cannot be reached within ``timeout``.
         WorkerTimeout: it was reached but did not answer within ``timeout``.
     """
-    return submit(
-        Kind.PING, check_address(host), check_timeout(timeout), "a ping", awaited=True, **options
-    ).future.wait()
+    return submit(Kind.PING, check_address(host), check_timeout(timeout), "a ping", **options).future.wait()
 
 
 def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
@@ -241,5 +237,5 @@ def stats(host: str, timeout: float = 10.0, **options: Any) -> dict[str, Any]:
         >>> rpcdl.stats("127.0.0.1:6543")["calls_served"]  # doctest: +SKIP
         42
     """
-    call = submit(Kind.STATS, check_address(host), check_timeout(timeout), "a stats request", awaited=True, **options)
+    call = submit(Kind.STATS, check_address(host), check_timeout(timeout), "a stats request", **options)
     return call.future.wait()

@@ -201,7 +201,7 @@ class Connection:
         self, kind: Kind, call: Call, payload: bytes = b"", buffers: Sequence = (), ref: int = 0, flags: int = 0
     ) -> bool:
         """Make ``call``: the loop sends its frame (once connected) and its answer completes ``call.future``;
-        ``flags`` go in the frame (``AWAITED``: its caller blocks for the answer).
+        ``flags`` go in the frame.
 
         Returns:
             Whether the call was made; ``False`` if the connection is closed, or its parent's in a forked child

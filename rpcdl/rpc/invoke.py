@@ -19,7 +19,7 @@ from ..address import format_address, parse_address
 from ..checks import check_timeout
 from ..errors import WorkerUnavailable
 from ..serialization.pickling import dumps_for
-from ..transport.wire import AWAITED, MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
+from ..transport.wire import MAX_BUFFERS_ENV, MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Kind, Limits
 from .calls import Call, describe
 from .connection import Connection
 from .environment import Variables
@@ -136,7 +136,6 @@ def submit(
     *,
     ref: int = 0,
     pin_memory: bool = False,
-    awaited: bool = False,
     transform_for: Callable[[Connection], Callable[[Any], Any]] | None = None,
     token: Any = None,
     ssl_context: ssl.SSLContext | None = None,
@@ -152,7 +151,6 @@ def submit(
         buffers: its out-of-band buffers.
         ref: the id of the RRef the result is kept under on the worker, or 0.
         pin_memory: receive the answer's tensors into pinned memory.
-        awaited: this thread blocks until the answer: the frame says so (the worker may poll for the next call).
         transform_for: given the connection the call goes over, what to apply to the result.
         token: the shared secret, or as :func:`~rpcdl.rpc.pool.connection_to` defaults.
         ssl_context: the TLS context, or as :func:`~rpcdl.rpc.pool.connection_to` defaults.
@@ -168,7 +166,7 @@ def submit(
         connection = connection_to(address, timeout, token, ssl_context)
         transform = transform_for(connection) if transform_for is not None else None
         call = Call(connection, timeout, what, pin_memory=pin_memory, transform=transform, started=started)
-        if connection.submit(kind, call, payload, buffers, ref, AWAITED if awaited else 0):
+        if connection.submit(kind, call, payload, buffers, ref):
             return call
     raise WorkerUnavailable(f"could not keep a connection to worker {address} open")
 
@@ -188,7 +186,5 @@ def call_and_wait(
     unpickles the answer).
     """
     address, timeout, payload, buffers = prepare(host, func, args, kwargs, timeout)
-    call = submit(
-        Kind.CALL, address, timeout, func, payload, buffers, awaited=True, token=token, ssl_context=ssl_context
-    )
+    call = submit(Kind.CALL, address, timeout, func, payload, buffers, token=token, ssl_context=ssl_context)
     return call.future.wait()

@@ -13,7 +13,7 @@ exchange frames::
     payload  pickled by the serialization layer; control frames' own (:mod:`rpcdl.transport.control`)
     buffers  out-of-band buffers (those not in the segment), each received straight into its final memory
 
-The AWAITED flag adds nothing to the layout: it marks a call whose caller blocks for the answer.
+The flags byte has no other bits: a sender leaves them 0 and a receiver ignores them.
 
 Every length received, compressed and decoded, is checked against :class:`Limits`
 before anything is allocated; the sender checks its own frames first (:meth:`Limits.check_outgoing`).
@@ -46,7 +46,6 @@ _IOV_MAX = 1024
 COMPRESSED = 1  #: frame flag: a decoded size follows the lengths, and buffers with one are lz4-compressed
 IN_SEGMENT = 2  #: frame flag: an offset follows the lengths, and buffers with one are in the shared segment
 NOT_IN_SEGMENT = 2**64 - 1  #: the offset of a buffer sent on the socket in an IN_SEGMENT frame
-AWAITED = 4  #: frame flag of a call whose caller blocks for its answer (information only)
 _LAYOUT_FLAGS = COMPRESSED | IN_SEGMENT  # the flags that add to a frame's layout
 
 
