@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from rpcdl.data.chunked_pass import ChunkedPass, ServedCounts
-from rpcdl.data.chunks import ChunkSizer
+from rpcdl.data.chunked_pass import ChunkedPass, ChunkSizer, ServedCounts
 from rpcdl.data.events import Answered, Orphaned
 from rpcdl.data.probes import Revival
 from rpcdl.data.records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, WorkerState
