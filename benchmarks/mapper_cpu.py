@@ -8,7 +8,7 @@ carried the items (how many, how many items each).
 
 The calls matter: a call's own worker CPU is shared by the items of its
 chunk, and a chunk holds what the client pulled from the source within
-``rpcdl.data.chunks.FILL_SECONDS`` (1 ms) of wall time. A
+``rpcdl.data.chunked_pass.FILL_SECONDS`` (1 ms) of wall time. A
 preempted client pulls fewer, so on a busy machine the CPU per item follows
 the load. ``--fill-seconds 1`` lets every chunk fill to the bound, which takes
 that out: then two versions compare on their code alone. Run it with each
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 
 import rpcdl
-import rpcdl.data.chunks
+import rpcdl.data.chunked_pass
 from rpcdl.cli.bench.workloads import increment
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -50,14 +50,14 @@ def children(pid: int) -> list[int]:
 
 
 class ChunkLog:
-    """Records the items of each chunk a :class:`~rpcdl.data.chunks.ChunkSizer` learns from (one per call)."""
+    """Records the items of each chunk a :class:`~rpcdl.data.chunked_pass.ChunkSizer` learns from (one per call)."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
-        sizer = rpcdl.data.chunks.ChunkSizer
+        sizer = rpcdl.data.chunked_pass.ChunkSizer
         observe = sizer.observe
 
-        def observed(this: rpcdl.data.chunks.ChunkSizer, items: int, seconds: float, nbytes: int = 0) -> None:
+        def observed(this: rpcdl.data.chunked_pass.ChunkSizer, items: int, seconds: float, nbytes: int = 0) -> None:
             self.sizes.append(items)
             observe(this, items, seconds, nbytes)
 
@@ -74,7 +74,7 @@ def main() -> None:
     from rpcdl.integrations.torchdata import RPCMapper
 
     if args.fill_seconds is not None:
-        rpcdl.data.chunks.FILL_SECONDS = args.fill_seconds
+        rpcdl.data.chunked_pass.FILL_SECONDS = args.fill_seconds
     log = ChunkLog()
     with rpcdl.local_workers(2) as workers:
         node = RPCMapper(IterableWrapper(itertools.count()), workers, increment)

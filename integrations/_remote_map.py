@@ -23,8 +23,8 @@ import torch
 
 from rpcdl import rpc_async
 from rpcdl.checks import check_positive_int, check_timeout
-from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ServedCounts
-from rpcdl.data.chunks import ChunkSizer, run_chunk
+from rpcdl.data.chunked_pass import ChunkedItem, ChunkedPass, ChunkSizer, ServedCounts
+from rpcdl.data.chunks import run_chunk
 from rpcdl.data.records import Task
 from rpcdl.data.sources import Fleet, WorkerSource, start_timeout, worker_source
 from rpcdl.data.worker_pool import WorkerPool

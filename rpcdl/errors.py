@@ -222,7 +222,7 @@ class ChunkFailed(RPCDLError):
 
     It carries every item's value (``None`` where it failed) and the errors in
     place; the loader and the maps unpack it and raise each error at its own
-    item (see :mod:`rpcdl.data.chunks`), so a training loop never sees it.
+    item (see :mod:`rpcdl.data.chunked_pass`), so a training loop never sees it.
 
     Args:
         values: one per item of the chunk.

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rpcdl.data.chunks import ChunkReader, ChunkSizer, ReaderState, answer_bytes, run_chunk
+from rpcdl.data.chunked_pass import ChunkReader, ChunkSizer, ReaderState
+from rpcdl.data.chunks import answer_bytes, run_chunk
 from rpcdl.errors import ChunkFailed
 from rpcdl.serialization.stacked import StackedSamples
 

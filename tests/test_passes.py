@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from rpcdl.data.chunked_pass import ChunkedPass, ServedCounts
-from rpcdl.data.chunks import ChunkSizer
+from rpcdl.data.chunked_pass import ChunkedPass, ChunkSizer, ServedCounts
 from rpcdl.data.events import Answered, Orphaned
 from rpcdl.data.probes import Revival
 from rpcdl.data.records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, WorkerState
@@ -393,7 +392,7 @@ def test_the_pool_tells_other_passes_of_their_orphans_reclaims_dropped_passes_an
             for worker in (0, 1)
         }
         for attempt in calls.values():
-            state.sent(attempt)
+            state.policy.sent(state.slots[attempt.worker], attempt, state.answers)
         w0 = state.slots[0]
         own = state.take_down(w0, WorkerUnavailable("gone"), mine)
         assert own == [calls[mine.number, 0]] and w0.state is WorkerState.DOWN and not w0.in_flight

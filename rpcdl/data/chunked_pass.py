@@ -1,27 +1,47 @@
-"""A pass whose calls each run a chunk of items, handed out one item at a time.
+"""A pass over a source of items, sent in chunks, handed out one item at a time: what a pass does with chunks.
 
-The engine of the loader's epochs and of the remote maps: a
-:class:`~rpcdl.data.scheduler.Dispatch` whose tasks are chunks (see
-:mod:`rpcdl.data.chunks`), each run by one call, so scheduling, failover and
-revival are the pool's and a chunk is retried whole. A pass hands out one
-:class:`ChunkedItem` per item, in the order of its chunks.
+Why a layer of its own: a call costs a round trip and about 100 us of CPU on
+each side, which dominates when an item is cheap (a map of a trivial function,
+a batch of a few small rows). This module owns everything about the chunks of
+a pass and nothing about workers: how many items a chunk carries
+(:class:`ChunkSizer`), how they are pulled from the source
+(:class:`ChunkReader`), how a chunk's answer is handed out item by item with
+each item's own error, and what happens to a chunk that fails as a whole
+(:class:`ChunkedPass`). Sending the chunks, failover and revival are the
+:class:`~rpcdl.data.scheduler.Dispatch`'s it runs on, so a chunk is retried
+whole. It is the engine of the loader's epochs and of the remote maps; what a
+worker runs for a chunk is :func:`rpcdl.data.chunks.run_chunk`.
+
+The size of a chunk adapts to the cost of its items:
+
+- a chunk starts at one item and grows (at most doubling per answer) while
+  the work a chunk carries is below :data:`TARGET_CHUNK_SECONDS` and, when a
+  byte target is set, its answer below that target, up to a bound of items;
+  it shrinks at once when items get slower or larger;
+- filling a chunk never waits for a slow source: pulling stops after an
+  item that took longer than :data:`FILL_SECONDS` to come (the next one
+  would likely be as slow), or once the chunk took that long.
 
 A chunk that fails as a whole for a reason other than a worker failure (its
 answer cannot be pickled or breaks a message limit, it timed out on every
-worker) is run again item by item, so that the error comes at the item that
-causes it and the other items of the chunk come through.
+worker) is run again item by item, in a pass of its own on the same pool, so
+that the error comes at the item that causes it and the other items of the
+chunk come through; every item is handed out once.
 
 An exception raised by the source is held back until every item pulled before
 it has been handed out, then raised in its place in the stream, as torchdata's
 ``Mapper`` and ``ParallelMapper`` do.
 
-Threading: a :class:`ChunkedPass` belongs to the thread advancing it, one at
-a time: its owner admits that thread (an epoch, a mapper: their
-:class:`~rpcdl.data.guard.EntryGuard` refuses a second one; a DataPipe's
-generator refuses it as any generator does), and its passes refuse a second
-thread too. Any thread may close it: its lock guards the pass re-running a
-failed chunk, which the closing thread closes, and an event tells the thread
-advancing it to stop. A :class:`ServedCounts` is shared by the passes of a
+Threading: a :class:`ChunkedPass` and its :class:`ChunkReader` belong to the
+thread advancing it, one at a time: its owner admits that thread (an epoch, a
+mapper: their :class:`~rpcdl.data.guard.EntryGuard` refuses a second one; a
+DataPipe's generator refuses it as any generator does), and its passes refuse
+a second thread too. Any thread may close it: its lock guards the pass
+re-running a failed chunk, which the closing thread closes, and an event tells
+the thread advancing it to stop. A :class:`ChunkSizer` is shared by the passes
+of a loader or remote map, which several threads may advance at once, and set
+by the user's thread (``max_batches_per_call``): its lock guards every access
+to its size and bound. A :class:`ServedCounts` is shared by the passes of a
 loader or remote map: its lock guards every access; it tells its
 :class:`~rpcdl.data.flow.DataFlow` after letting that lock go.
 """
@@ -31,18 +51,138 @@ from __future__ import annotations
 import collections
 import enum
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..errors import ChunkFailed
 from ..serialization.pickling import load_exception
-from .chunks import ChunkReader, ChunkSizer
 from .flow import DataFlow
 from .records import Task
 from .scheduler import Call, Dispatch
 from .worker_pool import WorkerPool
 
-__all__ = ["ChunkedItem", "ChunkedPass", "ChunkedPassState", "ServedCounts"]
+__all__ = [
+    "FILL_SECONDS",
+    "TARGET_CHUNK_SECONDS",
+    "ChunkReader",
+    "ChunkSizer",
+    "ChunkedItem",
+    "ChunkedPass",
+    "ChunkedPassState",
+    "ReaderState",
+    "ServedCounts",
+]
+
+#: Seconds of work (measured on the worker) a chunk aims at, enough to make a call's overhead small.
+TARGET_CHUNK_SECONDS = 0.002
+#: Seconds spent pulling items for one chunk after its first item, before the chunk goes as it is.
+FILL_SECONDS = 0.001
+
+
+class ChunkSizer:
+    """The number of items the next chunk may carry (see the module).
+
+    Args:
+        max_chunk_size: the most items in one chunk.
+        timeout: the timeout of one call: a chunk aims at a small part of it too.
+        target_bytes: the size of an answer a chunk aims at (``None``: any).
+    """
+
+    def __init__(self, max_chunk_size: int, timeout: float, target_bytes: int | None = None):
+        self.target_seconds = min(TARGET_CHUNK_SECONDS, timeout / 20) if timeout > 0 else TARGET_CHUNK_SECONDS
+        self.target_bytes = target_bytes
+        self._lock = threading.Lock()
+        self._max_chunk_size = max_chunk_size
+        self._size = 1
+
+    @property
+    def size(self) -> int:
+        """The items the next chunk may carry."""
+        with self._lock:
+            return self._size
+
+    @property
+    def max_chunk_size(self) -> int:
+        """The most items in one chunk; a new bound applies to the next chunk."""
+        with self._lock:
+            return self._max_chunk_size
+
+    @max_chunk_size.setter
+    def max_chunk_size(self, value: int) -> None:
+        with self._lock:
+            self._max_chunk_size = value
+            self._size = min(self._size, value)
+
+    def observe(self, items: int, seconds: float, nbytes: int = 0) -> None:
+        """Learn from a chunk of ``items`` items that took ``seconds`` on its worker and answered ``nbytes``."""
+        with self._lock:
+            wanted = self._max_chunk_size
+            if seconds > 0:
+                wanted = min(wanted, int(self.target_seconds * items / seconds))
+            if self.target_bytes is not None and nbytes > 0:
+                wanted = min(wanted, self.target_bytes * items // nbytes)
+            if wanted > self._size and items < self._size:
+                return  # a short chunk (the source was slow or ended) says nothing about a larger one
+            self._size = max(1, min(wanted, 2 * self._size, self._max_chunk_size))
+
+    def restart(self) -> None:
+        """Go back to chunks of one item (a chunk failed as a whole)."""
+        with self._lock:
+            self._size = 1
+
+
+class ReaderState(enum.Enum):
+    """Where a :class:`ChunkReader` is."""
+
+    READING = "reading"  #: pulling items from its source
+    FAILED = "failed"  #: the source raised; its error waits to be taken by :meth:`ChunkReader.take_error`
+    ENDED = "ended"  #: the source ended, or its error was taken
+
+
+class ChunkReader(Iterator[list[Any]]):
+    """The chunks of a pass: lists of items pulled from ``items``, as many as ``sizer`` allows.
+
+    An exception the source raises ends the chunks (after the chunk holding the
+    items pulled before it) and is kept until :meth:`take_error`.
+    """
+
+    def __init__(self, items: Iterator[Any], sizer: ChunkSizer):
+        self._items = items
+        self._sizer = sizer
+        self.state = ReaderState.READING
+        self._error: Exception | None = None  # while FAILED
+
+    def take_error(self) -> Exception | None:
+        """The exception the source raised, once (``None`` if it raised none)."""
+        if self.state is not ReaderState.FAILED:
+            return None
+        error, self._error = self._error, None
+        self.state = ReaderState.ENDED
+        return error
+
+    def __next__(self) -> list[Any]:
+        if self.state is not ReaderState.READING:
+            raise StopIteration
+        chunk: list[Any] = []
+        size = self._sizer.size
+        started = time.perf_counter()
+        try:
+            while len(chunk) < size:
+                pulled_at = time.perf_counter()
+                chunk.append(next(self._items))
+                now = time.perf_counter()
+                if now - pulled_at > FILL_SECONDS or now - started > FILL_SECONDS:
+                    break  # the source is slow: the next item might not come soon either
+        except StopIteration:
+            self.state = ReaderState.ENDED
+            if not chunk:
+                raise
+        except Exception as exc:
+            self.state, self._error = ReaderState.FAILED, exc
+            if not chunk:
+                raise StopIteration from None
+        return chunk
 
 
 class ChunkedItem:

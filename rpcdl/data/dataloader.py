@@ -36,8 +36,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ..checks import check_int, check_loader_timeout, check_number, check_positive_int
-from .chunked_pass import ServedCounts
-from .chunks import ChunkSizer
+from .chunked_pass import ChunkSizer, ServedCounts
 from .dataset import DatasetSetup, RPCDataset
 from .elastic import ElasticDistributedSampler
 from .epoch import TARGET_CHUNK_BYTES, EpochCall, EpochIterator, EpochPlan

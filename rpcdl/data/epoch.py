@@ -54,8 +54,7 @@ from ..errors import is_transient
 from ..rpc.client import rpc_async
 from ..rpc.rref import RRefNotFound, remote_id
 from ..seeding import derive_seed, set_random_seeds
-from .chunked_pass import ChunkedPass, ChunkedPassState, ServedCounts
-from .chunks import ChunkSizer
+from .chunked_pass import ChunkedPass, ChunkedPassState, ChunkSizer, ServedCounts
 from .dataset import RPCDataset
 from .epoch_book import EpochBook, Position
 from .flow import DataFlow, FlowFigures, FlowSnapshot

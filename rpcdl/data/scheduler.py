@@ -27,6 +27,15 @@ The decisions (which worker, which copy, who is taken out, which probe is due,
 whether none is left) are :mod:`rpcdl.data.scheduling_policy`'s, plain
 functions of the records; this module does the pass's I/O.
 
+Why a layer of its own: this is where one pass meets the network. It owns
+what belongs to one pass alone (its source, its tasks pulled, sent, finished,
+its order of handing out) and does what a decision leads to: the calls, the
+waits for their answers, the retries. It asks the policy itself, under the
+pool's lock, with the pool's records in use (``PoolState.in_use``) and the
+time read once per step: the policy reads no clock, and nothing stands
+between the two. What a task carries is not its business (a chunk of batches
+for the loader, see :mod:`rpcdl.data.chunked_pass`).
+
 Threading: no thread of its own; everything happens in the consumer's
 ``next()``. A pass's own fields (its source, its tasks waiting, outstanding
 and finished, its state) belong to the thread advancing it, one thread at a
@@ -57,7 +66,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RPCDLError, WorkerLeaving, WorkerTimeout
+from ..errors import RPCDLError, WorkerHung, WorkerLeaving, WorkerTimeout
 from ..rpc.calls import when_answered
 from .events import Answered, Orphaned, PassEvent, post
 from .guard import EntryGuard
@@ -217,7 +226,8 @@ class Dispatch(Iterator[Task]):
                 shared.reclaim_dropped()  # what dropped passes hold may be what this one waits for
                 shared.follow_fleet()
                 shared.start_due_probes()
-                timeout = shared.wait_time(self.in_order and bool(self._outstanding))
+                awaiting_head = self.in_order and bool(self._outstanding)
+                timeout = shared.policy.wait_time(shared.in_use, shared.clock(), awaiting_head)
         events = self._take_events(timeout)  # outside the lock: waiting, and unpickling the answers
         with self.pool.locked() as shared:
             self._check_open()
@@ -233,20 +243,21 @@ class Dispatch(Iterator[Task]):
         if pulled:
             with self.pool.locked() as shared:
                 self._check_open()
-                self._send_waiting(shared)
+                self._send_waiting(shared, shared.clock())
 
     def _send_ready(self, shared: PoolState) -> int:
         """Send a copy of the head if it is late, then what waits; how many tasks the pass may pull now."""
         shared.follow_fleet()  # a worker that joined is set up at once, one that left given nothing more
+        now = shared.clock()
         if self.in_order and self._outstanding:
             head = self._head()
-            slot = shared.hedge(head)
+            slot = shared.policy.hedge(head, shared.in_use, now)
             if slot is not None:  # first: the consumer waits for it; it must not wait for a slot behind new tasks
                 self._send(shared, head, slot)
-        self._send_waiting(shared)
+        self._send_waiting(shared, now)
         if self._waiting or self.state is not PassState.OPEN:
             return 0
-        return shared.pass_window() - len(self._outstanding)
+        return shared.policy.pass_window(shared.in_use) - len(self._outstanding)
 
     def _pull(self) -> bool:
         try:
@@ -259,9 +270,9 @@ class Dispatch(Iterator[Task]):
         self._waiting.append(task)
         return True
 
-    def _send_waiting(self, shared: PoolState) -> None:
+    def _send_waiting(self, shared: PoolState, now: float) -> None:
         while self._waiting:
-            slot = shared.pick()
+            slot = shared.policy.pick(shared.in_use, now)
             if slot is None:
                 return
             self._send(shared, self._waiting.popleft(), slot)
@@ -283,7 +294,7 @@ class Dispatch(Iterator[Task]):
         attempt = Attempt(task.seq, slot.index, self._record.number, sent_at, future)
         when_answered(future, functools.partial(post, self._events, Answered(attempt)))  # first: it always ends
         task.attempts.append(attempt)
-        shared.sent(attempt)
+        shared.policy.sent(slot, attempt, shared.answers)
 
     # ------------------------------------------------------------------ events
 
@@ -299,11 +310,14 @@ class Dispatch(Iterator[Task]):
                     self._sort_waiting()
         shared.handle_probe_ends()
         shared.release_answered(self._record)
-        for slot, failure in shared.hung():  # after the answers that came: their workers are not silent
-            self._take_down(shared, slot, failure)
-        for slot in shared.drains_ended():
+        policy, in_use, now = shared.policy, shared.in_use, shared.clock()
+        # After the answers that came: their workers are not silent.
+        for slot, why in policy.hung(in_use, now, shared.answers, reserve=shared.reserve_size > 0):
+            self._take_down(shared, slot, WorkerHung(f"worker {slot.address}: {why}"))
+        _, overdue = policy.drains_ended(shared.in_use, now)  # those with none in flight are DOWN from now on
+        for slot in overdue:
             self._take_down(shared, slot, WorkerTimeout(f"worker {slot.address} drained past its drain timeout"))
-        return shared.no_worker_left(self._all_down)
+        return self._all_down.check(shared.in_use, now, reserve=shared.reserve_size)
 
     def _take_events(self, timeout: float) -> list[PassEvent]:
         events: list[PassEvent] = []
@@ -350,7 +364,7 @@ class Dispatch(Iterator[Task]):
             self._take_down(shared, slot, error)
         if isinstance(error, WorkerTimeout):
             task.timeouts += 1
-            if shared.gives_up(task):
+            if shared.policy.gives_up(task, shared.in_use, reserve=shared.reserve_size):
                 error.add_note(
                     f"task {task.seq} timed out on {task.timeouts} workers: it takes longer than "
                     f"timeout={self.pool.timeout:g}s; raise the timeout"

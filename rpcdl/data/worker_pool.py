@@ -3,10 +3,19 @@
 A :class:`WorkerPool` keeps what a client knows of its workers across passes
 (epochs): each worker's :class:`~rpcdl.data.records.WorkerSlot` (its health,
 calls in flight, estimates and probe schedule), the registry of open passes,
-and the revivals in flight. The decisions are the
-:class:`~rpcdl.data.scheduling_policy.SchedulingPolicy`'s; a pass
-(:class:`~rpcdl.data.scheduler.Dispatch`) asks for them through
-:meth:`WorkerPool.locked`.
+and the revivals in flight.
+
+Why a layer of its own: a pass lives for one epoch, a worker's record for
+the whole job, and several passes (an epoch and the next one prefetched, the
+stages of a pipeline) use the same workers at once. What they share is kept
+here, under one lock: the records, the reserve of other ranks' workers, the
+fleet's changes, revivals, and which pass a call belongs to (so that an
+orphaned call reaches its own pass). The decisions are not made here: they are
+the :class:`~rpcdl.data.scheduling_policy.SchedulingPolicy`'s, which a pass
+(:class:`~rpcdl.data.scheduler.Dispatch`) asks itself, holding the lock
+(:meth:`WorkerPool.locked`), with the records in use and the time read once
+per step; the methods here are the changes of state that take more than one
+record or that log.
 
 The workers come from a :class:`~rpcdl.data.sources.Fleet`: a fixed list, or
 a source that changes. At each step a pass takes in the fleet's changes
@@ -69,8 +78,8 @@ from ..rpc.pool import close_idle_connections_to
 from .events import WAKE, Orphaned, post_probe_end
 from .flow import CALL_SECONDS
 from .probes import PROBE_TIMEOUT, PingSetup, Revival, WorkerSetup
-from .records import Attempt, AttemptState, Task, WorkerSlot, WorkerState
-from .scheduling_policy import AllDownWatch, SchedulingPolicy, active
+from .records import Attempt, AttemptState, WorkerSlot, WorkerState
+from .scheduling_policy import SchedulingPolicy, active
 from .sources import Fleet, Membership
 
 __all__ = ["PassRecord", "PoolState", "Registration", "WorkerPool"]
@@ -114,8 +123,11 @@ class PoolState:
         in_use: the records a step looks at: the own share and the others'
             workers called on (not those back in reserve, nor those that left
             with no call in flight). Per-step work grows with these alone.
-        policy: the decisions.
+        policy: the decisions; a pass asks it itself, holding the lock, with
+            ``in_use`` and the time read from ``clock`` once per step.
         clock: the time in seconds, monotonic.
+        answers: the answers from all the workers so far (see
+            :meth:`SchedulingPolicy.hung <rpcdl.data.scheduling_policy.SchedulingPolicy.hung>`).
     """
 
     def __init__(self, fleet: Fleet, policy: SchedulingPolicy, clock: Callable[[], float], setup: WorkerSetup):
@@ -171,10 +183,6 @@ class PoolState:
 
     # ------------------------------------------------------------------ records
 
-    def slot(self, index: int) -> WorkerSlot:
-        """The record of the worker at ``index`` (an :class:`~rpcdl.data.records.Attempt`'s ``worker``)."""
-        return self.slots[index]
-
     def slot_addresses(self) -> set[str]:
         """The addresses of the workers given a record."""
         return set(self._by_address)
@@ -182,6 +190,11 @@ class PoolState:
     def reserve(self) -> list[str]:
         """The others' workers in reserve (``STANDBY``, not in use), the next to be called first."""
         return [address for _, address in reversed(self._reserve)]
+
+    @property
+    def reserve_size(self) -> int:
+        """How many of the others' workers wait in reserve (what the policy weighs as ``reserve``)."""
+        return len(self._reserve)
 
     def _add_slot(self, address: str, own: bool, state: WorkerState) -> WorkerSlot:
         slot = WorkerSlot(address, len(self.slots), own, state)
@@ -261,14 +274,6 @@ class PoolState:
         self._fill_reserve(membership)
         self._to_probe.extend(self.policy.probes_due(self.in_use, now))  # those that joined: set up now
 
-    def hung(self) -> list[tuple[WorkerSlot, WorkerHung]]:
-        """The active workers that stopped answering while the others went on, each with the error that
-        takes it out (see :meth:`SchedulingPolicy.hung`)."""
-        return [
-            (slot, WorkerHung(f"worker {slot.address}: {why}"))
-            for slot, why in self.policy.hung(self.in_use, self.clock(), self.answers, reserve=bool(self._reserve))
-        ]
-
     # ------------------------------------------------------------------ passes
 
     def open_pass(self, owner: object, events: queue.SimpleQueue) -> PassRecord:
@@ -307,26 +312,6 @@ class PoolState:
                 attempt.state = AttemptState.DROPPED
 
     # ------------------------------------------------------------------ calls
-
-    def pass_window(self) -> int:
-        """How many tasks a pass may hold pulled and not handed out."""
-        return self.policy.pass_window(self.in_use)
-
-    def pick(self) -> WorkerSlot | None:
-        """The worker to send a new task to now, if any."""
-        return self.policy.pick(self.in_use, self.clock())
-
-    def hedge(self, head: Task) -> WorkerSlot | None:
-        """Another worker to send a copy of ``head`` (the task a consumer waits for) to, if it needs one."""
-        return self.policy.hedge(head, self.in_use, self.clock())
-
-    def wait_time(self, awaiting_head: bool) -> float:
-        """How long a pass may wait for an answer before it must act."""
-        return self.policy.wait_time(self.in_use, self.clock(), awaiting_head)
-
-    def sent(self, attempt: Attempt) -> None:
-        """Count ``attempt``, a call just made, against its worker."""
-        self.policy.sent(self.slots[attempt.worker], attempt, self.answers)
 
     def answered(self, attempt: Attempt, worker_failed: bool) -> bool:
         """The answer of ``attempt`` is being handled by its pass: it leaves its worker's calls in flight.
@@ -378,16 +363,6 @@ class PoolState:
             message = "worker %s is leaving: it is given no more calls; its %d in flight are awaited (up to %s)"
             self._notes.append((logging.INFO, message, (slot.address, len(slot.in_flight), wait)))
 
-    def drains_ended(self) -> list[WorkerSlot]:
-        """The draining workers whose drain time passed with calls still in flight: to take out (their calls
-        go elsewhere). Those with none left are ``DOWN`` from now on."""
-        _, overdue = self.policy.drains_ended(self.in_use, self.clock())
-        return overdue
-
-    def gives_up(self, task: Task) -> bool:
-        """Whether ``task`` timed out on as many workers as could serve it."""
-        return self.policy.gives_up(task, self.in_use, reserve=len(self._reserve))
-
     def take_down(self, slot: WorkerSlot, failure: BaseException, by: PassRecord) -> list[Attempt]:
         """Take a failed worker out; its calls in flight are orphaned.
 
@@ -412,11 +387,6 @@ class PoolState:
         return own
 
     # ------------------------------------------------------------------ revival
-
-    def no_worker_left(self, watch: AllDownWatch) -> str | None:
-        """``None`` while a worker serves or may come back in time; else the error a pass raises (see
-        :meth:`AllDownWatch.check <rpcdl.data.scheduling_policy.AllDownWatch.check>`)."""
-        return watch.check(self.in_use, self.clock(), reserve=len(self._reserve))
 
     def start_due_probes(self) -> None:
         """The pass waits for data: revive the workers whose probe is due (they are ``PROBING`` from now on).
