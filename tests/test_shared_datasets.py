@@ -113,7 +113,10 @@ def test_racing_holders_build_once_and_a_failed_build_raises_for_all_and_is_not_
     def build(fails: bool):
         builds.append(1)
         started.set()
-        time.sleep(0.05)  # the other holders arrive meanwhile
+        deadline = time.monotonic() + 10
+        while store.sharing("kind", b"recipe") < 8:  # every other holder awaits this build
+            assert time.monotonic() < deadline, "the other holders never came to await the build"
+            time.sleep(0.001)
         if fails:
             raise ValueError("the build failed")
         return ["built"]

@@ -139,6 +139,20 @@ class RRefStore:
         with self._lock:
             return len(self._shared)
 
+    def sharing(self, kind: str, definition: bytes) -> int:
+        """How many calls build, await or hold the one object of ``definition`` (0: none is kept).
+
+        Example::
+
+            >>> store = RRefStore()
+            >>> _ = store.share("list", b"recipe", lambda: [0] * 3, holder="trainer-1")
+            >>> store.sharing("list", b"recipe"), store.sharing("list", b"other")
+            (1, 0)
+        """
+        with self._lock:
+            record = self._shared.get(self._key(kind, definition))
+            return 0 if record is None else record.holders
+
     def share(self, kind: str, definition: bytes, build: Callable[[], Any], holder: object) -> tuple[int, Any]:
         """Add an entry for ``holder`` naming the one object built from ``definition``; build it if none is kept.
 
