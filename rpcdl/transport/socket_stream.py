@@ -141,14 +141,8 @@ class SocketStream:
     def abort(self) -> None:
         """Close the socket now, dropping what is unwritten; the protocol's ``connection_lost`` follows (on the
         loop's thread, which calls this)."""
-        with self._lock:
-            if self._state is StreamState.CLOSED:
-                return
-            self._state = StreamState.CLOSED
-            self._outbox.clear()
-        self._stop_watching()
-        self._sock.close()
-        self._loop.call_soon(self._protocol.connection_lost, None)
+        if self._close():
+            self._loop.call_soon(self._protocol.connection_lost, None)
 
     # ------------------------------------------------------------------ writing
 
@@ -234,14 +228,19 @@ class SocketStream:
 
     def _lost(self, error: Exception | None) -> None:
         """On the loop: the connection broke (``error``) or ended (``None``): close it and tell the protocol."""
+        if self._close():
+            self._protocol.connection_lost(error)
+
+    def _close(self) -> bool:
+        """On the loop: close the socket, dropping what is unwritten; whether it was open until now."""
         with self._lock:
             if self._state is StreamState.CLOSED:
-                return
+                return False
             self._state = StreamState.CLOSED
             self._outbox.clear()
         self._stop_watching()
         self._sock.close()
-        self._protocol.connection_lost(error)
+        return True
 
     def _stop_watching(self) -> None:
         self._loop.remove_reader(self._fd)
