@@ -191,26 +191,34 @@ def test_a_loop_that_waits_for_data_reports_it_and_more_than_one_worker(two_work
     dataset.release()
 
 
-def test_a_loop_whose_step_is_slow_reports_about_no_wait(two_workers, caplog):
+def test_a_loop_whose_step_is_slow_reports_the_little_it_waited(two_workers, caplog):
+    # The figures must be the consumer's own: the wait is the time spent in next(), which the test measures
+    # beside the loader. How little that is depends on the machine's load, so only a generous band is asserted
+    # about it: a loader that did not prefetch during the 50 ms steps would wait about half the time.
     dataset = rpcdl.RPCDataset(two_workers, RangeDataset, 80)
     loader = rpcdl.RPCDataloader(dataset, batch_size=2)
     start = loader.data_flow()
+    waited = 0.0
     with caplog.at_level(logging.WARNING, logger="rpcdl.dataloader"):
         batches = iter(loader)
         next(batches)  # the epoch's first batch is always waited for: the steady state is what is asserted
         after_first = loader.data_flow()
-        rest = 0
-        for _ in batches:
+        for _ in range(39):
             time.sleep(0.05)  # the training step
-            rest += 1
-        assert rest == 39
+            began = time.perf_counter()
+            next(batches)
+            waited += time.perf_counter() - began
+        assert next(batches, None) is None
     figures = loader.data_flow().since(start)
     steady = loader.data_flow().since(after_first)
     assert figures.batches == 40 and steady.batches == 39
-    assert steady.work_seconds >= 38 * 0.05
-    assert steady.data_wait_fraction < 0.05, steady
+    assert steady.work_seconds >= 39 * 0.05
+    assert steady.wait_seconds <= waited, (steady, waited)  # counted inside the next() calls timed here
+    assert steady.wait_seconds >= waited - 0.002 * 40 - 0.05 * waited, (steady, waited)
+    assert steady.data_wait_fraction < 0.3, steady
     assert figures.workers_needed < 1, figures
-    assert not [r for r in caplog.records if "waited for data" in r.getMessage()]  # 2 s of steps: under 5%
+    # an epoch this short (2 s) never warns, whatever it waited: its first batch alone would make the fraction
+    assert not [r for r in caplog.records if "waited for data" in r.getMessage()]
     dataset.release()
 
 

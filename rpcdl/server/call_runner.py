@@ -23,7 +23,6 @@ from ..transport.wire import MAX_MESSAGE_BYTES_ENV, SMALLEST_MESSAGE_LIMIT, Fram
 from .counters import Counters, running_for
 
 log = logging.getLogger("rpcdl.worker")
-_RESULT = Kind.RESULT  # read on every call: see rpcdl.server.session for what the class lookup costs
 
 
 class Session(Protocol):
@@ -88,7 +87,7 @@ class CallRunner:
             self.counters.ran(time.perf_counter() - started, True)
             return Frame(Kind.ERROR, frame.call_id, 0, self.error_report(exc))
         self.counters.ran(time.perf_counter() - started, False)
-        return Frame(_RESULT, frame.call_id, 0, payload, buffers)
+        return Frame(Kind.RESULT, frame.call_id, 0, payload, buffers)
 
     def error_report(self, exc: BaseException) -> bytes:
         """The report of ``exc`` for the client; a shorter one if it would break the message limit."""
