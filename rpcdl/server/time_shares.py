@@ -62,7 +62,8 @@ class TimeShares:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 (client records kept), got {capacity}")
         self._capacity = capacity
-        self._records: collections.OrderedDict[str, TimeShare] = collections.OrderedDict()
+        # per client: [calls, busy seconds, contended seconds]; a list, changed in place (no record made per call)
+        self._records: collections.OrderedDict[str, list] = collections.OrderedDict()
 
     def add(self, client: str, seconds: float, *, contended: bool) -> None:
         """Count a call of ``client`` that ran ``seconds``.
@@ -73,11 +74,18 @@ class TimeShares:
             contended: whether it was taken from the queue while another client had a call waiting.
         """
         records = self._records
-        calls, busy, waited = records.pop(client, None) or (0, 0.0, 0.0)
-        records[client] = TimeShare(calls + 1, busy + seconds, waited + seconds if contended else waited)
-        if len(records) > self._capacity:
-            records.popitem(last=False)
+        record = records.get(client)
+        if record is None:
+            records[client] = record = [0, 0.0, 0.0]
+            if len(records) > self._capacity:
+                records.popitem(last=False)
+        else:
+            records.move_to_end(client)
+        record[0] += 1
+        record[1] += seconds
+        if contended:
+            record[2] += seconds
 
     def snapshot(self) -> dict[str, TimeShare]:
         """The records kept, by client address, the one served longest ago first."""
-        return dict(self._records)
+        return {client: TimeShare(*record) for client, record in self._records.items()}
