@@ -68,6 +68,7 @@ DOCTEST_MODULES = [
     "rpcdl.rpc.invoke",
     "rpcdl.rpc.rref",
     "rpcdl.server.counters",
+    "rpcdl.server.time_shares",
     "rpcdl.server.worker",
     "rpcdl.data.cache.cached",
     "rpcdl.data.dataloader",

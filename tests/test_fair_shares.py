@@ -2,22 +2,30 @@
 
 The queue's policy alone (:class:`rpcdl.server.fair_queue.FairQueue`): turns
 among equals, equal time among clients whose calls last differently, no idle
-time banked; then real client processes hammering real worker processes (the
+time banked; then real client processes hammering real worker processes. The
 items/s two trainers with unequal batches get are measured in
-``benchmarks/scale_processes.py``, never asserted here).
+``benchmarks/scale_processes.py``, never asserted here: they depend on how soon
+each trainer sends its next call, which a busy machine delays. What is asserted
+for them is the worker's own account (:meth:`rpcdl.server.slots.Slots.time_shares`):
+the time each got while the other had a call waiting.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from rpcdl.local import child_environment
+from rpcdl.rpc.rref import RRefStore
 from rpcdl.server.fair_queue import FairQueue
+from rpcdl.server.slots import Slots
+from rpcdl.server.time_shares import TimeShare, TimeShares
+from rpcdl.transport.wire import Frame, Kind
 
 _CLIENT = str(Path(__file__).resolve().parent / "fair_client.py")
 
@@ -101,6 +109,62 @@ def test_a_call_run_at_once_counts_against_its_client_too():
     assert queue.usage("inline") == pytest.approx(0.05)
 
 
+def test_time_shares_count_each_clients_time_and_keep_the_clients_served_last():
+    shares = TimeShares(capacity=2)
+    shares.add("a:1", 0.5, contended=False)
+    shares.add("b:2", 0.25, contended=True)
+    shares.add("a:1", 0.25, contended=True)
+    assert shares.snapshot() == {"b:2": TimeShare(1, 0.25, 0.25), "a:1": TimeShare(2, 0.75, 0.25)}
+    shares.add("c:3", 1.0, contended=False)  # the record of b, served longest ago, goes
+    assert list(shares.snapshot()) == ["a:1", "c:3"]
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        TimeShares(capacity=0)
+
+
+class _Session:
+    """A session of the slots' own test: records the ids of the answers it is sent."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.call_context = ()
+        self.closed = False
+        self.answers = threading.Semaphore(0)
+
+    def send(self, frame: Frame, answers_call: bool = False, hold: bool = False) -> None:
+        self.answers.release()
+
+
+def test_the_slots_count_a_call_as_contended_when_another_client_waited_as_it_was_taken():
+    first_runs, go_on = threading.Event(), threading.Event()
+
+    def execute(session: _Session, frame: Frame) -> Frame:
+        if frame.call_id == 1:
+            first_runs.set()
+            assert go_on.wait(10.0)
+        return Frame(Kind.RESULT, frame.call_id)
+
+    slots = Slots(1, execute, RRefStore())
+    slots.start()
+    try:
+        a, b = _Session("a:1"), _Session("b:2")
+        slots.enqueue(a, Frame(Kind.CALL, 1))  # a free slot: taken with nobody else waiting
+        assert first_runs.wait(10.0)
+        for call_id in (2, 3):
+            slots.enqueue(a, Frame(Kind.CALL, call_id))
+        slots.enqueue(b, Frame(Kind.CALL, 4))
+        go_on.set()
+        for session, calls in ((a, 3), (b, 1)):
+            for _ in range(calls):
+                assert session.answers.acquire(timeout=10.0), f"{session.peer}: a call never ran"
+        shares = slots.time_shares()
+    finally:
+        slots.stop(timeout=5.0)
+    # a used the slot first: b's call goes next, while a's wait; a's last two find nobody else waiting
+    assert (shares["b:2"].calls, shares["b:2"].contended) == (1, shares["b:2"].busy)
+    assert (shares["a:1"].calls, shares["a:1"].contended) == (3, 0.0)
+    assert shares["a:1"].busy > 0
+
+
 @pytest.mark.parametrize(("workers", "parallel"), [(1, 1), (2, 2)])
 def test_a_greedy_client_and_a_modest_one_get_throughputs_within_20_percent(spawn_workers, workers, parallel):
     addresses = spawn_workers(workers, parallel=parallel)
@@ -138,15 +202,16 @@ def test_a_greedy_client_and_a_modest_one_get_throughputs_within_20_percent(spaw
 _LOADER_CLIENT = str(Path(__file__).resolve().parent / "fair_loader_client.py")
 
 
-def test_two_loaders_with_unequal_batches_share_one_worker_by_time(spawn_workers):
+def test_two_loaders_with_unequal_batches_share_one_worker_by_time(embedded_worker):
     # batches of 16 samples with prefetch_factor=8 and batches of 2 with prefetch_factor=1, each sample holding
-    # the worker's one slot for 2 ms: the loader of small batches must keep a call waiting at the worker while
-    # its answer travels back, or the worker's fair queue gives that turn to the other loader's long call
-    (address,) = spawn_workers(1, parallel=1)
+    # the worker's one slot for 2 ms. How many samples each loader gets depends on how soon it sends its next
+    # call (a loaded machine delays it, and a loader with no call waiting has no claim on the slot), so what is
+    # asserted is the worker's own account: the time each got while the other had a call waiting.
+    worker = embedded_worker(parallel=1)
     shapes = [(16, 8), (2, 1)]
     clients = [
         subprocess.Popen(
-            [sys.executable, _LOADER_CLIENT, address, str(batch_size), str(prefetch_factor), "0.002"],
+            [sys.executable, _LOADER_CLIENT, worker.address, str(batch_size), str(prefetch_factor), "0.002"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=child_environment(),
@@ -157,17 +222,24 @@ def test_two_loaders_with_unequal_batches_share_one_worker_by_time(spawn_workers
     try:
         for client in clients:
             assert client.stdout.readline().strip() == "ready"
-        start = time.time() + 0.5  # both loaders are under way: their windows settle first
+        start = time.time() + 0.2
         for client in clients:
-            client.stdin.write(f"{start!r} {start + 3.0!r}\n")
+            client.stdin.write(f"{start!r} {start + 2.0!r}\n")
             client.stdin.flush()
         samples = [int(client.communicate(timeout=60)[0]) for client in clients]
     finally:
         for client in clients:
             client.kill()
             client.wait()
-    total = sum(samples)
-    assert total > 0
-    for (batch_size, _), taken in zip(shapes, samples, strict=True):
-        # equal time means equal samples here (every sample costs the same); a generous band, not a speed
-        assert taken >= 0.35 * total, f"batches of {batch_size}: {taken} of {total} samples ({samples})"
+    assert all(taken > 0 for taken in samples), f"samples per loader (batches of 16, of 2): {samples}"
+    served = [share for share in worker.slots.time_shares().values() if share.calls >= 5]
+    assert len(served) == 2, f"one record per loader: {worker.slots.time_shares()}"
+    small, large = sorted(served, key=lambda share: share.busy / share.calls)
+    assert small.calls >= 20 and small.contended > 0, f"the loader of small batches was served: {small}"
+    # taking turns per call would give the loader of long calls 8 times the time of the other while both waited;
+    # by time, it is taken ahead of a waiting loader that used less only to even out, one long call at most
+    long_call = large.busy / large.calls
+    assert large.contended <= 1.25 * small.contended + 3 * long_call, (
+        f"while the other waited, batches of 16 got {large.contended:.3f} s, batches of 2 {small.contended:.3f} s "
+        f"(samples {samples}, worker time {large.busy:.3f} s and {small.busy:.3f} s)"
+    )

@@ -16,7 +16,9 @@ their own line, in the order they arrived; the thread that ran a call charges
 its duration to its client, and a freed slot takes the next call of the
 waiting client that has used the least time, so neither a client with many
 calls queued nor one with long calls can starve one with few or short ones.
-Nothing else is called under the lock.
+The same thread counts the call in the :class:`~rpcdl.server.time_shares.TimeShares`
+(:meth:`Slots.time_shares`): how long it ran, and whether it was taken
+while another client had a call waiting. Nothing else is called under the lock.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..transport.control import encode_rejected
 from ..transport.wire import Frame, Kind
 from .call_runner import Session
 from .fair_queue import FairQueue
+from .time_shares import TimeShare, TimeShares
 
 QUICK_CALL = 0.0005  #: seconds: the answer of a quicker call may wait for the next call's (see Session.send)
 LARGE_ANSWER = 1 << 20  #: bytes of buffers from which an answer is sent after its slot is freed
@@ -61,6 +64,7 @@ class Slots:
         self._lock = threading.Lock()  # alone where nobody waits: see ClientConnection's
         self._parked: list[threading.Lock] = []  # executors waiting for a call they may run (or a stop)
         self._queue: FairQueue[Session, Frame] = FairQueue()
+        self._shares = TimeShares()
         self._running = 0
         self._state = SlotsState.NEW
         self._threads = [
@@ -96,7 +100,27 @@ class Slots:
         if park is not None:  # else whoever frees a slot takes it, or an executor not parked yet finds it
             park.release()
 
-    def run(self, session: Session, frame: Frame) -> None:
+    def time_shares(self) -> dict[str, TimeShare]:
+        """The worker time each client got, by client address (see :mod:`rpcdl.server.time_shares`).
+
+        Returns:
+            A :class:`~rpcdl.server.time_shares.TimeShare` per client served
+            recently: its calls, the seconds they ran, and the seconds run by
+            those taken from the queue while another client had a call waiting.
+
+        Example::
+
+            >>> worker = rpcdl.Worker(parallel=1).start()  # doctest: +SKIP
+            >>> rpcdl.rpc_sync(worker.address, sum, ([1, 2],))  # doctest: +SKIP
+            3
+            >>> [share.calls for share in worker.slots.time_shares().values()]  # doctest: +SKIP
+            [1]
+            >>> worker.stop()  # doctest: +SKIP
+        """
+        with self._lock:
+            return self._shares.snapshot()
+
+    def run(self, session: Session, frame: Frame, *, contended: bool = False) -> None:
         """Run a call in a slot already taken, then the queued calls while there are any; answer each.
 
         A large answer takes a while to send: its slot goes to the next queued
@@ -105,6 +129,7 @@ class Slots:
         Args:
             session: the session of the call.
             frame: the call.
+            contended: whether the call was taken from the queue while another client had a call waiting.
         """
         while True:
             queued = answer = None
@@ -118,7 +143,9 @@ class Slots:
                 ran = perf_counter() - started
                 with self._lock:
                     self._queue.charge(session, ran)
+                    self._shares.add(session.peer, ran, contended=contended)
                     if self._queue and self._state is SlotsState.OPEN and not large:
+                        contended = self._queue.clients() > 1
                         queued = self._queue.pop()
                     else:
                         self._running -= 1
@@ -148,11 +175,12 @@ class Slots:
                     return
                 runnable = bool(self._queue) and self._running < self.parallel
                 if runnable:
+                    contended = self._queue.clients() > 1
                     session, frame = self._queue.pop()
                     self._running += 1
                 else:
                     self._parked.append(park)
             if runnable:
-                self.run(session, frame)
+                self.run(session, frame, contended=contended)
             else:
                 park.acquire()  # released by enqueue(), a freed slot or stop(), which took it off _parked
