@@ -128,6 +128,22 @@ def test_a_stream_streams_the_bytes_asked_for(two_workers):
     assert rpcdl.ping(two_workers[0]) > 0  # and the worker serves others meanwhile and after
 
 
+def test_raw_streams_are_received_on_the_loop_without_a_thread_per_worker(two_workers):
+    from helpers import threads_started
+
+    from rpcdl.cli.bench.link import raw_rate
+
+    streams = [RawStream(address) for address in two_workers]
+    try:
+        with threads_started() as started:
+            rate = raw_rate(streams, 2)
+    finally:
+        for stream in streams:
+            stream.close()
+    assert rate.mb_s > 0
+    assert started == [], f"raw_rate started threads {started}: the loop reads every stream"
+
+
 def _raw_connection(address: str):
     import socket
 
