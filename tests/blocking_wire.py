@@ -20,6 +20,7 @@ import collections
 import select
 import socket
 import ssl
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -146,22 +147,38 @@ def server_negotiate(
 class Stream:
     """A connected socket, handshake done, with a receive timeout of its own (see :func:`io_stream`).
 
-    Everything but :attr:`receive_timeout` and :attr:`raw` is the socket's.
+    Everything but :attr:`receive_timeout`, :attr:`kernel_timeouts` and :attr:`raw` is the socket's.
     """
 
-    def __init__(self, sock: socket.socket, receive: float | None) -> None:
+    def __init__(self, sock: socket.socket, receive: float | None, kernel_timeouts: bool) -> None:
         self.raw = sock
         self.receive_timeout = receive
+        self.kernel_timeouts = kernel_timeouts  #: a blocking plain socket: its waits are SO_RCVTIMEO/SO_SNDTIMEO
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.raw, name)
 
 
+def _timeval(seconds: float | None) -> bytes:
+    if seconds is None:
+        return struct.pack("ll", 0, 0)  # no timeout
+    micros = max(1, round(seconds * 1e6))  # 0 would mean no timeout
+    return struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
+
+
 def io_stream(sock: socket.socket, receive: float | None, send: float | None) -> Stream:
     """``sock`` ready for frames: a :class:`FrameReader` finds it idle after ``receive`` seconds without a frame
-    (``None``: never), and a send gives up after ``send`` seconds without room."""
-    sock.settimeout(send)
-    return Stream(sock, receive)
+    (``None``: never), and a send gives up after ``send`` seconds without room.
+
+    A plain socket stays blocking with kernel timeouts, so a receive is one system call (a Python timeout
+    polls before each); a TLS socket gets Python's timeout for its sends.
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(send)
+        return Stream(sock, receive, kernel_timeouts=False)
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send))
+    return Stream(sock, receive, kernel_timeouts=True)
 
 
 def send_pieces(sock: socket.socket | Stream, pieces: Sequence[bytes | memoryview]) -> int:
@@ -221,6 +238,10 @@ class FrameReader:
     ) -> None:
         self._sock = sock.raw if isinstance(sock, Stream) else sock
         self._idle_timeout = sock.receive_timeout if isinstance(sock, Stream) else sock.gettimeout()
+        self._kernel_timeouts = isinstance(sock, Stream) and sock.kernel_timeouts
+        self._armed = self._idle_timeout  # the SO_RCVTIMEO set now
+        if self._kernel_timeouts:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self._armed))
         self._stall_timeout = stall_timeout
         self._frames: collections.deque[Frame] = collections.deque()
         self._error: BaseException | None = None
@@ -269,17 +290,15 @@ class FrameReader:
             if self._error is not None:
                 raise self._error
             idle = self._protocol.idle
-            if not self._readable(self._idle_timeout if idle else self._stall_timeout):
-                if idle:
-                    return None
-                raise TimeoutError(f"the peer sent nothing for {self._stall_timeout:g}s in the middle of a message")
             try:
-                received = self._sock.recv_into(self._protocol.get_buffer(-1))
-            except (BlockingIOError, ssl.SSLWantReadError):
-                continue
+                received = self._receive(self._idle_timeout if idle else self._stall_timeout)
             except ConnectionResetError as exc:
                 self._protocol.connection_lost(ConnectionLost(f"the peer reset the connection ({exc})"))
                 continue
+            if received is None:
+                if idle:
+                    return None
+                raise TimeoutError(f"the peer sent nothing for {self._stall_timeout:g}s in the middle of a message")
             if not received:
                 self._protocol.eof_received()
                 self._protocol.connection_lost(None)
@@ -287,6 +306,26 @@ class FrameReader:
             self.bytes_read += received
             self._protocol.buffer_updated(received)
         return self._frames.popleft()
+
+    def _receive(self, wait: float | None) -> int | None:
+        """Receive into the protocol's buffer within ``wait`` seconds: the bytes received, or ``None``."""
+        if self._kernel_timeouts:
+            if wait != self._armed:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
+                self._armed = wait
+            try:
+                return self._sock.recv_into(self._protocol.get_buffer(-1))
+            except BlockingIOError:  # SO_RCVTIMEO passed
+                return None
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._readable(left):
+                return None
+            try:
+                return self._sock.recv_into(self._protocol.get_buffer(-1))
+            except (BlockingIOError, ssl.SSLWantReadError):
+                continue
 
     def _readable(self, timeout: float | None) -> bool:
         if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():

@@ -129,7 +129,7 @@ def test_a_stream_streams_the_bytes_asked_for(two_workers):
     assert rpcdl.ping(two_workers[0]) > 0  # and the worker serves others meanwhile and after
 
 
-def test_raw_streams_are_received_on_the_loop_without_a_thread_per_worker(two_workers):
+def test_raw_streams_are_received_on_the_loop_without_a_thread_per_worker(two_workers, switching_often):
     from helpers import threads_started
 
     from rpcdl.cli.bench.link import raw_rate

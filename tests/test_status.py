@@ -82,7 +82,7 @@ def test_a_refused_port_is_not_retried():
     assert (answer.reach, answer.reason) == (Reach.REFUSED, "connection refused")
 
 
-def test_many_workers_are_asked_at_once_on_the_loop_without_a_thread_each():
+def test_many_workers_are_asked_at_once_on_the_loop_without_a_thread_each(switching_often):
     from helpers import threads_started
 
     from rpcdl.cli.status import ask_all
