@@ -12,8 +12,9 @@ scenario of ``rpcdl bench``) reach a trainer process four ways:
 - ``rpcdl-shm``: the same over shared memory (the default on one host);
 - ``frames`` (not run unless named): rpcdl's transport alone, no call, no
   loader: a peer process streams answer frames of the same batch
-  (``rpcdl.transport.wire.encode_frame``), read here by a
-  :class:`~rpcdl.transport.wire.FrameReader` into the buffer pool and
+  (``rpcdl.transport.wire.encode_frame``), received here by the package's
+  :class:`~rpcdl.transport.frame_protocol.FrameProtocol` fed from a blocking
+  ``recv_into`` (``tests/blocking_wire.py``) into the buffer pool and
   unpickled into a tensor, on one thread. The receive path's own floor.
 
 Each system runs in a trainer process of its own, set up once and warmed up
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # blocking_wire: the raw reader
 
 import harness
 
@@ -88,10 +90,11 @@ def frame_peer() -> None:
     import struct
 
     import torch
+    from blocking_wire import send_pieces
 
     from rpcdl.cli.bench.workloads import IMAGE_SHAPE, accept_one
     from rpcdl.serialization.pickling import dumps_answer
-    from rpcdl.transport.wire import Frame, Kind, encode_frame, send_pieces
+    from rpcdl.transport.wire import Frame, Kind, encode_frame
 
     connection, reader = accept_one("127.0.0.1")
     batch = torch.randint(0, 256, (BATCH, *IMAGE_SHAPE), dtype=torch.uint8)
@@ -106,10 +109,12 @@ def frame_peer() -> None:
 def _frame_epochs(batches: int) -> Any:
     import struct
 
+    from blocking_wire import FrameReader, io_stream
+
     from rpcdl.cli.bench.systems import start_peer
     from rpcdl.serialization.pickling import loads
     from rpcdl.transport import buffers
-    from rpcdl.transport.wire import FrameReader, Limits, io_stream
+    from rpcdl.transport.wire import Limits
 
     _, sock = start_peer("trainer_cpu", "frame_peer")
     reader = FrameReader(io_stream(sock, receive=0.1, send=10.0), Limits(), stall_timeout=10.0)

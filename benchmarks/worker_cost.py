@@ -2,8 +2,8 @@
 
 A raw client (a plain socket, the handshake, frames encoded once up front with
 :func:`rpcdl.transport.wire.encode_frame` and
-:func:`rpcdl.serialization.pickling.dumps`, answers read with
-:class:`~rpcdl.transport.wire.FrameReader`) drives one worker process
+:func:`rpcdl.serialization.pickling.dumps`, answers read with the blocking
+reader of ``tests/blocking_wire.py``) drives one worker process
 (``python -m rpcdl worker --port 0``). The client does as little Python per
 call as it can, so what moves between two runs is the worker. Scenarios:
 
@@ -45,15 +45,16 @@ from typing import Any
 from torch.utils.data import default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # blocking_wire: the raw client
 
 import harness
+from blocking_wire import FrameReader, client_negotiate, io_stream, server_negotiate
 
 from rpcdl.cli.bench.workloads import SmallDataset, noop
 from rpcdl.data.fetch import fetch_batch
 from rpcdl.rpc.rref import _rref_from_wire
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import client_negotiate, server_negotiate
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 _FLOOR = "floor"
 _ROWS = 9600

@@ -205,3 +205,24 @@ def port_for_a_late_worker() -> int:
         port = free_port()
         if not served_before(f"127.0.0.1:{port}"):
             return port
+
+
+@contextlib.contextmanager
+def threads_started() -> Iterator[list[str]]:
+    """The names of the threads started (through :mod:`threading`) inside the ``with`` block, as they start.
+
+    Each new thread records its own name as it begins to run (``threading.settrace``), so none is missed,
+    however short its life.
+    """
+    names: list[str] = []
+
+    def record(frame, event, arg):  # runs first in each new thread
+        names.append(threading.current_thread().name)
+        sys.settrace(None)  # once per thread
+        return None
+
+    threading.settrace(record)
+    try:
+        yield names
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]

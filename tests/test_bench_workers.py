@@ -12,13 +12,14 @@ import subprocess
 import sys
 
 import pytest
+from blocking_wire import FrameReader, io_stream, send_frame
 from cluster_box import cluster_of_workers
 
 import rpcdl
 from rpcdl.cli.bench.link import LinkSizes, RawStream, format_link, measure_link
 from rpcdl.errors import ProtocolError
 from rpcdl.transport import control
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, io_stream, send_frame
+from rpcdl.transport.wire import Frame, Kind, Limits
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -128,10 +129,26 @@ def test_a_stream_streams_the_bytes_asked_for(two_workers):
     assert rpcdl.ping(two_workers[0]) > 0  # and the worker serves others meanwhile and after
 
 
+def test_raw_streams_are_received_on_the_loop_without_a_thread_per_worker(two_workers, switching_often):
+    from helpers import threads_started
+
+    from rpcdl.cli.bench.link import raw_rate
+
+    streams = [RawStream(address) for address in two_workers]
+    try:
+        with threads_started() as started:
+            rate = raw_rate(streams, 2)
+    finally:
+        for stream in streams:
+            stream.close()
+    assert rate.mb_s > 0
+    assert started == [], f"raw_rate started threads {started}: the loop reads every stream"
+
+
 def _raw_connection(address: str):
     import socket
 
-    from rpcdl.transport.handshake import client_negotiate
+    from blocking_wire import client_negotiate
 
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=10)

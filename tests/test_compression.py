@@ -14,13 +14,14 @@ import lz4.block
 import numpy as np
 import pytest
 import torch
+from blocking_wire import FrameReader, send_pieces, server_negotiate
 
 import rpcdl
 from rpcdl.errors import FrameTooLarge, ProtocolError
 from rpcdl.rpc.client import connection_to
 from rpcdl.transport.compression import Compressor
-from rpcdl.transport.handshake import HELLO, MAGIC, VERSION, WELCOME, server_negotiate
-from rpcdl.transport.wire import COMPRESSED, Frame, FrameReader, Kind, Limits, encode_frame, send_pieces
+from rpcdl.transport.handshake import HELLO, MAGIC, VERSION, WELCOME
+from rpcdl.transport.wire import COMPRESSED, Frame, Kind, Limits, encode_frame
 
 pytest.importorskip("lz4.block")
 pytestmark = pytest.mark.timeout(60)

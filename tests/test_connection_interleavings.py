@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from blocking_wire import FrameReader, server_negotiate
 from helpers import GATES, gated, gated_workers
 
 import rpcdl
@@ -23,8 +24,7 @@ import rpcdl.rpc.connection
 from rpcdl.errors import ConnectionLost, WorkerTimeout
 from rpcdl.rpc import client
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import server_negotiate
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -18,14 +18,15 @@ from pathlib import Path
 import helpers
 import pytest
 import torch
+from blocking_wire import client_negotiate, send_frame
 
 import rpcdl
 import rpcdl.rpc.client
 from rpcdl.errors import RemoteError
 from rpcdl.processes import stop_process
 from rpcdl.rpc.dial import refusing
-from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate
-from rpcdl.transport.wire import Frame, Kind, send_frame
+from rpcdl.transport.handshake import MAGIC, VERSION
+from rpcdl.transport.wire import Frame, Kind
 
 TESTS = Path(__file__).resolve().parent
 

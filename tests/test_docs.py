@@ -59,7 +59,6 @@ DOCTEST_MODULES = [
     "rpcdl.transport.handshake",
     "rpcdl.transport.security",
     "rpcdl.transport.shm",
-    "rpcdl.transport.tls_stream",
     "rpcdl.transport.wire",
     "rpcdl.serialization.code_cache",
     "rpcdl.serialization.pickling",

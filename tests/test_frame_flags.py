@@ -8,12 +8,12 @@ import socket
 import threading
 
 import pytest
+from blocking_wire import FrameReader, server_negotiate
 
 import rpcdl
 from rpcdl.serialization.pickling import dumps
 from rpcdl.transport.control import encode_stats
-from rpcdl.transport.handshake import server_negotiate
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 pytestmark = pytest.mark.timeout(20)
 

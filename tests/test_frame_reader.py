@@ -13,8 +13,9 @@ import threading
 import time
 
 import pytest
+from blocking_wire import FrameReader, io_stream
 
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from blocking_wire import FrameReader, client_negotiate, io_stream, server_negotiate
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -40,9 +41,9 @@ import rpcdl
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
 from rpcdl.serialization.pickling import dumps, loads
 from rpcdl.transport.control import decode_stats, encode_release
-from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate, server_negotiate
+from rpcdl.transport.handshake import MAGIC, VERSION
 from rpcdl.transport.security import Token
-from rpcdl.transport.wire import COMPRESSED, IN_SEGMENT, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import COMPRESSED, IN_SEGMENT, Frame, Kind, Limits, encode_frame
 
 EXAMPLES = int(os.environ.get("RPCDL_FUZZ_EXAMPLES", "30"))
 PARSER_EXAMPLES = 2 * EXAMPLES

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 import pytest
+from blocking_wire import client_negotiate
 from pki import make_ca, make_certificate
 
 import rpcdl
@@ -27,7 +28,7 @@ from rpcdl.errors import WorkerFull
 from rpcdl.local import child_environment
 from rpcdl.rpc import dial
 from rpcdl.server.admission import Admission, Full, Pending, PendingState, QuietLog
-from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate, tls_refusal
+from rpcdl.transport.handshake import MAGIC, VERSION, tls_refusal
 from rpcdl.transport.security import client_tls_context, server_tls_context
 from rpcdl.transport.wire import Frame, Kind, encode_frame
 

@@ -17,6 +17,7 @@ import time
 
 import helpers
 import pytest
+from blocking_wire import FrameReader, client_negotiate, io_stream
 
 import rpcdl
 from rpcdl.errors import ConnectionLost, ProtocolError, WorkerLeaving, WorkerUnavailable, is_transient
@@ -28,8 +29,7 @@ from rpcdl.server.draining import SAME_SIGNAL_WINDOW, DrainEnd, drain_process
 from rpcdl.server.process import StopSignals
 from rpcdl.server.worker import Phase
 from rpcdl.transport.control import decode_leaving, encode_leaving
-from rpcdl.transport.handshake import client_negotiate
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 _WAIT = 10.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -75,6 +76,98 @@ def test_wheel_holds_every_package_and_no_test_or_benchmark_harness(wheel):
     assert "rpcdl/cli/bench/__init__.py" in names  # rpcdl bench stays: users measure their fleets with it
     report = zipfile.ZipFile(wheel).read("rpcdl/cli/bench/report.py").decode()
     assert "rpcdataloader" not in report and "TARGETS" not in report  # the project's own goals stay in benchmarks/
+
+
+#: What users run: ``import rpcdl`` and its public submodules, the ``rpcdl`` command and each command it plugs
+#: in, ``python -m rpcdl`` and ``python -m rpcdl.launch``, and the integrations. Every other module of the
+#: wheel must be imported by one of these, directly or not.
+_ENTRY_MODULES = (
+    "rpcdl",
+    "rpcdl.__main__",
+    "rpcdl.launch",
+    "rpcdl.samplers",
+    "rpcdl.distributed",
+    "rpcdl.cli",
+    "rpcdl.cli.status",
+    "rpcdl.cli.demo",
+    "rpcdl.cli.bench",
+    "rpcdl.integrations.lightning",
+    "rpcdl.integrations.torchdata",
+)
+
+
+def _wheel_modules(archive: zipfile.ZipFile) -> dict[str, tuple[str, bool]]:
+    """Every module of the wheel by dotted name: its file in the wheel, and whether it is a package."""
+    modules = {}
+    for name in archive.namelist():
+        if name.startswith("rpcdl/") and name.endswith(".py"):
+            parts = name[: -len(".py")].split("/")
+            package = parts[-1] == "__init__"
+            modules[".".join(parts[:-1] if package else parts)] = (name, package)
+    return modules
+
+
+def _imported(archive: zipfile.ZipFile, module: str, path: str, package: bool, known: set[str]) -> set[str]:
+    """The wheel's modules that ``module`` imports anywhere (lazily too) or names in a string (a class path)."""
+    here = module if package else module.rpartition(".")[0]
+    named = set()
+    for node in ast.walk(ast.parse(archive.read(path))):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            named.add(source)
+            named.update(f"{source}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("rpcdl."):
+            named.add(node.value)
+    found = set()
+    for name in named:
+        while name:
+            if name in known:
+                found.add(name)
+            name = name.rpartition(".")[0]
+    return found
+
+
+def test_every_module_of_the_wheel_is_reached_from_what_users_run(wheel):
+    archive = zipfile.ZipFile(wheel)
+    modules = _wheel_modules(archive)
+    known = set(modules)
+    assert set(_ENTRY_MODULES) <= known, set(_ENTRY_MODULES) - known
+    configs = [n for n in archive.namelist() if n.startswith("rpcdl/configs/") and n.endswith(".yaml")]
+    reached: set[str] = set()
+    waiting = list(_ENTRY_MODULES)
+    for config in configs:  # LightningCLI configs name their classes: rpcdl demo trains through them
+        waiting += re.findall(r"class_path:\s*(rpcdl\.[\w.]+)\.\w+", archive.read(config).decode())
+    while waiting:
+        module = waiting.pop()
+        if module in reached or module not in known:
+            continue
+        reached.add(module)
+        path, package = modules[module]
+        waiting.extend(_imported(archive, module, path, package, known))
+    assert sorted(known - reached) == [], "modules only tests or benchmarks use: move them to tests/ or benchmarks/"
+
+
+def test_the_wheel_holds_one_socket_model_the_event_loop(wheel):
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    assert "rpcdl/transport/tls_stream.py" not in names
+    wire = archive.read("rpcdl/transport/wire.py").decode()
+    handshake = archive.read("rpcdl/transport/handshake.py").decode()
+    dial = archive.read("rpcdl/rpc/dial.py").decode()
+    assert "class FrameReader" not in wire and "def io_stream" not in wire and "def send_frame" not in wire
+    assert "def client_negotiate" not in handshake and "def server_negotiate" not in handshake
+    assert "def dial(" not in dial and "async def dial_on_loop(" in dial
+    blocking = [
+        name
+        for name in names
+        if name.startswith("rpcdl/")
+        and name.endswith(".py")
+        and re.search(r"FrameReader|client_negotiate|server_negotiate|TLSStream", archive.read(name).decode())
+    ]
+    assert blocking == [], f"the blocking socket model is named in {blocking}: tests/blocking_wire.py holds it"
 
 
 def test_wheel_maps_integrations_into_the_package(wheel):

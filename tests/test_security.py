@@ -23,12 +23,13 @@ import traceback
 import psutil
 import pytest
 import torch
+from blocking_wire import client_negotiate
 from pki import make_ca, make_certificate
 from test_faults import TcpProxy
 
 import rpcdl
 from rpcdl.cli import main as rpcdl_main
-from rpcdl.transport.handshake import MAGIC, VERSION, client_negotiate
+from rpcdl.transport.handshake import MAGIC, VERSION
 from rpcdl.transport.security import Token, client_tls_context, server_tls_context
 from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 

@@ -17,12 +17,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from blocking_wire import FrameReader, io_stream
 
 import rpcdl
 from rpcdl.errors import ConnectionLost
 from rpcdl.server.worker import Phase
 from rpcdl.transport.control import encode_release
-from rpcdl.transport.wire import HEADER, Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import HEADER, Frame, Kind, Limits, encode_frame
 
 _ANSWER_WAIT = 10.0  # seconds a test waits for one answer before failing
 

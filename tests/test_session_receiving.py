@@ -3,7 +3,7 @@
 A session drives :class:`~rpcdl.transport.frame_protocol.FrameProtocol` from a
 non-blocking socket (``get_buffer``, ``recv_into``, ``buffer_updated``), with no
 compression and no shared segment agreed for what a client sends. It must give
-the frames :class:`~rpcdl.transport.wire.FrameReader` gives, whatever the bytes'
+the frames that were sent, whatever the bytes'
 split across receives, refuse what a client may not send, and keep nothing
 between frames.
 """

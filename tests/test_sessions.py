@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from blocking_wire import client_negotiate
 from helpers import RangeDataset, start_worker_process
 
 import rpcdl
@@ -22,7 +23,6 @@ from rpcdl.address import parse_address
 from rpcdl.errors import SessionsFull
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
-from rpcdl.transport.handshake import client_negotiate
 
 
 def _handshake(address: str, observer: bool = False) -> socket.socket:

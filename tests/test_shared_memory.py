@@ -16,11 +16,11 @@ import time
 import helpers
 import pytest
 import torch
+from blocking_wire import client_negotiate, server_negotiate
 
 import rpcdl
 from rpcdl.rpc import client
 from rpcdl.transport import shm
-from rpcdl.transport.handshake import client_negotiate, server_negotiate
 
 SAMPLE = 128 * 1024  # bytes per sample: batches of a few are well past MIN_SPAN_BYTES
 

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from blocking_wire import FrameReader, send_frame
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
@@ -18,7 +19,7 @@ from rpcdl.serialization.stacked import StackedSamples
 from rpcdl.transport.compression import Compressor
 from rpcdl.transport.context import thread_context
 from rpcdl.transport.gathered import Gathered
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, send_frame
+from rpcdl.transport.wire import Frame, Kind, Limits
 
 pytestmark = pytest.mark.timeout(60)
 

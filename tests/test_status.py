@@ -82,6 +82,30 @@ def test_a_refused_port_is_not_retried():
     assert (answer.reach, answer.reason) == (Reach.REFUSED, "connection refused")
 
 
+def test_many_workers_are_asked_at_once_on_the_loop_without_a_thread_each(switching_often):
+    from helpers import threads_started
+
+    from rpcdl.cli.status import ask_all
+    from rpcdl.transport.event_loop import process_loop
+
+    process_loop()  # started before: the loop is the one thread the probes use
+    refused = [f"127.0.0.1:{free_port()}" for _ in range(6)]
+    with threads_started() as started:
+        answers = ask_all(refused, None, None, 10.0)
+    assert [answer.address for answer in answers] == refused
+    assert {answer.reach for answer in answers} == {Reach.REFUSED}
+    assert started == [], f"asking {len(refused)} workers started threads {started}"
+
+
+def test_a_malformed_address_is_named_before_anything_is_asked():
+    from rpcdl.cli.probe import ask_many
+
+    with pytest.raises(ValueError, match="no-port"):
+        ask_many(["127.0.0.1:1", "no-port"], None, timeout=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        ask_many(["127.0.0.1:1"], None, timeout=0)
+
+
 def test_something_else_on_the_port_is_not_rpcdl():
     with socket.create_server(("127.0.0.1", 0)) as server:
         address = f"127.0.0.1:{server.getsockname()[1]}"

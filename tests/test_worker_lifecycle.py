@@ -2,7 +2,7 @@
 
 Each test starts a real :class:`rpcdl.Worker` in this process and reaches it
 over loopback sockets: raw clients that run the real handshake
-(:func:`rpcdl.transport.handshake.client_negotiate`) and speak frames, or
+(:func:`blocking_wire.client_negotiate`) and speak frames, or
 rpcdl's own client. Concurrency tests switch threads every microsecond.
 """
 
@@ -14,11 +14,12 @@ import socket
 import threading
 import time
 
+from blocking_wire import FrameReader, client_negotiate, io_stream
+
 import rpcdl
 from rpcdl.errors import ConnectionLost
 from rpcdl.server.worker import Phase
-from rpcdl.transport.handshake import client_negotiate
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame, io_stream
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 _WAIT = 10.0
 

@@ -4,14 +4,15 @@ The workers are named as trainers name them: addresses, files listing them
 (read as the command starts), and sources (``dns://``, ``redis://``), which
 are asked for their addresses (:func:`rpcdl.data.sources.worker_source`)
 before each reading; a source that lists no worker keeps a row of its own,
-with why. Each source (``rpcdl-status-SOURCE``), then each worker
-(``rpcdl-status-HOST:PORT``, through :func:`rpcdl.cli.probe.ask_stats`), is
-asked by its own thread, so one silent worker costs its timeout once, not
-once per worker. Each thread writes only its own slot of a list made for one
-reading; the main thread waits for them all (a source for at most the timeout:
-one that answers later writes a slot nobody reads again) and owns every
-reading and the table. A worker that cannot be asked keeps its row, with its
-state (refused, token mismatch, ...) and the reason in the last column.
+with why. Each source is asked by its own thread (``rpcdl-status-SOURCE``),
+which writes only its own slot of a list made for one reading; then every
+worker is asked at once on this process's event loop (``rpcdl-loop``,
+through :func:`rpcdl.cli.probe.ask_many`: no thread per worker), so one
+silent worker costs its timeout once, not once per worker. The main thread
+waits for them all (a source for at most the timeout: one that answers later
+writes a slot nobody reads again) and owns every reading and the table. A
+worker that cannot be asked keeps its row, with its state (refused, token
+mismatch, ...) and the reason in the last column.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..transport.security import (
     resolve_token,
 )
 from .args import Deprecated, add_workers_argument, existing_file, is_source, positive_float, worker_list
-from .probe import Answer, Reach, ask_stats
+from .probe import Answer, Reach, ask_many
 
 HELP = "show the counters of running workers (once, or live with --watch)"
 DESCRIPTION = (
@@ -186,7 +187,8 @@ def _watch(
 
 
 def ask_all(workers: Sequence[str], token: Token | None, tls: ssl.SSLContext | None, timeout: float) -> list[Answer]:
-    """Ask every worker at once (a thread each); return their answers in the order given.
+    """Ask every worker at once (on the event loop, see :func:`rpcdl.cli.probe.ask_many`); return their answers in
+    the order given.
 
     Args:
         workers: ``"host:port"`` addresses and sources (``dns://...``, ``redis://...``): each source is asked
@@ -204,21 +206,9 @@ def ask_all(workers: Sequence[str], token: Token | None, tls: ssl.SSLContext | N
         ['refused']
     """
     entries = resolve_sources(workers, timeout)
-    answers: list[Answer | None] = [entry if isinstance(entry, Answer) else None for entry in entries]
-
-    def ask(index: int, address: str) -> None:
-        answers[index] = ask_stats(address, token, tls, timeout)
-
-    threads = []
-    for index, entry in enumerate(entries):
-        if isinstance(entry, Answer):
-            continue
-        thread = threading.Thread(target=ask, args=(index, entry), name=f"rpcdl-status-{entry}", daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
-    return [answer for answer in answers if answer is not None]
+    addresses = [entry for entry in entries if not isinstance(entry, Answer)]
+    asked = iter(ask_many(addresses, token, tls, timeout))
+    return [entry if isinstance(entry, Answer) else next(asked) for entry in entries]
 
 
 def resolve_sources(workers: Sequence[str], timeout: float) -> list[str | Answer]:

@@ -3,12 +3,11 @@
 Threading model: :func:`dial_on_loop` runs on this process's event loop
 (``rpcdl-loop``) as a coroutine of the connection it opens, so dialing any
 number of workers blocks no thread; the callers wait for their calls
-meanwhile, each up to its own timeout. :func:`dial` is its blocking form, for
-a thread of its own (``rpcdl bench``'s link test). The state shared by the
-dials is all guarded by ``_lock``: two sets of addresses, the workers
-already warned about, ``_warned``, and those that completed a handshake with
-this process, ``_served``; and one mapping, ``_refusing``: why each worker
-refused its latest connection, until it accepts one.
+meanwhile, each up to its own timeout. The state shared by the dials is all
+guarded by ``_lock``: two sets of addresses, the workers already warned about,
+``_warned``, and those that completed a handshake with this process,
+``_served``; and one mapping, ``_refusing``: why each worker refused its
+latest connection, until it accepts one.
 
 What happens to each kind of failure:
 
@@ -84,7 +83,7 @@ from ..errors import (
     WorkerUnavailable,
 )
 from ..open_files import raise_open_file_limit
-from ..transport.handshake import Agreement, client_negotiate, tls_refusal
+from ..transport.handshake import Agreement, tls_refusal
 from ..transport.handshake_client import HandshakeReader, attach, connect_socket, negotiate
 from ..transport.security import Token
 from .leaving import is_leaving
@@ -178,75 +177,6 @@ def refusal(exc: BaseException) -> str | None:
     return None
 
 
-def dial(
-    address: str,
-    host: str,
-    port: int,
-    token: Token | None,
-    ssl_context: ssl.SSLContext | None,
-    *,
-    handshake_timeout: float,
-    grace: float,
-    failed: Callable[[OSError], float],
-    pause: Callable[[float], None] = time.sleep,
-    compression: str | None = None,
-    shared_memory: bool = False,
-) -> tuple[socket.socket, Agreement]:
-    """Connect to the worker at ``address`` and run the handshake, retrying as the module docstring says.
-
-    Args:
-        address: ``"host:port"``, for messages.
-        host: the host to connect to.
-        port: its port.
-        token: the shared secret, or ``None``.
-        ssl_context: TLS context, or ``None`` for plain TCP.
-        handshake_timeout: seconds each connect and each handshake read may take.
-        grace: seconds to keep retrying a worker never reached that refuses connections.
-        failed: called with the error of each failed attempt; returns the
-            time (``time.monotonic()``) until which retrying is still wanted,
-            or raises to stop.
-        pause: waits that many seconds between attempts (the caller may cut
-            the wait short; ``failed`` then stops the retries).
-        compression: the compression mode to ask for (see :mod:`rpcdl.transport.compression`).
-        shared_memory: offer to take answers through shared memory (see :mod:`rpcdl.transport.shm`).
-
-    Returns:
-        The connected socket, handshake done, TCP_NODELAY set, and what the
-        handshake settled (compression, shared memory).
-
-    Raises:
-        WorkerUnavailable: refused for ``grace`` seconds, or unreachable until
-            the time ``failed`` allows.
-        ProtocolError: the peer is not an rpcdl worker, or speaks another version.
-        AuthenticationError: the tokens differ, or the TLS certificate fails verification.
-    """
-    raise_open_file_limit()  # once per process: a trainer holds a socket per worker
-    attempts = _Attempts(address, grace, failed)
-    while True:
-        sock = None
-        in_tls_handshake = False
-        try:
-            sock = socket.create_connection((host, port), timeout=handshake_timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if ssl_context is not None:
-                in_tls_handshake = True
-                sock = ssl_context.wrap_socket(sock, server_hostname=host)
-                in_tls_handshake = False
-            answer_timeout = min(HELLO_ANSWER_TIMEOUT, handshake_timeout)
-            chosen = client_negotiate(sock, token, address, answer_timeout, compression, shared_memory)
-            _accepted(address)
-            return sock, chosen
-        except ssl.SSLCertVerificationError as exc:
-            _close_quietly(sock)
-            raise _verification_failed(address, exc) from None
-        except (AuthenticationError, ProtocolError, SessionsFull):
-            _close_quietly(sock)
-            raise
-        except OSError as exc:
-            _close_quietly(sock)
-            pause(attempts.failed(exc, in_tls_handshake))
-
-
 async def dial_on_loop(
     address: str,
     host: str,
@@ -260,7 +190,8 @@ async def dial_on_loop(
     compression: str | None = None,
     shared_memory: bool = False,
 ) -> tuple[asyncio.Transport, HandshakeReader, Agreement]:
-    """:func:`dial` as a coroutine on the event loop: the same retries and errors, no thread blocked.
+    """Connect to the worker at ``address`` and run the handshake, retrying as the module docstring says; a
+    coroutine on the event loop, so no thread is blocked meanwhile.
 
     Args:
         address: ``"host:port"``, for messages.
@@ -270,7 +201,9 @@ async def dial_on_loop(
         ssl_context: TLS context, or ``None`` for plain TCP (TLS through asyncio).
         handshake_timeout: seconds the connect, the TLS handshake and rpcdl's handshake may take.
         grace: seconds to keep retrying a worker never reached that refuses connections.
-        failed: as :func:`dial`'s; cancelling the coroutine stops the retries.
+        failed: called with the error of each failed attempt; returns the
+            time (``time.monotonic()``) until which retrying is still wanted,
+            or raises to stop. Cancelling the coroutine stops the retries too.
         compression: the compression mode to ask for.
         shared_memory: offer to take answers through shared memory.
 
@@ -279,7 +212,12 @@ async def dial_on_loop(
         handshake settled.
 
     Raises:
-        WorkerUnavailable, ProtocolError, AuthenticationError, UnknownHost, SessionsFull: as :func:`dial`.
+        WorkerUnavailable: refused for ``grace`` seconds, or unreachable until
+            the time ``failed`` allows.
+        ProtocolError: the peer is not an rpcdl worker, or speaks another version.
+        AuthenticationError: the tokens differ, or the TLS certificate fails verification.
+        UnknownHost: the host name does not resolve.
+        SessionsFull: the worker serves as many clients as it takes.
 
     Example::
 
@@ -449,8 +387,3 @@ def _after_fork_in_child() -> None:
 
 
 in_forked_child(_after_fork_in_child)
-
-
-def _close_quietly(sock: socket.socket | None) -> None:
-    if sock is not None:
-        sock.close()

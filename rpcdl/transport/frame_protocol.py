@@ -9,7 +9,7 @@ client's connection (:mod:`rpcdl.rpc.connection`) sets it on its transport or
 (:mod:`rpcdl.server.session`) drives it from its socket as asyncio would
 (``get_buffer``, ``recv_into``, ``buffer_updated``), without compression or a
 segment, so a client's frame with either is a protocol error. The bytes land
-as :class:`~rpcdl.transport.wire.FrameReader` lands them:
+so:
 
 * small frames go through one staging buffer that every connection of the
   loop's thread shares (the loop reads one socket at a time), so an idle

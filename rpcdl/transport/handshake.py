@@ -64,7 +64,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import AuthenticationError, ConnectionLost, HelloUnanswered, ProtocolError, SessionsFull, WorkerFull
+from ..errors import AuthenticationError, HelloUnanswered, ProtocolError, SessionsFull, WorkerFull
 from .compression import lz4_available, negotiate, resolve_mode
 from .security import Token
 
@@ -111,7 +111,8 @@ class Deadline:
     Example::
 
         >>> deadline = Deadline(10.0)
-        >>> deadline.arm(sock)  # doctest: +SKIP
+        >>> 0 < deadline.remaining() <= 10.0
+        True
     """
 
     def __init__(self, seconds: float, start: float | None = None):
@@ -121,17 +122,6 @@ class Deadline:
     def remaining(self) -> float:
         """Seconds left; 0 or less once it passed."""
         return self.expires_at - time.monotonic()
-
-    def arm(self, sock: socket.socket) -> None:
-        """Make ``sock``'s next blocking operation wait at most for the time left.
-
-        Raises:
-            TimeoutError: the deadline has passed.
-        """
-        left = self.remaining()
-        if left <= 0:
-            raise TimeoutError(f"the handshake did not finish within {self.seconds:g}s")
-        sock.settimeout(left)
 
 
 OBSERVER = 32  #: hello: the client only asks for counters (rpcdl status); not one of the worker's clients
@@ -159,29 +149,6 @@ def mode_of(flags: int) -> str:
     return _MODE_NAMES.get((flags >> MODE_SHIFT) & 3, "off")
 
 
-def _recv_exact(sock: socket.socket, size: int, what: str, deadline: Deadline | None = None) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        if deadline is not None:
-            deadline.arm(sock)
-        try:
-            chunk = sock.recv(size - len(data))
-        except TimeoutError:
-            if deadline is None:
-                raise
-            raise TimeoutError(f"the handshake did not finish within {deadline.seconds:g}s ({what})") from None
-        if not chunk:
-            raise ConnectionLost(f"peer closed the connection during the handshake ({what})")
-        data += chunk
-    return bytes(data)
-
-
-def _send(sock: socket.socket, data: bytes, deadline: Deadline | None) -> None:
-    if deadline is not None:
-        deadline.arm(sock)
-    sock.sendall(data)
-
-
 def proof(token: Token | None, label: bytes, first: bytes, second: bytes) -> bytes:
     """HMAC-SHA256 of ``label + first + second`` on ``token``: one side's proof (zeros without a token)."""
     if token is None:
@@ -199,72 +166,6 @@ def describe_answer(first: bytes) -> str:
             "it answered with a TLS record: it expects TLS; set RPCDL_TLS_CA (or pass ssl_context=) to connect with TLS"
         )
     return f"it answered {first[:16]!r}, not rpcdl's magic bytes {MAGIC!r}"
-
-
-def _first_answer(sock: socket.socket, step: FirstAnswer) -> bytes | None:
-    """The first bytes the peer sends after the hello: ``b""`` if it closed, ``None`` past the step's timeout."""
-    previous = sock.gettimeout()
-    if step.timeout is not None:
-        sock.settimeout(step.timeout)
-    try:
-        return sock.recv(step.size)
-    except TimeoutError:
-        return None
-    except ConnectionResetError:
-        return b""
-    finally:
-        sock.settimeout(previous)
-
-
-def client_negotiate(
-    sock: socket.socket,
-    token: Token | None,
-    peer: str,
-    answer_timeout: float | None = None,
-    compression: str | None = None,
-    shared_memory: bool = False,
-    observer: bool = False,
-) -> Agreement:
-    """Run the client side of the handshake on a connected socket.
-
-    Args:
-        sock: the connected socket (its timeout bounds each read of the handshake).
-        token: the shared secret, or ``None``.
-        peer: ``"host:port"`` of the worker, for messages.
-        answer_timeout: seconds the peer may take to start answering the hello
-            (rpcdl workers answer at once); ``None``: the socket's timeout.
-        compression: the mode this client asks for (``None``: ``RPCDL_COMPRESSION``,
-            else ``"auto"``; see :mod:`rpcdl.transport.compression`).
-        shared_memory: offer to take answers through a shared segment, used
-            only if the worker is on this host and this process can map it.
-        observer: say that this connection only asks for counters, so the
-            worker does not count it among its clients (``rpcdl status``).
-
-    Returns:
-        what the worker chose for this connection: the compression mode and
-        the segment, if any.
-
-    Raises:
-        ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
-            or nothing within ``answer_timeout``), or speaks another version.
-        HelloUnanswered: ``peer`` closed the connection after the hello without a byte.
-        WorkerFull: the worker refused the connection for now (see :class:`WorkerFull`).
-        AuthenticationError: the tokens differ, or only one side has one.
-    """
-    steps = client_steps(token, peer, answer_timeout, compression, shared_memory, observer)
-    reply: bytes | None = None
-    while True:
-        try:
-            step = steps.send(reply)
-        except StopIteration as done:
-            return done.value
-        if isinstance(step, FirstAnswer):
-            reply = _first_answer(sock, step)
-        elif isinstance(step, Read):
-            reply = _recv_exact(sock, step.size, step.what)
-        else:
-            sock.sendall(step.data)
-            reply = None
 
 
 @dataclass(frozen=True)
@@ -313,13 +214,28 @@ def client_steps(
 
     It yields :class:`Write` (send it ``None`` once written), :class:`FirstAnswer`
     and :class:`Read` (send it the bytes read), and returns the
-    :class:`Agreement`; it raises what :func:`client_negotiate` raises. A driver
-    does the I/O: the blocking :func:`client_negotiate`, or the process loop's
+    :class:`Agreement`. The process loop's driver does the I/O
     (:func:`rpcdl.transport.handshake_client.negotiate`).
 
     Args:
-        token, peer, answer_timeout, compression, shared_memory, observer: as for
-            :func:`client_negotiate`.
+        token: the shared secret, or ``None``.
+        peer: ``"host:port"`` of the worker, for messages.
+        answer_timeout: seconds the peer may take to start answering the hello
+            (rpcdl workers answer at once); ``None``: the driver's own limit.
+        compression: the mode this client asks for (``None``: ``RPCDL_COMPRESSION``,
+            else ``"auto"``; see :mod:`rpcdl.transport.compression`).
+        shared_memory: offer to take answers through a shared segment, used
+            only if the worker is on this host and this process can map it.
+        observer: say that this connection only asks for counters, so the
+            worker does not count it among its clients (``rpcdl status``).
+
+    Raises (out of the generator):
+        ProtocolError: ``peer`` is not an rpcdl worker (it answered other bytes,
+            or nothing within ``answer_timeout``), or speaks another version.
+        HelloUnanswered: ``peer`` closed the connection after the hello without a byte.
+        WorkerFull: the worker refused the connection for now (see :class:`WorkerFull`).
+        SessionsFull: the worker serves as many clients as it takes.
+        AuthenticationError: the tokens differ, or only one side has one.
 
     Example::
 
@@ -405,15 +321,30 @@ def server_steps(
     """The worker's side of the handshake without its I/O: a generator of steps.
 
     It yields :class:`Read` (send it the bytes read) and :class:`Write` (send it
-    ``None`` once written) and returns the :class:`Agreement`; it raises what
-    :func:`server_negotiate` raises. A driver does the I/O: the blocking
-    :func:`server_negotiate`, or the process loop's
-    (:mod:`rpcdl.transport.handshake_server`). A driver whose I/O fails throws
-    the error into the generator, which cleans up (a segment offered is closed)
-    and raises it again.
+    ``None`` once written) and returns the :class:`Agreement`. The process
+    loop's driver does the I/O (:mod:`rpcdl.transport.handshake_server`). A
+    driver whose I/O fails throws the error into the generator, which cleans up
+    (a segment offered is closed) and raises it again.
 
     Args:
-        token, peer, compression, shared_memory, admit: as for :func:`server_negotiate`.
+        token: the shared secret, or ``None``.
+        peer: ``"host:port"`` of the client, for messages.
+        compression: the worker's compression mode, resolved (see
+            :func:`rpcdl.transport.compression.resolve_mode`).
+        shared_memory: bytes of the segment to offer a client on this host; 0: none.
+        admit: asked, once the client proved its token, whether the worker takes it (called with whether it
+            only observes); it returns ``""`` to take it, else why it is full, which the verdict tells the
+            client (:class:`~rpcdl.errors.SessionsFull` there).
+
+    The verdict is sent to the client before an error is raised, so both
+    sides know why a connection was refused. The errors' messages say why, not
+    who: the worker's log line names the peer once (``refused connection from
+    PEER: WHY``).
+
+    Raises (out of the generator):
+        ProtocolError: the peer is not an rpcdl client or speaks another version.
+        AuthenticationError: the peer does not prove it holds the worker's token.
+        SessionsFull: ``admit`` refused the client (the verdict told it so).
 
     Example::
 
@@ -457,66 +388,6 @@ def server_steps(
         return Agreement(mode, observer=observer)
     segment = yield from _offer_segment(peer, shared_memory)
     return Agreement(mode, segment, observer)
-
-
-def server_negotiate(
-    sock: socket.socket,
-    token: Token | None,
-    peer: str,
-    compression: str = "off",
-    shared_memory: int = 0,
-    deadline: Deadline | None = None,
-    admit: Callable[[bool], str] | None = None,
-) -> Agreement:
-    """Run the worker side of the handshake on an accepted socket.
-
-    Args:
-        sock: the accepted socket (without ``deadline``, its timeout bounds each read of the handshake).
-        token: the shared secret, or ``None``.
-        peer: ``"host:port"`` of the client, for messages.
-        compression: the worker's compression mode, resolved (see
-            :func:`rpcdl.transport.compression.resolve_mode`).
-        shared_memory: bytes of the segment to offer a client on this host; 0: none.
-        deadline: when the whole handshake must be over; each read and send waits at most for the time left.
-        admit: asked, once the client proved its token, whether the worker takes it (called with whether it
-            only observes); it returns ``""`` to take it, else why it is full, which the verdict tells the
-            client (:class:`~rpcdl.errors.SessionsFull` there).
-
-    Returns:
-        the compression mode of this connection, as the welcome told the
-        client, and the segment the client confirmed it maps, if any.
-
-    The verdict is sent to the client before an error is raised here, so both
-    sides know why a connection was refused. The errors' messages say why, not
-    who: the worker's log line names the peer once (``refused connection from
-    PEER: WHY``).
-
-    Raises:
-        ProtocolError: the peer is not an rpcdl client or speaks another version.
-        AuthenticationError: the peer does not prove it holds the worker's token.
-        SessionsFull: ``admit`` refused the client (the verdict told it so).
-        TimeoutError: the deadline passed.
-
-    Example::
-
-        >>> agreed = server_negotiate(sock, token, "10.0.0.7:51234", deadline=Deadline(10.0))  # doctest: +SKIP
-    """
-    steps = server_steps(token, peer, compression, shared_memory, admit)
-    reply: bytes | None = None
-    while True:
-        try:
-            step = steps.send(reply)
-        except StopIteration as done:
-            return done.value
-        try:
-            if isinstance(step, Read):
-                reply = _recv_exact(sock, step.size, step.what, deadline)
-            else:
-                _send(sock, step.data, deadline)
-                reply = None
-        except BaseException as exc:
-            steps.throw(exc)
-            raise
 
 
 def send_refusal(sock: socket.socket, pending: int, limit: int, tls: bool = False) -> None:

@@ -1,10 +1,9 @@
 """The client side of the handshake, on the event loop: connect, TLS through asyncio, then rpcdl's messages.
 
 The messages, proofs and the names given to peers that are not rpcdl workers
-are :mod:`rpcdl.transport.handshake`'s (its :func:`~rpcdl.transport.handshake.client_steps`,
-which the blocking :func:`~rpcdl.transport.handshake.client_negotiate` drives
-too); this module does that exchange's I/O as coroutines, so that opening any number of connections takes
-no thread of its own. Three steps, which the caller tells apart to judge a
+are :mod:`rpcdl.transport.handshake`'s (its :func:`~rpcdl.transport.handshake.client_steps`);
+this module does that exchange's I/O as coroutines, so that opening any
+number of connections takes no thread of its own. Three steps, which the caller tells apart to judge a
 failure (see :mod:`rpcdl.rpc.dial`):
 
 1. :func:`connect_socket`: resolve the name and connect a non-blocking socket;
@@ -245,7 +244,7 @@ async def negotiate(
     shared_memory: bool = False,
     observer: bool = False,
 ) -> Agreement:
-    """Run rpcdl's client side of the handshake (:func:`rpcdl.transport.handshake.client_negotiate` on the loop).
+    """Run rpcdl's client side of the handshake (:func:`rpcdl.transport.handshake.client_steps`) on the loop.
 
     Args:
         transport: the connection (after TLS, if any).

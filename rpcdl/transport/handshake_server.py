@@ -1,14 +1,14 @@
 """The worker's side of the handshake, run on the process loop: no thread per connection.
 
-The steps are :func:`rpcdl.transport.handshake.server_steps` (the same
-messages, proofs and errors as the blocking :func:`~rpcdl.transport.handshake.server_negotiate`);
-here a coroutine does their I/O on a non-blocking socket, waking when it is
-readable or writable, and TLS first where the worker serves it: the TLS
-handshake of the standard library's :class:`ssl.SSLSocket`, driven without
-blocking. What comes out is that same socket, ready for a session, which the
-loop goes on reading and writing itself (so an answer's buffers leave with
-one ``sendmsg``, never copied into a transport's buffer). One deadline, from
-the accept, bounds the whole handshake, TLS included.
+The steps (messages, proofs and errors) are
+:func:`rpcdl.transport.handshake.server_steps`'s; here a coroutine does their
+I/O on a non-blocking socket, waking when it is readable or writable, and TLS
+first where the worker serves it: the TLS handshake of the standard library's
+:class:`ssl.SSLSocket`, driven without blocking. What comes out is that same
+socket, ready for a session, which the loop goes on reading and writing itself
+(so an answer's buffers leave with one ``sendmsg``, never copied into a
+transport's buffer). One deadline, from the accept, bounds the whole
+handshake, TLS included.
 
 Threading: every coroutine here runs on the loop's thread (``rpcdl-loop``,
 :mod:`rpcdl.transport.event_loop`), which owns the socket while it runs.
@@ -113,7 +113,7 @@ async def accept_handshake(
         peer: ``"host:port"`` of the client, for messages.
         deadline: when the whole handshake must be over (counted from the accept).
         tls: serve TLS with this context; ``None``: plain.
-        compression, shared_memory, admit: as for :func:`~rpcdl.transport.handshake.server_negotiate`.
+        compression, shared_memory, admit: as for :func:`~rpcdl.transport.handshake.server_steps`.
         wrapped: told the TLS socket that replaces ``sock`` before its TLS
             handshake; returning ``False`` stops the handshake (the connection
             was dropped meanwhile: :class:`ConnectionAbortedError`).
@@ -122,7 +122,7 @@ async def accept_handshake(
         the socket to serve (``sock``, or its TLS socket) and what the handshake settled.
 
     Raises:
-        what :func:`~rpcdl.transport.handshake.server_negotiate` raises, and
+        what :func:`~rpcdl.transport.handshake.server_steps` raises, :class:`TimeoutError` past the deadline, and
         :class:`ssl.SSLError` for a failed TLS handshake. The socket is left to
         the caller to close.
 

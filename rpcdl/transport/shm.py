@@ -441,7 +441,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> Any:
 def receiver(
     segment: ClientSegment | None, pins: Callable[[int], bool], allocate: Callable[[int, int], Any]
 ) -> Callable[[int, int, int], Any] | None:
-    """What a :class:`~rpcdl.transport.wire.FrameReader` calls for a buffer in the segment.
+    """What a :class:`~rpcdl.transport.frame_protocol.FrameProtocol` calls for a buffer in the segment.
 
     Args:
         segment: the connection's segment, or ``None`` (then no receiver).

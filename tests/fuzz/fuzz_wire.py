@@ -3,11 +3,12 @@
 Two targets, chosen with ``--target``:
 
 * ``frames``: the bytes are everything a peer sends after the handshake; a
-  :class:`rpcdl.transport.wire.FrameReader` with small limits must return frames within
+  :class:`rpcdl.transport.frame_protocol.FrameProtocol` (read by ``tests/blocking_wire.py``) with small
+  limits must return frames within
   them or raise :class:`~rpcdl.errors.ProtocolError` /
   :class:`~rpcdl.errors.ConnectionLost`, and never allocate a buffer past them.
 * ``handshake``: the bytes are everything a client sends to a worker holding a
-  token; :func:`rpcdl.transport.handshake.server_negotiate` must refuse it with one of rpcdl's
+  token; the worker's steps (:func:`rpcdl.transport.handshake.server_steps`) must refuse it with one of rpcdl's
   errors.
 
 Any other exception, a hang or a crash is a finding. Usage (see README.md)::
@@ -23,12 +24,17 @@ import os
 import socket
 import struct
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: blocking_wire
+
+from blocking_wire import FrameReader, server_negotiate
 
 from rpcdl.errors import AuthenticationError, ConnectionLost, ProtocolError
 from rpcdl.serialization.pickling import dumps
-from rpcdl.transport.handshake import MAGIC, VERSION, server_negotiate
+from rpcdl.transport.handshake import MAGIC, VERSION
 from rpcdl.transport.security import Token
-from rpcdl.transport.wire import Frame, FrameReader, Kind, Limits, encode_frame
+from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
 LIMITS = Limits(max_message_bytes=4096, max_buffers=4, handshake_timeout=1.0)
 TOKEN = Token(b"fuzz-token")
@@ -115,16 +121,13 @@ def main(argv: list[str]) -> None:
 
     import atheris  # the fuzz extra: pip install 'rpcdl[fuzz]'
 
-    from rpcdl.transport import handshake, wire
+    from rpcdl.transport import frame_protocol, handshake, wire
 
     for function in (
-        wire.FrameReader.read_frame,
-        wire.FrameReader._read_payload,
-        wire.FrameReader._read_into,
-        wire.FrameReader._fill,
-        wire.FrameReader._recv_into,
-        handshake.server_negotiate,
-        handshake._recv_exact,
+        frame_protocol.FrameProtocol.get_buffer,
+        frame_protocol.FrameProtocol.buffer_updated,
+        wire.Limits.check_incoming,
+        handshake.server_steps,
     ):
         atheris.instrument_func(function)
     atheris.Setup([argv[0], *libfuzzer_args], TARGETS[options.target])

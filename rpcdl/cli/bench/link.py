@@ -16,27 +16,31 @@ Raw streams and loaders take turns, round after round, and the figures are
 medians. The trainer's CPU seconds per GB are given beside each rate: on a
 small trainer the CPU, not the link, is often the limit.
 
-Threading: run from one thread; :func:`raw_rate` starts one named thread per
-worker for its stream and joins them.
+Threading: run from one thread; the raw streams are connections on this
+process's event loop (``rpcdl-loop``), which reads them all at once: the
+thread that runs :func:`raw_rate` waits for them and never reads a socket.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
+import ssl
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import ConnectionLost
-from ...rpc.dial import dial
+from ...address import parse_address
+from ...rpc.dial import dial_on_loop
 from ...transport.compression import COMPRESSION_ENV
 from ...transport.control import decode_rejected, encode_stream
+from ...transport.event_loop import call_soon, run_coroutine
+from ...transport.frame_protocol import FrameProtocol
 from ...transport.security import default_client_tls, resolve_token
-from ...transport.wire import Frame, FrameReader, Kind, Limits, io_stream, send_frame
+from ...transport.wire import Frame, Kind, Limits, encode_frame
 from .report import percentile
 from .workloads import IMAGE_SHAPE, ImageDataset, SmoothImageDataset
 
@@ -128,83 +132,143 @@ def latency(address: str, pings: int) -> dict[str, float]:
 
 
 class RawStream:
-    """One connection to a worker that asks it for ``STREAM`` frames and receives them into one buffer."""
+    """One connection to a worker that asks it for ``STREAM`` frames and receives them into one buffer.
+
+    The connection is a trainer's: dialled and received on the event loop
+    (:func:`rpcdl.rpc.dial.dial_on_loop`, then a
+    :class:`~rpcdl.transport.frame_protocol.FrameProtocol` with this stream as
+    its sink); its fields are the loop's once it is open.
+
+    Args:
+        address: the worker, ``"host:port"``; credentials come from the environment.
+
+    Example::
+
+        >>> stream = RawStream("127.0.0.1:6543")  # doctest: +SKIP
+        >>> stream.receive(4) == 4 * STREAM_FRAME_BYTES  # doctest: +SKIP
+        True
+    """
 
     def __init__(self, address: str):
-        from ...address import parse_address
-
         host, port = parse_address(address)
         self.address = address
-        self.ssl_context = default_client_tls()
+        self._target = memoryview(bytearray(STREAM_FRAME_BYTES))
+        self._call_id = 0
+        self._request: _Request  # the latest request, set on the loop as the connection opens
+        self.tls: dict[str, Any] | None = None
+        ssl_context = default_client_tls()
+        self._transport = run_coroutine(self._open(host, port, ssl_context), timeout=_TIMEOUT)
+
+    async def _open(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> Any:
         deadline = time.monotonic() + 10.0
-        sock, _ = dial(
-            address,
+        transport, reader, _ = await dial_on_loop(
+            self.address,
             host,
             port,
             resolve_token(),
-            self.ssl_context,
+            ssl_context,
             handshake_timeout=10.0,
             grace=5.0,
             failed=lambda error: deadline,
             compression="off",
         )
-        self.tls = {"version": sock.version(), "cipher": sock.cipher()[0]} if self.ssl_context else None
-        self._sock = io_stream(sock, receive=_TIMEOUT, send=_TIMEOUT)
-        self._reader = FrameReader(self._sock, Limits(), stall_timeout=_TIMEOUT)
-        self._target = memoryview(bytearray(STREAM_FRAME_BYTES))
-        self._call_id = 0
+        tls = transport.get_extra_info("ssl_object") if ssl_context is not None else None
+        if tls is not None:
+            self.tls = {"version": tls.version(), "cipher": tls.cipher()[0]}
+        none_yet = asyncio.get_running_loop().create_future()
+        none_yet.set_result(0)
+        self._request = _Request(0, none_yet)  # settled: frames that arrive now answer nothing
+        protocol = FrameProtocol(self, Limits(), allocate=self._allocate, leftover=reader.leftover())
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        return transport
 
     def receive(self, count: int) -> int:
-        """Ask for ``count`` frames and receive them; return the bytes received."""
+        """Ask for ``count`` frames and wait until the loop received them; return the bytes received.
+
+        Args:
+            count: frames of :data:`STREAM_FRAME_BYTES` to ask for.
+
+        Returns:
+            the bytes of the frames' buffers.
+
+        Raises:
+            RuntimeError: the worker refused the request, answered something else, or closed the connection.
+            TimeoutError: the worker sent nothing for a minute.
+        """
+        return run_coroutine(self.receiving(count))
+
+    async def receiving(self, count: int) -> int:
+        """:meth:`receive` as a coroutine on the loop (many streams at once: :func:`raw_rate`)."""
         self._call_id += 1
-        send_frame(self._sock, Frame(Kind.STREAM, self._call_id, payload=encode_stream(STREAM_FRAME_BYTES, count)))
-        moved = 0
-        for _ in range(count):
-            try:
-                frame = self._reader.read_frame(lambda call_id, size: self._target[:size])
-            except ConnectionLost:
-                raise RuntimeError(
-                    f"worker {self.address} closed the connection during a raw stream request (an rpcdl worker "
-                    "older than this client does that: it lacks STREAM; install the same rpcdl version on both sides)"
-                ) from None
-            if frame is None:
+        self._request = request = _Request(count, asyncio.get_running_loop().create_future())
+        request_frame = Frame(Kind.STREAM, self._call_id, payload=encode_stream(STREAM_FRAME_BYTES, count))
+        self._transport.write(b"".join(encode_frame(request_frame)))
+        while True:
+            frames = request.frames
+            await asyncio.wait([request.done], timeout=_TIMEOUT)
+            if request.done.done():
+                return request.done.result()
+            if request.frames == frames:
+                request.done.cancel()
                 raise TimeoutError(f"worker {self.address} sent nothing for {_TIMEOUT:g}s of a raw stream")
-            if frame.kind == Kind.REJECTED:
-                raise RuntimeError(f"worker {self.address} refused a raw stream: {decode_rejected(frame.payload)}")
-            if frame.kind != Kind.STREAM_DATA or frame.call_id != self._call_id:
-                raise RuntimeError(f"worker {self.address} answered a raw stream with a {frame.kind.name} frame")
-            moved += frame.buffer_bytes
-        return moved
 
     def close(self) -> None:
-        self._sock.close()
+        """Close the connection (from any thread but the loop's)."""
+        call_soon(self._transport.abort)
+
+    # ------------------------------------------------------------------ the protocol's sink, on the loop
+
+    def _allocate(self, call_id: int, size: int) -> memoryview:
+        return self._target[:size]
+
+    def frame_received(self, frame: Frame) -> None:
+        request = self._request
+        if request.done.done():
+            return
+        if frame.kind == Kind.REJECTED:
+            error = RuntimeError(f"worker {self.address} refused a raw stream: {decode_rejected(frame.payload)}")
+            request.done.set_exception(error)
+        elif frame.kind != Kind.STREAM_DATA or frame.call_id != self._call_id:
+            error = RuntimeError(f"worker {self.address} answered a raw stream with a {frame.kind.name} frame")
+            request.done.set_exception(error)
+        else:
+            request.frames += 1
+            request.moved += frame.buffer_bytes
+            if request.frames == request.count:
+                request.done.set_result(request.moved)
+
+    def receiving_failed(self, error: Exception) -> None:
+        if not self._request.done.done():
+            self._request.done.set_exception(error)
+
+    def stream_ended(self, error: Exception | None) -> None:
+        if not self._request.done.done():
+            self._request.done.set_exception(
+                RuntimeError(
+                    f"worker {self.address} closed the connection during a raw stream request (an rpcdl worker "
+                    "older than this client does that: it lacks STREAM; install the same rpcdl version on both sides)"
+                )
+            )
+
+
+@dataclass
+class _Request:
+    """One raw stream request of a :class:`RawStream`: the frames asked for, those received, their bytes."""
+
+    count: int
+    done: asyncio.Future[int]
+    frames: int = 0
+    moved: int = 0
 
 
 def raw_rate(streams: Sequence[RawStream], frames: int) -> Rate:
-    """All ``streams`` at once, ``frames`` frames each."""
-    moved = [0] * len(streams)
-    errors: list[BaseException] = []
+    """All ``streams`` at once, ``frames`` frames each, received on the event loop."""
 
-    def receive(index: int) -> None:
-        try:
-            moved[index] = streams[index].receive(frames)
-        except BaseException as exc:  # reported by the caller's thread
-            errors.append(exc)
+    async def receive_all() -> int:
+        return sum(await asyncio.gather(*(stream.receiving(frames) for stream in streams)))
 
-    def run() -> int:
-        threads = [
-            threading.Thread(target=receive, args=(i,), name=f"rpcdl-bench-raw-{s.address}")
-            for i, s in enumerate(streams)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return sum(moved)
-
-    return _timed(run)
+    return _timed(lambda: run_coroutine(receive_all()))
 
 
 class Loaders:
