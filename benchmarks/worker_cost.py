@@ -52,7 +52,7 @@ from blocking_wire import FrameReader, client_negotiate, io_stream, server_negot
 
 from rpcdl.cli.bench.workloads import SmallDataset, noop
 from rpcdl.data.fetch import fetch_batch
-from rpcdl.rpc.rref import _rref_from_wire
+from rpcdl.rpc.rref import resolve_here
 from rpcdl.serialization.pickling import dumps
 from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
@@ -68,7 +68,7 @@ class _DatasetOnWorker:
         self.uid = uid
 
     def __reduce__(self):
-        return _rref_from_wire, ("recipient", self.uid)
+        return resolve_here, (self.uid,)
 
 
 def _call_bytes(call_id: int, func: Any, args: tuple, ref: int = 0) -> bytes:
