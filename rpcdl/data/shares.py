@@ -83,8 +83,8 @@ the other half sent, and the swap goes on as one. Giving one more sends a
 worker other than the newcomer (which has not crossed: one of many in
 line), and the swap becomes two. So a change moves a few times half the
 depth's worth of workers: about 10 on average at 1,024 ranks, whatever
-``W``, and in a few changes in a thousand two or three times as many.
-Between multiples the counts have slack and fewer workers cross. A leave is
+``W``, twice as many in one change in a hundred, and at most about three
+times as many. Between multiples the counts have slack and fewer cross. A leave is
 the same in reverse. Rendezvous hashing moves nobody but is uneven (some
 ranks get none); this gives up those moves for the balance.
 
