@@ -18,8 +18,8 @@ Invariants:
   moved workers depends on ``R``, not on ``W``, so the changed part of the
   pairs falls as the fleet grows. ``benchmarks/shares.py``
   measures the mean, the 99th percentile and the worst over many changes;
-  tests bound the worst and the mean of a fixed set of changes at 1,024 ranks for 1,024,
-  4,000, 4,096, 4,097 and 8,192 workers.
+  tests bound the worst and the mean of a fixed set of changes at 1,024
+  ranks for 1,024, 4,000, 4,096, 4,097, 4,150, 4,200 and 8,192 workers.
 
 How (``W >= R``). Each address has two hashes: a position ``p`` in ``[0, 1)``
 and a priority ``g``. The ranks are split in halves recursively (a binary tree
