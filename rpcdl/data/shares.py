@@ -165,8 +165,9 @@ def _split(items: list[_Keyed], bins: int) -> list[list[object]]:
 
 def _left_extras(surplus: int, extras: int, left_bins: int, right_bins: int) -> int:
     """How many of a node's ``extras`` its left half takes, given the left half's natural ``surplus`` over ``quota``
-    per bin (step 1 of the module's docstring): the surplus itself where both halves can hold theirs; past a
-    bound, the scarce one of extras and holes goes to the half that receives crossers."""
+    per bin (step 2 of the module's docstring): the surplus itself where both halves can hold theirs; past a
+    bound, clipped, except that with at most half the bins holding an extra the half that gives crossers takes
+    one fewer than it can."""
     low, high = max(0, extras - right_bins), min(left_bins, extras)
     if 2 * extras <= left_bins + right_bins:
         # Extras are the scarce ones: past a bound, the half that gives crossers keeps one extra fewer than it
