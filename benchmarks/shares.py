@@ -1,6 +1,6 @@
 """The shares of a changing fleet at scale (rpcdl.data.shares): balance, movement and time.
 
-Usage: python benchmarks/shares.py [--ranks 1024] [--sizes 4096,4000,4097,1024,8192] [--changes 200]
+Usage: python benchmarks/shares.py [--ranks 1024] [--sizes 4096,4000,4097,4200,1024,8192] [--changes 200]
        [--seeds 0,1] [--workers 4096]
 
 Prints:
@@ -19,7 +19,7 @@ Prints:
   rank of a job does after a change), from a cold cache.
 
 The figures of benchmarks/README.md come from ``--changes 500 --seeds 0,1,2,3`` (2,000 changes per size;
-about 15 minutes on a 2-vCPU machine).
+about 20 minutes on a 2-vCPU machine).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _sizes(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
-    parser.add_argument("--sizes", type=_sizes, default=[4096, 4000, 4097, 1024, 8192], help="fleet sizes W")
+    parser.add_argument("--sizes", type=_sizes, default=[4096, 4000, 4097, 4200, 1024, 8192], help="fleet sizes W")
     parser.add_argument("--changes", type=int, default=200, help="single joins and leaves per size and seed")
     parser.add_argument("--seeds", type=_sizes, default=[0, 1], help="one random fleet per seed")
     parser.add_argument("--workers", type=int, default=4096, help="the fleet size of the time measure")

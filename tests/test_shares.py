@@ -101,25 +101,42 @@ def test_the_scale_of_a_large_job():
     assert _changed(_pairs(shares), _pairs(grown)) <= 0.01 * 4097
 
 
-#: The worst share of pairs one change may change, per fleet size over 1,024 ranks, in the fixed set of changes
-#: below. The moved workers of a change do not grow with the fleet (a chain about as long as the tree is deep,
-#: see rpcdl.data.shares), so the fraction shrinks as W grows; with one worker per rank (W = R) the same count
-#: is a larger part of the fleet. A cascade (one change spreading into many) breaks every one of these.
-_WORST = {4096: 0.01, 4000: 0.005, 4097: 0.01, 8192: 0.005, 1024: 0.04}
+#: Per fleet size over 1,024 ranks, the most workers one change of the fixed set below may move, and the most
+#: they may move on average (the joined or left worker not counted). A change moves a chain of workers about
+#: as long as the tree is deep (see rpcdl.data.shares), whatever the fleet size. The same set moved up to
+#: 25-34 and 14.6-21 on average at 4,096, 4,097, 8,192 and 1,024 workers when a lone extra went to the half
+#: that gives crossers. 4,150 and 4,200 (a tenth of the ranks with an extra) hold a cascade seen there when
+#: every extra past a bound moved to the other half (every change of a node's surplus then moved its split).
+_MOVED = {4096: (20, 12), 4097: (20, 12), 8192: (20, 12), 1024: (20, 12), 4000: (12, 7), 4150: (24, 12), 4200: (18, 9)}
 
 
-@pytest.mark.parametrize("workers", sorted(_WORST))
-def test_a_join_or_a_leave_at_scale_changes_few_pairs(workers):
-    """The worst of a fixed set of joins and leaves over 1,024 ranks, counted as ``benchmarks/shares.py`` counts.
+@pytest.mark.parametrize("workers", sorted(_MOVED))
+def test_a_join_or_a_leave_at_scale_moves_few_workers(workers):
+    """The worst and the mean of a fixed set of joins and leaves over 1,024 ranks, counted as
+    ``benchmarks/shares.py`` counts, well inside the bound of 1% of the pairs at 4,096 workers.
 
-    The assignment is a pure function of the set, so the figure is the same on every run: a change to the
-    algorithm that lets a join or a leave cascade shows here.
+    The assignment is a pure function of the set, so the figures are the same on every run: a change to the
+    algorithm that lets a join or a leave spread shows here.
     """
-    measured = _load_benchmark().changes(workers, 1024, 10, seed=7)
-    assert len(measured) == 10
-    worst = max(changed / pairs for changed, pairs in measured)
-    assert worst <= _WORST[workers], f"a change moved {worst:.2%} of the pairs at {workers} x 1,024"
+    measured = _load_benchmark().changes(workers, 1024, 12, seed=7)
+    assert len(measured) == 12
     assert all(pairs in (workers, workers + 1) for _, pairs in measured)  # every worker serves one rank
+    moved = [changed - 1 for changed, _ in measured]  # the joined or left worker is not a move
+    worst, mean = _MOVED[workers]
+    assert max(moved) <= worst, f"a change moved {max(moved)} workers at {workers} x 1,024: {moved}"
+    assert sum(moved) <= mean * len(moved), f"{sum(moved) / len(moved):.1f} moved on average: {moved}"
+    if workers >= 4096:
+        assert max(changed / pairs for changed, pairs in measured) <= 0.01
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 7, 64, 1000, 1024])
+def test_balance_where_extras_and_holes_are_as_many(world_size):
+    """Around half the ranks with an extra, where each node turns from placing extras to placing holes."""
+    half = world_size // 2
+    for workers in {half - 1, half, half + 1, 3 * world_size + half - 1, 3 * world_size + half,
+                    3 * world_size + half + 1, 3 * world_size + 1, 4 * world_size - 1}:  # fmt: skip
+        if workers >= 1:
+            _assert_balanced(_fleet(workers, workers + 3 * world_size), world_size)
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ Invariants:
   moved workers depends on ``R``, not on ``W``, so the changed part of the
   pairs falls as the fleet grows. ``benchmarks/shares.py``
   measures the mean, the 99th percentile and the worst over many changes;
-  tests bound the worst of a fixed set of changes at 1,024 ranks for 1,024,
-  4,000, 4,096, 4,097 and 8,192 workers.
+  tests bound the worst and the mean of a fixed set of changes at 1,024
+  ranks for 1,024, 4,000, 4,096, 4,097, 4,150, 4,200 and 8,192 workers.
 
 How (``W >= R``). Each address has two hashes: a position ``p`` in ``[0, 1)``
 and a priority ``g``. The ranks are split in halves recursively (a binary tree
@@ -35,10 +35,16 @@ it, and gives each half its workers:
 2. *Who.* The workers whose position lies in the left half's arc of
    ``[0, 1)`` (``p < mid / R``) would go left: that is consistent hashing, which
    moves nobody when a worker joins. ``e1`` is that natural count less
-   ``Q*R1``, clipped to its bounds. When the natural left side holds more than
-   its count, some of its workers go right; when fewer, some of the right
-   side's come left. Those that cross are the ones that crossed most often
-   already, then those of highest priority ``g``.
+   ``Q*R1`` where that lies within its bounds: nobody crosses. Past a bound
+   it is clipped, so that the half that gives crossers takes all the extras
+   it can and the holes (ranks without one) sit in the half that receives;
+   but with ``2e <= R'`` that half takes one extra fewer than it can, one
+   step down as its surplus passes the bound by one (so that one worker more
+   or less moves ``e1`` by one at most): a lone extra sits in the half that
+   receives crossers, as a lone hole does. When the natural left side holds
+   more than its count, some of its workers go right; when fewer, some of the
+   right side's come left. Those that cross are the ones that crossed most
+   often already, then those of highest priority ``g``.
 3. *Where a crosser lands.* A worker that crosses takes a new position,
    hashed from its priority and its number of crossings, uniform in the arc of
    the half it enters, and counts as that half's own below.
@@ -46,32 +52,48 @@ it, and gives each half its workers:
 Why a join moves few. Down the tree, the newcomer lands in one half. Either
 that half's count grows by one (the extra goes where it landed: nothing else
 moves at this node), or the count stays and one worker crosses to the other
-half. Two things keep that crossing from spreading. The crosser enters the
+half. Three things keep that crossing from spreading. The crosser enters the
 other half at a random place, as one join would, rather than piled at the
 edge next to the boundary, where a crowd of crossers would overflow the edge
-rank and push more across at every level below. And a worker that has
-crossed crosses again first: when a half must give one back, it gives the
-one that just came in, so a change travels as one worker passed on, from the
-node where it is forced towards the rank that takes the extra, instead of
-each crossing handing both halves a different change (a worker in and one
-out at independent places) that then spread in both.
+rank and push more across at every level below. A worker that has crossed
+crosses again first: when a half must give one back, it gives the one that
+just came in. And a lone extra sits in the half that receives crossers. So
+when the worker passed on lands in the half without the extra, that half
+must give one worker more, and gives that one: a change travels as one
+worker passed on, from the node where it is forced down to the rank that
+takes the extra, one moved worker in all. Were the extra in the half that
+gives, the same landing would make that half give one worker fewer: it would
+keep back a worker of its own, which then stays with the extra while the
+one passed on stays where it landed, each crossing handing both halves a
+different change (a worker in and one out at independent places) that then
+spread in both, at about every other node. A hole (a rank short of the
+extra) sits in the receiving half for the same reason, read in reverse.
+Only one extra goes across: with more, every change of the surplus of a
+node past its bound would move its split, and between multiples of ``R``
+many nodes lie there.
 
 Where the moves come from. Where ``W`` is an exact multiple of ``R`` every
 count is forced, and the rank that takes the extra lies at the end of a path
-of ``log2 R`` nodes. At each of them the newcomer (or the worker it passed
-on) lands on the extra's side or not: one chance in two, whatever rule
-picks that side from the counts, since no rule can tell from the set which
-of its workers is the new one. When not, one worker of its side crosses
-instead, and that side is left with a swap: one worker in, another out.
-A swap goes down to a leaf as one moved worker while its two workers stay
-on one side of each node, or while the worker that must cross is the one
-that came in; at about one node in five it is neither, and the swap becomes
-two. So a change moves about half the depth's worth of workers, times that
-growth: some 16 on average at 1,024 ranks, whatever ``W``, and in a few
-changes in a thousand two or three times as many. Between multiples the
-counts have slack and fewer workers cross. A leave is the same in reverse.
-Rendezvous hashing moves nobody but is uneven (some ranks get none); this
-gives up those moves for the balance.
+of ``log2 R`` nodes. At each of them the newcomer lands on the extra's side
+or not: one chance in two, whatever rule picks that side from the counts,
+since no rule can tell from the set which of its workers is the new one.
+When not, its side gives one worker more, which carries the change on as
+above, and is left with a swap: the newcomer in, the worker it gave out.
+Below, where those two part, the newcomer's half must give one worker more
+or take one fewer. Taking one fewer mostly costs nothing more: the worker
+that went out was first in line on its side, so it was among the crossers
+the other half sent, and the swap goes on as one. Giving one more sends a
+worker other than the newcomer (which has not crossed: one of many in
+line), and the swap becomes two. So a change moves a few times half the
+depth's worth of workers: about 10 on average at 1,024 ranks within a
+couple of workers of a multiple of ``R``, twice as many in one change in a
+hundred, and at most about three times as many. Between multiples the
+counts have slack and fewer cross where the extras are many (4,000 or
+4,200 workers over 1,024 ranks: 5 to 9 on average); a few workers past a
+multiple, with several extras in a node but few, a change moves about as
+many as where a lone extra went to the half that gives (4,100: about 17).
+A leave is the same in reverse. Rendezvous hashing moves nobody but is
+uneven (some ranks get none); this gives up those moves for the balance.
 
 With ``W < R`` the same tree gives ``W`` ranks one worker each (``Q = 0``, so
 that one worker more or less near ``W = R`` moves as few as elsewhere); the
@@ -125,7 +147,7 @@ def _split(items: list[_Keyed], bins: int) -> list[list[object]]:
         boundary = middle / bins
         left = [keyed for keyed in held if keyed[0] < boundary]
         right = [keyed for keyed in held if keyed[0] >= boundary]
-        left_extras = min(max(len(left) - quota * left_bins, max(0, extras - right_bins)), min(left_bins, extras))
+        left_extras = _left_extras(len(left) - quota * left_bins, extras, left_bins, right_bins)
         wanted = quota * left_bins + left_extras
         if len(left) > wanted:
             left.sort(key=_order)
@@ -139,6 +161,23 @@ def _split(items: list[_Keyed], bins: int) -> list[list[object]]:
         stack.append((left, first, middle, left_extras))
         stack.append((right, middle, end, extras - left_extras))
     return out
+
+
+def _left_extras(surplus: int, extras: int, left_bins: int, right_bins: int) -> int:
+    """How many of a node's ``extras`` its left half takes, given the left half's natural ``surplus`` over ``quota``
+    per bin (step 2 of the module's docstring): the surplus itself where both halves can hold theirs; past a
+    bound, clipped, except that with at most half the bins holding an extra the half that gives crossers takes
+    one fewer than it can."""
+    low, high = max(0, extras - right_bins), min(left_bins, extras)
+    if 2 * extras <= left_bins + right_bins:
+        # Extras are the scarce ones: past a bound, the half that gives crossers keeps one extra fewer than it
+        # could, stepping down as its surplus grows, so that one worker more or less moves the split by one.
+        # One and no more: a deeper step would answer every change of the surplus in a wide band of nodes.
+        if surplus > high:
+            surplus = max(2 * high - surplus, high - 1)
+        elif surplus < low:
+            surplus = min(2 * low - surplus, low + 1)
+    return min(max(surplus, low), high)
 
 
 def _order(keyed: _Keyed) -> int:
