@@ -315,3 +315,19 @@ def test_the_trainer_cpu_bench_prints_the_load_beside_every_figure():
     assert len(figures) == 4  # each system's round, then its median
     for line in figures:
         assert re.search(r"load \d+\.\d(-\d+\.\d)?\)$", line), line
+
+
+def test_the_loop_floor_bench_measures_four_systems_and_stops_its_processes(tmp_path):
+    import psutil
+
+    report = tmp_path / "floor.json"
+    result = _run_script("loop_floor.py", "--rounds", "1", "--calls", "50", "--json", str(report))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split("  ")[0]: line for line in result.stdout.splitlines()}
+    assert {"socket", "framed pickle RPC", "loop floor", "rpcdl"} <= set(rows), result.stdout
+    assert re.search(r"load average at the rounds' ends: \d+\.\d-\d+\.\d$", result.stdout.strip()), result.stdout
+    medians = json.loads(report.read_text())["medians"]
+    for name in ("socket", "framed pickle RPC", "loop floor", "rpcdl"):
+        assert medians[name]["p50_us"] > 0 and medians[name]["client_cpu_us"] >= 0, (name, medians[name])
+    servers = [p for p in psutil.process_iter(["cmdline"]) if "--serve" in (p.info["cmdline"] or [])]
+    assert not [p for p in servers if any("loop_floor.py" in part for part in p.info["cmdline"])]
