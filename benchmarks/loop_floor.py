@@ -11,10 +11,11 @@ This script measures, side by side and in turns:
 - ``framed pickle``: the minimal framed-pickle RPC of ``rpcdl bench`` (the
   caller writes, one reader thread wakes it; the server runs calls inline);
 - ``loop floor``: rpcdl's thread structure and nothing else: the caller
-  writes its pickled call and waits on a lock; the client's asyncio loop
+  writes its pickled call and waits on a lock; the client's event loop
   (a ``BufferedProtocol``) receives the answer and releases it; the server's
-  asyncio loop hands each call through a lock to an executor thread, which
-  unpickles and runs it and writes the pickled answer;
+  event loop hands each call through a lock to an executor thread, which
+  unpickles and runs it and writes the pickled answer (both loops are
+  uvloop's where it is installed, as rpcdl's are);
 - ``rpcdl``: ``rpcdl.rpc_sync`` of a no-op to one local worker.
 
 For each: the round trip's median and p99, and the CPU per call of the
@@ -83,8 +84,17 @@ class _Frames(asyncio.BufferedProtocol):
             self._filled -= start
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """The kind of loop rpcdl runs: uvloop's where it is installed, else the standard library's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def _run_loop(sock: socket.socket, deliver: Callable[[bytes], None], started: threading.Event) -> None:
-    loop = asyncio.new_event_loop()
+    loop = _new_loop()
 
     async def serve() -> None:
         await loop.connect_accepted_socket(lambda: _Frames(deliver), sock)
