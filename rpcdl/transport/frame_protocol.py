@@ -229,6 +229,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Whether no frame is begun: the protocol holds no memory of its own then."""
         return self._frame is None and not self._partial and self._need is _Need.HEADER
 
+    @property
+    def bytes_due(self) -> int:
+        """Bytes still to come of the payload or buffer being received into its own memory: the peer sends
+        them whatever happens (0 between such parts, when the next bytes may be all it sends for a while)."""
+        return 0 if self._target is None else self._wanted - self._filled
+
     def stalled_for(self, now: float) -> float:
         """Seconds without a byte in the middle of a frame at ``now`` (0 between frames)."""
         return 0.0 if self.idle else now - self._progress

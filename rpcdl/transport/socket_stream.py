@@ -18,12 +18,15 @@ as asyncio's transports do: a :class:`asyncio.BufferedProtocol` (the frame
 receiver, :class:`~rpcdl.transport.frame_protocol.FrameProtocol`) receives
 into the memory it hands out, any other protocol (the handshake's reader) gets
 ``data_received``; the end of the stream is ``eof_received`` then
-``connection_lost``.
+``connection_lost``. While the frame receiver is in the middle of a large
+payload or buffer, the socket's low-water mark
+(:class:`~rpcdl.transport.low_water.LowWater`) keeps the loop from waking
+for every segment: such a part lands in a few receives of megabytes.
 
 Who owns what:
 
-* the reading side, the protocol and whether the socket is watched for room
-  (:class:`Room`): the loop's thread (``rpcdl-loop``,
+* the reading side, the protocol, the low-water mark and whether the socket is
+  watched for room (:class:`Room`): the loop's thread (``rpcdl-loop``,
   :mod:`rpcdl.transport.event_loop`), alone;
 * the :class:`StreamState`, the outbox and who writes next (:class:`Writer`):
   ``_lock``, for every read and write; the writing side of the socket belongs
@@ -40,6 +43,8 @@ import threading
 from collections.abc import Iterable
 
 from .event_loop import call_soon, process_loop
+from .frame_protocol import FrameProtocol
+from .low_water import LowWater
 
 _IOV_MAX = 1024  # pieces in one sendmsg
 _RECEIVES_PER_TURN = 16  # receives for one stream before the loop serves the others
@@ -94,6 +99,7 @@ class SocketStream:
         self._writer = Writer.DIRECT
         self._outbox: collections.deque[memoryview] = collections.deque()
         self._room = Room.UNWATCHED  # the loop's
+        self._low_water = LowWater(sock, self._loop)  # the loop's
         self._loop.add_reader(self._fd, self._readable)
         protocol.connection_made(self)  # type: ignore[arg-type]
 
@@ -188,6 +194,11 @@ class SocketStream:
 
     def _readable(self) -> None:
         protocol = self._protocol
+        if self._receive(protocol) and isinstance(protocol, FrameProtocol) and self._protocol is protocol:
+            self._low_water.expect(protocol.bytes_due)  # the next wakeup waits for much of a large part
+
+    def _receive(self, protocol: asyncio.BaseProtocol) -> bool:
+        """Receive for ``protocol`` until the socket is drained or the turn is over; whether the stream is open."""
         buffered = isinstance(protocol, asyncio.BufferedProtocol)
         for _ in range(_RECEIVES_PER_TURN):
             try:
@@ -199,20 +210,21 @@ class SocketStream:
                     data = self._sock.recv(_RECEIVE_BYTES)
                     received, size = len(data), _RECEIVE_BYTES
             except _WOULD_BLOCK:
-                return
+                return True
             except OSError as exc:
                 self._lost(exc)
-                return
+                return False
             if not received:
                 protocol.eof_received()
                 self._lost(None)
-                return
+                return False
             if buffered:
                 protocol.buffer_updated(received)
             else:
                 protocol.data_received(data)  # type: ignore[attr-defined]
             if received < size or self._protocol is not protocol or self.closed:
-                return  # it took all there was, or the stream changed hands
+                break  # it took all there was, or the stream changed hands
+        return not self.closed
 
     @property
     def unwritten(self) -> int:
@@ -239,6 +251,7 @@ class SocketStream:
             self._state = StreamState.CLOSED
             self._outbox.clear()
         self._stop_watching()
+        self._low_water.close()
         self._sock.close()
         return True
 
