@@ -15,7 +15,13 @@ scenario of ``rpcdl bench``) reach a trainer process four ways:
   (``rpcdl.transport.wire.encode_frame``), received here by the package's
   :class:`~rpcdl.transport.frame_protocol.FrameProtocol` fed from a blocking
   ``recv_into`` (``tests/blocking_wire.py``) into the buffer pool and
-  unpickled into a tensor, on one thread. The receive path's own floor.
+  unpickled into a tensor, on one thread. The receive path's own floor;
+- ``frames-loop`` (not run unless named): the same frames received as a
+  trainer's answers are, on rpcdl's event loop (``rpcdl-loop``): a
+  :class:`~rpcdl.transport.socket_stream.SocketStream` feeding the
+  :class:`~rpcdl.transport.frame_protocol.FrameProtocol`, each whole frame
+  handed to the trainer's thread through a queue and unpickled there. The
+  transport's share of ``rpcdl-tcp``, without calls or a loader.
 
 Each system runs in a trainer process of its own, set up once and warmed up
 (two epochs); the rounds then take the systems in turn, their order rotating,
@@ -57,7 +63,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # blo
 
 import harness
 
-SYSTEMS = ("socket", "torch", "rpcdl-tcp", "rpcdl-shm", "frames")
+SYSTEMS = ("socket", "torch", "rpcdl-tcp", "rpcdl-shm", "frames", "frames-loop")
 BATCH = 64
 BATCH_BYTES = BATCH * 3 * 224 * 224
 WARMUP_EPOCHS = 2
@@ -134,6 +140,52 @@ def _frame_epochs(batches: int) -> Any:
     return epoch
 
 
+def _loop_epochs(batches: int) -> Any:
+    import queue
+    import struct
+
+    from rpcdl.cli.bench.systems import start_peer
+    from rpcdl.serialization.pickling import loads
+    from rpcdl.transport import buffers
+    from rpcdl.transport.event_loop import run_coroutine
+    from rpcdl.transport.frame_protocol import FrameProtocol
+    from rpcdl.transport.socket_stream import SocketStream
+    from rpcdl.transport.wire import Frame, Limits
+
+    _, sock = start_peer("trainer_cpu", "frame_peer")
+    arrived: queue.SimpleQueue[Frame | Exception] = queue.SimpleQueue()
+
+    class Sink:  # on the loop, as a connection is
+        def frame_received(self, frame: Frame) -> None:
+            arrived.put(frame)
+
+        def receiving_failed(self, error: Exception) -> None:
+            arrived.put(error)
+
+        def stream_ended(self, error: Exception | None) -> None:
+            arrived.put(error or ConnectionError("the frame peer closed the connection"))
+
+    def allocate(call_id: int, size: int) -> Any:
+        return buffers.for_receiving(size)
+
+    async def attach() -> SocketStream:
+        return SocketStream(sock, FrameProtocol(Sink(), Limits(), allocate=allocate))
+
+    stream = run_coroutine(attach(), timeout=30)
+
+    def epoch() -> int:
+        stream.write(struct.pack("!Q", batches))
+        received = 0
+        for _ in range(batches):
+            frame = arrived.get(timeout=60)
+            if isinstance(frame, Exception):
+                raise frame
+            received += loads(frame.payload, frame.buffers).nbytes
+        return received
+
+    return epoch
+
+
 def _torch_epochs(batches: int) -> Any:
     from torch.utils.data import DataLoader
 
@@ -171,7 +223,7 @@ def trainer(system: str, batches: int) -> None:
     """Set ``system`` up, warm it up, then measure one epoch per line read from stdin."""
     if system == "rpcdl-tcp":
         os.environ["RPCDL_SHM_BYTES"] = "0"  # this trainer and its workers
-    systems = {"socket": _socket_epochs, "torch": _torch_epochs, "frames": _frame_epochs}
+    systems = {"socket": _socket_epochs, "torch": _torch_epochs, "frames": _frame_epochs, "frames-loop": _loop_epochs}
     epoch = systems.get(system, _rpcdl_epochs)(batches)
     for _ in range(WARMUP_EPOCHS):
         epoch()
@@ -266,7 +318,7 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
                 figures = measured[system]
                 ratio = f" = {figures['cpu_per_gb'] / floor:.2f}x socket" if floor else ""
                 print(
-                    f"  {system:21s} {figures['cpu_per_gb']:.3f} CPU s/GB{ratio} (user {figures['user']:.2f} s, "
+                    f"  {system:22s} {figures['cpu_per_gb']:.3f} CPU s/GB{ratio} (user {figures['user']:.2f} s, "
                     f"sys {figures['sys']:.2f} s, {figures['minflt_per_batch']:.1f} page faults/batch, "
                     f"{figures['bytes'] / 1e6 / figures['wall']:.0f} MB/s; load {figures['load']:.1f})",
                     flush=True,
@@ -286,7 +338,7 @@ def _measure(args: argparse.Namespace, trainers: dict[str, subprocess.Popen]) ->
             ratios = [m[system]["cpu_per_gb"] / m["socket"]["cpu_per_gb"] for m in rounds if "socket" in m]
             ratio = f", {harness.median(ratios):.2f}x socket" if ratios else ""
             loads = [measured[system]["load"] for measured in rounds]
-            print(f"  {system:21s} {per_gb:.3f} CPU s/GB{ratio} (load {min(loads):.1f}-{max(loads):.1f})")
+            print(f"  {system:22s} {per_gb:.3f} CPU s/GB{ratio} (load {min(loads):.1f}-{max(loads):.1f})")
         harness.save_json(args.json, {"rounds": rounds})
     finally:
         if profiler is not None:

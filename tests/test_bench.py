@@ -309,10 +309,11 @@ def test_the_real_process_scale_bench_reports_threads_files_and_memory_per_peer_
 
 
 def test_the_trainer_cpu_bench_prints_the_load_beside_every_figure():
-    result = _run_script("trainer_cpu.py", "--rounds", "1", "--batches", "2", "--systems", "socket", "frames")
+    systems = ("socket", "frames", "frames-loop")
+    result = _run_script("trainer_cpu.py", "--rounds", "1", "--batches", "2", "--systems", *systems)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = [line for line in result.stdout.splitlines() if "CPU s/GB" in line]
-    assert len(figures) == 4  # each system's round, then its median
+    assert len(figures) == 2 * len(systems)  # each system's round, then its median
     for line in figures:
         assert re.search(r"load \d+\.\d(-\d+\.\d)?\)$", line), line
 
