@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from rpcdl.errors import ConnectionLost
 from rpcdl.transport import event_loop
 from rpcdl.transport.frame_protocol import FrameProtocol
 from rpcdl.transport.low_water import LEAST_BYTES, MOST_BYTES, PATIENCE, LowWater
@@ -166,3 +167,22 @@ def test_the_mark_follows_what_is_due_and_stops_at_close():
     assert large == MOST_BYTES
     assert 1 << 20 <= large_set <= MOST_BYTES  # the kernel may cap it at half its largest receive buffer
     assert rest == [(300_000, 300_000), (1, 1), (1, 1), (300_000, 300_000), (1, 300_000), (1, 300_000)]
+
+
+def test_a_peer_closing_in_the_middle_of_a_large_part_ends_the_stream():
+    """The end of the stream reaches the protocol with the mark raised: the frame begun is lost, and said so."""
+    near, far = _connected()
+    stream, protocol, sink = _stream(near)
+    data = memoryview(_answer(3, bytes(BUFFER_BYTES)))
+    try:
+        far.sendall(data[: 2 * PIECE])
+        deadline = time.monotonic() + 20
+        while protocol.bytes_due == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert protocol.bytes_due > LEAST_BYTES  # the mark is raised now
+        far.close()
+        ended = sink.frames.get(timeout=20)
+        assert isinstance(ended, ConnectionLost), ended
+        assert stream.closed
+    finally:
+        _close(stream, far)
