@@ -9,15 +9,17 @@ own memory, the peer must send the rest of it whatever happens, so the socket
 may stay quiet until much of it is there: :class:`LowWater` sets the socket's
 ``SO_RCVLOWAT`` to what is due (at most :data:`MOST_BYTES`), and back to one
 byte between such parts, when the next bytes may be all the peer sends for a
-while. The mark never exceeds what is due, so it delays nothing: the last
-byte of the part makes the socket readable as it would have.
+while. The mark never exceeds what is due, so no part waits past its last
+byte: that byte makes the socket readable as it would have (the part's last
+receive is larger, and is copied after it arrived rather than as it arrives).
 
-The kernel reports the socket readable below the mark when its receive window
-is nearly closed or its memory is short, so a mark the buffer cannot hold
-never stalls the stream. A peer sending slower than the mark fills would keep
-its bytes out of sight of the owner's check for a stalled peer: after
-:data:`PATIENCE` seconds without progress the mark drops to one byte until
-the next receive.
+Linux reports a TCP socket readable below its mark when the receive window
+is nearly closed or memory is short, and at the end of the stream, so a mark
+the buffer cannot hold never stalls the stream; elsewhere, where a
+non-blocking receive below the mark may find nothing, the mark is left
+alone. A peer sending slower than the mark fills would keep its bytes out of
+sight of the owner's check for a stalled peer: after :data:`PATIENCE`
+seconds without progress the mark drops to one byte until the next receive.
 
 Threading: a :class:`LowWater` belongs to the loop's thread (``rpcdl-loop``,
 :mod:`rpcdl.transport.event_loop`), which reads its socket; its state and its
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 from dataclasses import dataclass
 
 LEAST_BYTES = 64 * 1024  #: a part due below this size is received as it comes (the mark stays at one byte)
@@ -49,7 +52,7 @@ class _Raised:
 
 
 class _Off:
-    """Nothing is set any more: the platform refused ``SO_RCVLOWAT``, or the socket closed."""
+    """Nothing is set: not on Linux, the platform refused ``SO_RCVLOWAT``, or the socket closed."""
 
 
 _LOWERED = _Lowered()
@@ -72,7 +75,7 @@ class LowWater:
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         self._sock = sock
         self._loop = loop
-        self._state: _Lowered | _Raised | _Off = _LOWERED
+        self._state: _Lowered | _Raised | _Off = _LOWERED if sys.platform.startswith("linux") else _OFF
 
     @property
     def mark(self) -> int:
