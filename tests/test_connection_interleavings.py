@@ -289,3 +289,58 @@ def test_an_unexpected_frame_read_with_an_answer_delivers_the_answer_then_fails_
         with pytest.raises(ConnectionLost, match="sent an unexpected CALL frame"):
             second.wait()
         assert connection.closed
+
+
+def test_a_call_made_after_the_timer_was_set_for_an_answered_one_still_fails_on_time(worker):
+    # The ping arms the overdue timer for its deadline and is answered; the later call, made alone, does not ask
+    # the loop for a timer of its own: the first one finds nothing overdue and is set again for it.
+    address = worker.address
+    _opened(address)
+    rpcdl.ping(address, timeout=0.5)
+    _gate("stays")
+    started = time.monotonic()
+    late = rpcdl.rpc_async(address, gated, ("stays", 1), timeout=1.0)
+    with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 1s"):
+        late.wait()
+    assert 1.0 <= time.monotonic() - started < 3.0
+
+
+def test_a_call_sooner_than_the_timer_set_for_an_answered_one_fails_at_its_own_deadline(worker):
+    address = worker.address
+    _opened(address)
+    rpcdl.ping(address, timeout=15.0)  # the timer is set for 15 s from now, and stays so
+    _gate("sooner")
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"did not answer gated\(\) within 0.3s"):
+        rpcdl.rpc_sync(address, gated, ("sooner", 1), timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 2.0
+
+
+def test_overdue_calls_fail_on_time_while_threads_race_the_timer(worker, switching_often):
+    # Calls of every deadline, answered and overdue, made from several threads while the loop's timer fires:
+    # a call added while the timer resets is seen by it, or sets one of its own.
+    address = worker.address
+    _opened(address)
+    _gate("never")
+    late: list[str] = []
+
+    def calls(index: int) -> None:
+        for round_ in range(4):
+            rpcdl.ping(address, timeout=0.2 + 0.3 * ((index + round_) % 3))
+            timeout = 0.1 + 0.1 * ((index * 3 + round_) % 4)
+            started = time.monotonic()
+            try:
+                rpcdl.rpc_sync(address, gated, ("never", index), timeout=timeout)
+            except WorkerTimeout:
+                pass
+            took = time.monotonic() - started
+            if not timeout <= took < timeout + 1.5:
+                late.append(f"caller {index}, round {round_}: a call of {timeout:g}s failed after {took:.2f}s")
+
+    threads = [threading.Thread(target=calls, args=(i,), name=f"caller-{i}") for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert late == []
+    assert client.connection_to(address).status().pending == 0

@@ -38,10 +38,12 @@ def test_a_closed_connection_fails_calls_with_its_reason_and_error_type():
 def test_overdue_calls_are_removed_once_and_the_next_check_moves_on():
     calls = PendingCalls()
     soon, later = _call(timeout=1.0), _call(timeout=60.0)
-    assert calls.add(later)  # the first: a timer must be set
-    assert calls.add(soon)  # sooner than the first: the timer must move
-    assert not calls.add(_call(timeout=120.0)) and len(calls) == 3
-    assert calls.check_at == soon.deadline
+    calls.add(later)
+    assert calls.check_at == later.deadline  # the first: no call is overdue before it
+    calls.add(soon)
+    assert calls.check_at == soon.deadline  # sooner than the first: the check moves
+    calls.add(_call(timeout=120.0))
+    assert len(calls) == 3 and calls.check_at == soon.deadline
     assert calls.pop_overdue(soon.deadline - 0.5) == []
     assert calls.pop_overdue(soon.deadline) == [soon]
     assert calls.check_at == later.deadline and soon.call_id not in calls

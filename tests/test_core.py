@@ -24,7 +24,9 @@ import rpcdl
 import rpcdl.rpc.client
 from rpcdl.errors import RemoteError
 from rpcdl.processes import stop_process
+from rpcdl.rpc.calls import Call
 from rpcdl.rpc.dial import refusing
+from rpcdl.rpc.pool import connection_to
 from rpcdl.transport.handshake import MAGIC, VERSION
 from rpcdl.transport.wire import Frame, Kind
 
@@ -510,6 +512,27 @@ def test_fork_child_uses_its_own_connection(two_workers):
     os.close(read_end)
     os.waitpid(pid, 0)
     assert rpcdl.rpc_sync(address, min, (3, 4)) == 3
+
+
+def test_fork_child_refuses_its_parents_connection(two_workers):
+    address = two_workers[0]
+    assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
+    parents = connection_to(address)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            refused = not parents.submit(Kind.PING, Call(parents, 5.0, "a ping"))
+            own = connection_to(address)
+            ok = refused and own is not parents and rpcdl.rpc_sync(address, max, (1, 2), timeout=20) == 2
+            os.write(write_end, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    assert os.read(read_end, 1) == b"1"
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    assert connection_to(address) is parents and rpcdl.rpc_sync(address, min, (3, 4)) == 3
 
 
 def test_ping_and_stats(two_workers):

@@ -32,9 +32,16 @@ Threads and what each owns (the one statement of the connection's model):
   :class:`~rpcdl.rpc.state.PendingCalls` (a call is added before a byte of
   it is written, so its answer always finds it) and the calls submitted but
   not yet written by the loop (``_submitted``, with ``_posted``: whether the
-  loop was asked to take them and has not written them yet). A burst of such
-  calls costs the loop one wakeup: the first call of a burst posts the
-  callback that takes them all. No I/O and no user code run under the lock.
+  loop was asked to take them and has not written them yet), and the time
+  the loop's overdue timer is armed for (``_overdue_at``; ``inf`` when none
+  is), which a call reads to post the loop a sooner timer only when its
+  deadline comes first. A burst of such calls costs the loop one wakeup: the
+  first call of a burst posts the callback that takes them all. No I/O and
+  no user code run under the lock.
+* ``_this_process`` (module) marks the connections made in this process: a
+  forked child replaces it (a fork hook, before any other code of the child
+  runs), so its parent's connections refuse its calls without asking the
+  system for the process id on every call.
 * ``_releases`` is a lock-free queue (a :class:`collections.deque`): RRef
   finalizers append to it from any thread, at any allocation; whichever
   thread writes next sends what it holds, or the loop on its tick.
@@ -49,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import ssl
 import threading
 import time
@@ -59,6 +65,7 @@ from typing import Any
 
 import torch
 
+from .._lifecycle import in_forked_child
 from ..address import parse_address
 from ..errors import (
     AuthenticationError,
@@ -140,17 +147,17 @@ class Connection:
         self._limits = Limits()
         self._asked_compression = resolve_mode()  # RPCDL_COMPRESSION; "on" without lz4 raises here
         self._offers_shm = shm.resolve_bytes() > 0  # RPCDL_SHM_BYTES=0 turns shared memory off
-        self._pid = os.getpid()
+        self._process = _this_process  # whose connection this is (a forked child refuses it)
         self._loop = process_loop()  # this process's (a forked child's connections are new ones)
         self._releases: collections.deque[int] = collections.deque()  # a lock-free queue (see the module)
         self._lock = threading.Lock()
         self._state: Connecting | Open | Closed = Connecting(time.monotonic() + timeout)
         self._submitted: list[tuple[Frame, Call, threading.Event | None]] = []
         self._posted = False
-        # The loop's own:
         self._calls = PendingCalls()
-        self._overdue_timer: asyncio.TimerHandle | None = None
         self._overdue_at = float("inf")
+        # The loop's own:
+        self._overdue_timer: asyncio.TimerHandle | None = None
         self._tick: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
@@ -208,7 +215,7 @@ class Connection:
             (make it on a new one). A call made once the worker said it is leaving fails at once with
             :class:`~rpcdl.errors.WorkerLeaving` (made).
         """
-        if os.getpid() != self._pid:
+        if self._process is not _this_process:
             return False
         frame = Frame(kind, call.call_id, ref, payload, buffers if type(buffers) is list else list(buffers), flags)
         written = None
@@ -225,7 +232,8 @@ class Connection:
                 if isinstance(state, Leaving):
                     break
                 if self._writes_directly():
-                    direct, sooner = True, self._calls.add(call)  # before a byte is sent: the answer finds it
+                    self._calls.add(call)  # before a byte is sent: the answer finds it
+                    direct, sooner = True, call.deadline < self._overdue_at
                 elif prepared:
                     self._submitted.append((frame, call, written))
                     post, self._posted = not self._posted, True
@@ -270,7 +278,7 @@ class Connection:
                 return
             self._state = closed = Closed(reason, error_type)
             submitted, self._submitted = self._submitted, []
-        if os.getpid() != self._pid:
+        if self._process is not _this_process:
             return  # a forked child: the parent's loop and socket are not its own
         if in_loop_thread():
             self._finish(state, closed, submitted)
@@ -297,7 +305,8 @@ class Connection:
             state = self._state
             if not isinstance(state, Closed):
                 for _, call, _ in submitted:
-                    sooner |= self._calls.add(call)
+                    self._calls.add(call)
+                    sooner |= call.deadline < self._overdue_at
         if not submitted:
             return
         if isinstance(state, Closed):  # closed meanwhile (close() failed what it found)
@@ -495,17 +504,22 @@ class Connection:
         """Make the loop look for overdue calls at the earliest deadline."""
         with self._lock:
             when = self._calls.check_at
-        if when >= self._overdue_at:
-            return
+            if when >= self._overdue_at:
+                return
+            self._overdue_at = when
         if self._overdue_timer is not None:
             self._overdue_timer.cancel()
-        self._overdue_at = when
         delay = max(0.0, when - time.monotonic()) + 0.0005
         self._overdue_timer = asyncio.get_running_loop().call_later(delay, self._on_overdue_timer)
 
     def _on_overdue_timer(self) -> None:
+        # A call adds itself and compares its deadline with _overdue_at under the lock, which posts a sooner
+        # timer only when it comes first. Added before _overdue_at becomes inf here, a later one is seen by
+        # the look for later calls below, which takes the lock after it; added after, it compares with inf
+        # and posts. Either way a timer is armed at or before its deadline.
         self._overdue_timer = None
-        self._overdue_at = float("inf")
+        with self._lock:
+            self._overdue_at = float("inf")
         self._expire()
         with self._lock:
             later = self._calls.check_at != float("inf")
@@ -573,6 +587,17 @@ class Connection:
         finally:
             if finished is not None:
                 finished.set()
+
+
+_this_process = object()  # stands for this process: replaced in a forked child (see the module)
+
+
+def _after_fork_in_child() -> None:
+    global _this_process
+    _this_process = object()
+
+
+in_forked_child(_after_fork_in_child)
 
 
 def _written_by_caller(state: Connecting | Open | Closed) -> bool:

@@ -166,13 +166,11 @@ class PendingCalls:
         """The latest deadline of a pending call (``-inf`` with none pending)."""
         return max((call.deadline for call in self._calls.values()), default=-math.inf)
 
-    def add(self, call: Call) -> bool:
-        """Add ``call``; return whether it is now the first that may be overdue (a timer must be set sooner)."""
+    def add(self, call: Call) -> None:
+        """Add ``call``, and its deadline to :attr:`check_at` when it comes first."""
         self._calls[call.call_id] = call
         if call.deadline < self._check_at:
             self._check_at = call.deadline
-            return True
-        return False
 
     def pop(self, call_id: int) -> Call | None:
         """Remove and return the call of that id (answered), or ``None`` if it is not pending."""

@@ -28,7 +28,10 @@ Who owns what:
   socket is watched for room (:class:`Room`): the loop's thread, alone;
 * the session's :class:`SessionState`, the outbox, the bytes it holds and
   who writes next (:class:`Writer`): the session's lock (``_lock``), for every
-  read and write; the writing side of the socket belongs to the thread
+  write and every read, except that :attr:`ClientConnection.closed` and
+  :attr:`ClientConnection.serving` read the state without it: the state only
+  moves forward (SERVING -> DRAINING -> CLOSED), so a state read alone is as
+  true as one read under the lock and returned after it is let go; the writing side of the socket belongs to the thread
   holding that lock while the writer is ``DIRECT``, to the loop while it is
   ``LOOP``. A thread posting an answer while the
   outbox holds more than :data:`OUTBOX_BYTES` waits on ``_room``, a condition
@@ -167,15 +170,13 @@ class ClientConnection:
 
     @property
     def closed(self) -> bool:
-        """Whether the connection is closed."""
-        with self._lock:
-            return self._state is SessionState.CLOSED
+        """Whether the connection is closed (for good: a ``True`` stays true)."""
+        return self._state is SessionState.CLOSED  # one read of a state that only moves forward: no lock
 
     @property
     def serving(self) -> bool:
-        """Whether calls arriving are run (not draining, not closed)."""
-        with self._lock:
-            return self._state is SessionState.SERVING
+        """Whether calls arriving are run (not draining, not closed; a ``False`` stays false)."""
+        return self._state is SessionState.SERVING  # as closed
 
     def start(self) -> None:
         """Have the loop read the connection (callable from any thread)."""
