@@ -109,6 +109,32 @@ def test_a_call_run_at_once_counts_against_its_client_too():
     assert queue.usage("inline") == pytest.approx(0.05)
 
 
+def test_a_call_that_passes_through_an_empty_queue_counts_as_one_pushed_and_popped():
+    passed: FairQueue[str, int] = FairQueue()
+    queued: FairQueue[str, int] = FairQueue()
+    for call in range(100):  # a keeps the worker busy alone: its calls run at once (see Slots.enqueue)
+        passed.pass_through("a")
+        queued.push("a", call)
+        assert queued.pop() == ("a", call)
+        for queue in (passed, queued):
+            queue.charge("a", 0.01)
+    for queue in (passed, queued):
+        for call in range(20):
+            queue.push("a", call)
+            queue.push("c", call)
+    taken: list[list[str]] = [[], []]
+    for queue, clients in zip((passed, queued), taken, strict=True):
+        for _ in range(20):
+            client, _ = queue.pop()
+            queue.charge(client, 0.01)
+            clients.append(client)
+    # c, idle meanwhile, starts at a's usage: a second banked would give it 20 calls in a row
+    assert taken[0] == taken[1] and 9 <= taken[0].count("c") <= 11
+    assert passed.usage("a") == pytest.approx(queued.usage("a"))
+    with pytest.raises(ValueError, match="push it behind the queued ones"):
+        passed.pass_through("c")
+
+
 def test_time_shares_count_each_clients_time_and_keep_the_clients_served_last():
     shares = TimeShares(capacity=2)
     shares.add("a:1", 0.5, contended=False)

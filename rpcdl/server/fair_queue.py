@@ -117,6 +117,23 @@ class FairQueue(Generic[_Client, _Item]):
                 heap.clear()  # only stale entries are left
         return client, item
 
+    def pass_through(self, client: _Client) -> None:
+        """Note that an item of ``client`` runs at once, nothing being queued: what :meth:`push` then
+        :meth:`pop` would do to the usages and the floor, without queueing it.
+
+        Args:
+            client: who sent the item.
+
+        Raises:
+            ValueError: items are queued (they go first: :meth:`push` the item).
+        """
+        if self._count:
+            raise ValueError("an item passes through only an empty FairQueue: push it behind the queued ones")
+        used = self._used.get(client, 0.0)
+        if used < self._floor:
+            used = self._used[client] = self._floor  # starts at the floor, as a client that starts waiting does
+        self._floor = used
+
     def charge(self, client: _Client, seconds: float) -> None:
         """Count ``seconds`` of the worker's time against ``client`` (a call of its, run just now).
 

@@ -4,7 +4,12 @@ Threading: the slots' lock guards every access to the count of slots taken,
 the queue, the :class:`SlotsState` and the executors parked; an executor
 with nothing to run parks on a lock of its own (held, so that it blocks),
 and whoever queues a call it may run hands it that lock, released: one
-C-level wake, no condition's waiter list. Calls arrive from the process loop,
+C-level wake, no condition's waiter list. A call that arrives while nothing
+is queued and an executor is parked does not queue: the loop takes the
+executor off the parked list and a slot for it, under the slots' lock, and
+hands it the call in its :class:`_Parked` record (``call``), which the
+executor reads once its lock is released: that lock orders the write before
+the read, and nobody else touches the record meanwhile. Calls arrive from the process loop,
 which reads them (:meth:`Slots.enqueue`, see :mod:`rpcdl.server.session`), and
 run only on the ``parallel`` executor threads (``rpcdl-executor-N``): user
 code never runs on the loop. A thread whose call is done runs the next queued
@@ -48,6 +53,17 @@ class SlotsState(enum.Enum):
     STOPPED = "stopped"  #: executors gone; queued calls stay unanswered (their connections are closed)
 
 
+class _Parked:
+    """An executor waiting for a call: the lock it blocks on, and the call handed to it, if any."""
+
+    __slots__ = ("call", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()  # held: acquiring it again blocks until whoever takes this record releases it
+        self.call: tuple[Session, Frame] | None = None  # handed with a slot taken for it (see the module)
+
+
 class Slots:
     """``parallel`` slots and the fair queue in front of them (a line per client, equal shares of time).
 
@@ -62,7 +78,7 @@ class Slots:
         self._execute = execute
         self._store = store
         self._lock = threading.Lock()  # alone where nobody waits: see ClientConnection's
-        self._parked: list[threading.Lock] = []  # executors waiting for a call they may run (or a stop)
+        self._parked: list[_Parked] = []  # executors waiting for a call they may run (or a stop)
         self._queue: FairQueue[Session, Frame] = FairQueue()
         self._shares = TimeShares()
         self._running = 0
@@ -87,7 +103,7 @@ class Slots:
             self._state = SlotsState.STOPPED
             parked, self._parked = self._parked, []
         for park in parked:
-            park.release()
+            park.lock.release()
         if started:
             for thread in self._threads:
                 thread.join(timeout=timeout)
@@ -95,10 +111,15 @@ class Slots:
     def enqueue(self, session: Session, frame: Frame) -> None:
         """Queue a call of ``session`` for a free slot, after that session's other queued calls."""
         with self._lock:
-            self._queue.push(session, frame)
             park = self._parked.pop() if self._running < self.parallel and self._parked else None
+            if park is not None and not self._queue:  # nobody waits: the parked executor runs it, unqueued
+                self._queue.pass_through(session)
+                self._running += 1
+                park.call = (session, frame)
+            else:
+                self._queue.push(session, frame)
         if park is not None:  # else whoever frees a slot takes it, or an executor not parked yet finds it
-            park.release()
+            park.lock.release()
 
     def time_shares(self) -> dict[str, TimeShare]:
         """The worker time each client got, by client address (see :mod:`rpcdl.server.time_shares`).
@@ -152,7 +173,7 @@ class Slots:
                         if large and self._queue and self._parked:
                             park = self._parked.pop()
                 if park is not None:
-                    park.release()
+                    park.lock.release()
             # a quick call's answer waits for the next of the same client, run next here: one system call for both
             session.send(
                 answer, answers_call=True, hold=queued is not None and queued[0] is session and ran < QUICK_CALL
@@ -167,8 +188,7 @@ class Slots:
         return Frame(Kind.REJECTED, frame.call_id, payload=encode_rejected("the client disconnected"))
 
     def _executor(self) -> None:
-        park = threading.Lock()
-        park.acquire()  # held: acquiring it again blocks until a caller releases it
+        park = _Parked()
         while True:
             with self._lock:
                 if self._state is not SlotsState.OPEN:
@@ -182,5 +202,8 @@ class Slots:
                     self._parked.append(park)
             if runnable:
                 self.run(session, frame, contended=contended)
-            else:
-                park.acquire()  # released by enqueue(), a freed slot or stop(), which took it off _parked
+                continue
+            park.lock.acquire()  # released by enqueue(), a freed slot or stop(), which took it off _parked
+            handed, park.call = park.call, None
+            if handed is not None:  # nothing else was queued: no other client waited
+                self.run(*handed, contended=False)
