@@ -84,9 +84,16 @@ class CallFuture(torch.futures.Future):
         with self._lock:
             self._answer = (frame, decode)
             taken = self._taken
+            if taken:  # arrived at once, in the same hold of the lock: the thread that takes it unpickles it
+                self._arrived = True
+                hooks, self._hooks = self._hooks, []
         if not taken:
             self._decode()
-        self._arrive()
+            self._arrive()
+            return
+        self._pending.release()
+        for hook in hooks:
+            hook(self)
 
     # ------------------------------------------------------------------ for the caller's threads
 
