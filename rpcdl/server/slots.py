@@ -141,7 +141,7 @@ class Slots:
         with self._lock:
             return self._shares.snapshot()
 
-    def run(self, session: Session, frame: Frame, *, contended: bool = False) -> None:
+    def run(self, session: Session, frame: Frame, *, contended: bool = False, park: _Parked | None = None) -> bool:
         """Run a call in a slot already taken, then the queued calls while there are any; answer each.
 
         A large answer takes a while to send: its slot goes to the next queued
@@ -151,7 +151,13 @@ class Slots:
             session: the session of the call.
             frame: the call.
             contended: whether the call was taken from the queue while another client had a call waiting.
+            park: the record of the executor running it, which parks there when nothing is left queued, in the
+                same hold of the lock that frees its slot (it then waits on that record's lock).
+
+        Returns:
+            Whether the executor was parked (a call handed to it meanwhile waits in ``park``).
         """
+        parked = False
         while True:
             queued = answer = None
             started = perf_counter()
@@ -159,7 +165,7 @@ class Slots:
                 # a closed session has nobody to answer: its calls are not run
                 answer = self._refuse(frame) if session.closed else self._execute(session, frame)
             finally:
-                park = None
+                woken = None
                 large = answer is not None and bool(answer.buffers) and answer.buffer_bytes >= LARGE_ANSWER
                 ran = perf_counter() - started
                 with self._lock:
@@ -171,15 +177,18 @@ class Slots:
                     else:
                         self._running -= 1
                         if large and self._queue and self._parked:
-                            park = self._parked.pop()
-                if park is not None:
-                    park.lock.release()
+                            woken = self._parked.pop()
+                        elif park is not None and not self._queue and self._state is SlotsState.OPEN:
+                            self._parked.append(park)  # takes what comes while its answer goes out
+                            parked = True
+                if woken is not None:
+                    woken.lock.release()
             # a quick call's answer waits for the next of the same client, run next here: one system call for both
             session.send(
                 answer, answers_call=True, hold=queued is not None and queued[0] is session and ran < QUICK_CALL
             )
             if queued is None:
-                return
+                return parked
             session, frame = queued
 
     def _refuse(self, frame: Frame) -> Frame:
@@ -189,21 +198,23 @@ class Slots:
 
     def _executor(self) -> None:
         park = _Parked()
+        parked = False  # by run(), as it freed its slot
         while True:
-            with self._lock:
-                if self._state is not SlotsState.OPEN:
-                    return
-                runnable = bool(self._queue) and self._running < self.parallel
+            if not parked:
+                with self._lock:
+                    if self._state is not SlotsState.OPEN:
+                        return
+                    runnable = bool(self._queue) and self._running < self.parallel
+                    if runnable:
+                        contended = self._queue.clients() > 1
+                        session, frame = self._queue.pop()
+                        self._running += 1
+                    else:
+                        self._parked.append(park)
                 if runnable:
-                    contended = self._queue.clients() > 1
-                    session, frame = self._queue.pop()
-                    self._running += 1
-                else:
-                    self._parked.append(park)
-            if runnable:
-                self.run(session, frame, contended=contended)
-                continue
+                    parked = self.run(session, frame, contended=contended, park=park)
+                    continue
             park.lock.acquire()  # released by enqueue(), a freed slot or stop(), which took it off _parked
             handed, park.call = park.call, None
-            if handed is not None:  # nothing else was queued: no other client waited
-                self.run(*handed, contended=False)
+            # handed: nothing else was queued, so no other client waited
+            parked = handed is not None and self.run(*handed, contended=False, park=park)
