@@ -116,3 +116,23 @@ def test_a_rebuilt_tensor_shares_the_received_memory():
 
 def test_none_is_pickled_as_the_pickler_does():
     assert dumps_answer(None) == dumps(None) and loads(*dumps_answer(None)) is None
+
+
+NO_TENSOR = {
+    "a chunk's answer": (list(range(1000, 1045)), 0.0123, 45),
+    "numbers and strings, nested": {"a": [1, "x", None, b"q"], "b": (2.5, [True, (-(2**70),)]), 3: {}},
+    "deeper than the look": [[[[[1]]]]],
+    "a list inside itself": (lambda inner: (inner.append(inner), inner)[1])([1]),
+    "a tensor deep inside": [1, [2, (3, _I)]],
+    "over a frame": (["x" * 70000], 1),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_TENSOR))
+def test_an_answer_without_tensors_is_pickled_as_the_pickler_does(name):
+    answer = NO_TENSOR[name]
+    payload, buffers = dumps(answer)
+    written, written_buffers = dumps_answer(answer)
+    assert written == payload
+    assert [bytes(b) for b in written_buffers] == [bytes(b) for b in buffers]
+    assert repr(loads(written, written_buffers)) == repr(answer)

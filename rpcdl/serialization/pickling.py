@@ -226,12 +226,45 @@ _MAYBE_PLAIN = frozenset({torch.Tensor, StackedSamples, tuple, list, dict})
 _NONE_PAYLOAD = pickle.dumps(None, protocol=PROTOCOL)
 
 
+_ATOMS = frozenset({type(None), bool, int, float, str, bytes})  # the pickler writes them without a reducer
+_CONTAINERS = frozenset({tuple, list, dict})
+_ATOMS_OR_CONTAINERS = _ATOMS | _CONTAINERS
+_CONTAINERS_DEEP = 3  # how deep :func:`_atoms_only` looks
+
+
+def _atoms_only(obj: tuple | list | dict, depth: int = _CONTAINERS_DEEP) -> bool:
+    """Whether the container ``obj`` holds numbers, strings, bytes and ``None``, in containers ``depth`` deep.
+
+    The pickler writes such an object in C without calling back into Python
+    (its reducer is asked only for other types), so :func:`pickle.dumps`
+    writes the bytes :func:`dumps` would, faster than the plain writer.
+    """
+    items = [*obj, *obj.values()] if type(obj) is dict else obj
+    kinds = set(map(type, items))  # one pass in C
+    if kinds <= _ATOMS:
+        return True
+    if depth == 0 or not kinds <= _ATOMS_OR_CONTAINERS:
+        return False
+    containers = _CONTAINERS
+    return all(_atoms_only(item, depth - 1) for item in items if type(item) in containers)
+
+
 def dumps_answer(obj: Any) -> tuple[bytes, list[memoryview]]:
     """:func:`dumps` for a call's answer: the same bytes, written directly when the answer is plain
-    (tensors, and tuples, lists and dicts of them and of numbers: see :mod:`rpcdl.serialization.plain_pickle`)."""
+    (tensors, and tuples, lists and dicts of them and of numbers: see :mod:`rpcdl.serialization.plain_pickle`),
+    or by :func:`pickle.dumps` when it holds no tensor (numbers and strings in containers: a chunk's values).
+
+    Example::
+
+        >>> dumps_answer(([1, 2], 0.5, 16)) == dumps(([1, 2], 0.5, 16))
+        True
+    """
     if obj is None:  # a call run for its effect, or whose result stays on the worker under an RRef
         return _NONE_PAYLOAD, []
-    if type(obj) in _MAYBE_PLAIN:
+    kind = type(obj)
+    if kind in _MAYBE_PLAIN:
+        if kind in _CONTAINERS and _atoms_only(obj):
+            return pickle.dumps(obj, protocol=PROTOCOL), []
         written = _plain_pickles.dumps(obj)
         if written is not None:
             return written
