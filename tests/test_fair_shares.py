@@ -191,6 +191,40 @@ def test_the_slots_count_a_call_as_contended_when_another_client_waited_as_it_wa
     assert shares["a:1"].busy > 0
 
 
+def test_calls_racing_the_parked_executors_each_run_once(switching_often):
+    # Calls arrive while executors park, free their slots and take calls handed to them: each runs once.
+    ran: list[int] = []
+
+    def execute(session: _Session, frame: Frame) -> Frame:
+        ran.append(frame.call_id)
+        return Frame(Kind.RESULT, frame.call_id)
+
+    slots = Slots(2, execute, RRefStore())
+    slots.start()
+    sessions = [_Session(f"c:{i}") for i in range(4)]
+
+    def calls(index: int) -> None:
+        for k in range(150):
+            slots.enqueue(sessions[index], Frame(Kind.CALL, index * 1000 + k))
+            if k % 7 == 0:
+                time.sleep(0.0005)  # now and then the executors run dry and park
+
+    threads = [threading.Thread(target=calls, args=(i,), name=f"enqueuer-{i}") for i in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        for session in sessions:
+            for _ in range(150):
+                assert session.answers.acquire(timeout=10.0), f"{session.peer}: a call never ran"
+        shares = slots.time_shares()
+    finally:
+        slots.stop(timeout=5.0)
+    assert sorted(ran) == sorted(i * 1000 + k for i in range(4) for k in range(150))
+    assert {peer: share.calls for peer, share in shares.items()} == {f"c:{i}": 150 for i in range(4)}
+
+
 @pytest.mark.parametrize(("workers", "parallel"), [(1, 1), (2, 2)])
 def test_a_greedy_client_and_a_modest_one_get_throughputs_within_20_percent(spawn_workers, workers, parallel):
     addresses = spawn_workers(workers, parallel=parallel)
