@@ -31,13 +31,13 @@ Who owns what:
   write and every read, except that :attr:`ClientConnection.closed` and
   :attr:`ClientConnection.serving` read the state without it: the state only
   moves forward (SERVING -> DRAINING -> CLOSED), so a state read alone is as
-  true as one read under the lock and returned after it is let go; the writing side of the socket belongs to the thread
-  holding that lock while the writer is ``DIRECT``, to the loop while it is
-  ``LOOP``. A thread posting an answer while the
-  outbox holds more than :data:`OUTBOX_BYTES` waits on ``_room``, a condition
-  of that lock, for the loop to write it out (up to the worker's ``timeout``,
-  then the connection is closed: a client that does not read holds no more
-  than that). The loop never waits there.
+  true as one read under the lock and returned after it is let go; the
+  writing side of the socket belongs to the thread holding that lock while
+  the writer is ``DIRECT``, to the loop while it is ``LOOP``. A thread
+  posting an answer while the outbox holds more than :data:`OUTBOX_BYTES`
+  waits on ``_room``, a condition of that lock, for the loop to write it out
+  (up to the worker's ``timeout``, then the connection is closed: a client
+  that does not read holds no more than that). The loop never waits there.
 
 Any thread may close a session (:meth:`ClientConnection.close`); the socket is
 closed on the loop.

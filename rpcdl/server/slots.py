@@ -9,10 +9,10 @@ is queued and an executor is parked does not queue: the loop takes the
 executor off the parked list and a slot for it, under the slots' lock, and
 hands it the call in its :class:`_Parked` record (``call``), which the
 executor reads once its lock is released: that lock orders the write before
-the read, and nobody else touches the record meanwhile. Calls arrive from the process loop,
-which reads them (:meth:`Slots.enqueue`, see :mod:`rpcdl.server.session`), and
-run only on the ``parallel`` executor threads (``rpcdl-executor-N``): user
-code never runs on the loop. A thread whose call is done runs the next queued
+the read, and nobody else touches the record meanwhile. Calls arrive from
+the process loop, which reads them (:meth:`Slots.enqueue`, see
+:mod:`rpcdl.server.session`), and run only on the ``parallel`` executor
+threads (``rpcdl-executor-N``): user code never runs on the loop. A thread whose call is done runs the next queued
 call in the same slot if there is one (no thread switch per call), else frees
 the slot; it frees the slot before posting a large answer, so the next call
 runs meanwhile. The queue is fair by time
