@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import helpers
@@ -496,21 +497,27 @@ def test_sigterm_lets_the_running_call_finish(tmp_path):
     stop_process(process, grace=30)
 
 
-def test_fork_child_uses_its_own_connection(two_workers):
-    address = two_workers[0]
-    assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
+def _in_a_forked_child(check: Callable[[], bool]) -> bool:
+    """Whether ``check()`` holds when run in a child forked now (which exits at once after)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
         try:
-            ok = rpcdl.rpc_sync(address, max, (1, 2), timeout=20) == 2
-            os.write(write_end, b"1" if ok else b"0")
+            os.write(write_end, b"1" if check() else b"0")
         finally:
             os._exit(0)
     os.close(write_end)
-    assert os.read(read_end, 1) == b"1"
-    os.close(read_end)
-    os.waitpid(pid, 0)
+    try:
+        return os.read(read_end, 1) == b"1"
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+
+
+def test_fork_child_uses_its_own_connection(two_workers):
+    address = two_workers[0]
+    assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
+    assert _in_a_forked_child(lambda: rpcdl.rpc_sync(address, max, (1, 2), timeout=20) == 2)
     assert rpcdl.rpc_sync(address, min, (3, 4)) == 3
 
 
@@ -518,20 +525,13 @@ def test_fork_child_refuses_its_parents_connection(two_workers):
     address = two_workers[0]
     assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
     parents = connection_to(address)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        try:
-            refused = not parents.submit(Kind.PING, Call(parents, 5.0, "a ping"))
-            own = connection_to(address)
-            ok = refused and own is not parents and rpcdl.rpc_sync(address, max, (1, 2), timeout=20) == 2
-            os.write(write_end, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    assert os.read(read_end, 1) == b"1"
-    os.close(read_end)
-    os.waitpid(pid, 0)
+
+    def refused_and_reconnected() -> bool:
+        refused = not parents.submit(Kind.PING, Call(parents, 5.0, "a ping"))
+        own = connection_to(address)
+        return refused and own is not parents and rpcdl.rpc_sync(address, max, (1, 2), timeout=20) == 2
+
+    assert _in_a_forked_child(refused_and_reconnected)
     assert connection_to(address) is parents and rpcdl.rpc_sync(address, min, (3, 4)) == 3
 
 
