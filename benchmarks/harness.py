@@ -126,6 +126,18 @@ def load_average() -> list[float] | None:
         return None
 
 
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads), from ``/proc`` (Linux).
+
+    Example::
+
+        >>> process_cpu(os.getpid()) >= 0.0
+        True
+    """
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def machine() -> dict[str, Any]:
     """The machine a run measured and its load now: CPUs, Python, torch's version, the load average.
 

@@ -49,14 +49,6 @@ from rpcdl.cli.bench.workloads import LENGTH, noop
 from rpcdl.local import child_environment
 from rpcdl.processes import stop_process
 
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from ``/proc``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
 
 class _Frames(asyncio.BufferedProtocol):
     """Receives length-prefixed frames into one buffer and hands each to ``deliver`` (on the loop)."""
@@ -209,13 +201,13 @@ class Rpcdl:
 
 def measure(system, calls: int) -> dict[str, float]:
     """``calls`` round trips: their median and p99 in us, and each side's CPU per call in us."""
-    client, server = process_cpu(os.getpid()), process_cpu(system.pid)
+    client, server = harness.process_cpu(os.getpid()), harness.process_cpu(system.pid)
     times = []
     for _ in range(calls):
         started = time.perf_counter()
         system.call()
         times.append(time.perf_counter() - started)
-    client, server = process_cpu(os.getpid()) - client, process_cpu(system.pid) - server
+    client, server = harness.process_cpu(os.getpid()) - client, harness.process_cpu(system.pid) - server
     times.sort()
     return {
         "p50_us": times[len(times) // 2] * 1e6,

@@ -32,14 +32,6 @@ import rpcdl
 import rpcdl.data.chunked_pass
 from rpcdl.cli.bench.workloads import increment
 
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from ``/proc``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
 
 def children(pid: int) -> list[int]:
     """The processes ``pid`` started (the local workers)."""
@@ -85,11 +77,11 @@ def main() -> None:
 
         def one_round() -> dict[str, float]:
             log.sizes.clear()
-            client, worker = process_cpu(os.getpid()), sum(process_cpu(kid) for kid in kids)
+            client, worker = harness.process_cpu(os.getpid()), sum(harness.process_cpu(kid) for kid in kids)
             for _ in range(args.items):
                 next(node)
-            client = process_cpu(os.getpid()) - client
-            worker = sum(process_cpu(kid) for kid in kids) - worker
+            client = harness.process_cpu(os.getpid()) - client
+            worker = sum(harness.process_cpu(kid) for kid in kids) - worker
             calls = max(1, len(log.sizes))
             return {
                 "client_us_per_item": client / args.items * 1e6,
