@@ -8,7 +8,9 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
+import rpcdl
 from rpcdl.errors import ConnectionLost, FrameTooLarge, ProtocolError
 from rpcdl.transport import event_loop
 from rpcdl.transport.frame_protocol import FrameProtocol
@@ -172,3 +174,147 @@ def test_on_the_loop_over_a_real_socket_and_a_peer_that_stops_mid_frame():
     assert sink.done.wait(10)
     check(sink.frames, sent)
     assert isinstance(sink.ended[0], ConnectionLost)
+
+
+# ---------------------------------------------------------------------------- runs of small buffers
+
+
+class CountingAllocate:
+    """``allocate`` that records each call and hands out fresh numpy memory, as a connection's does."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def __call__(self, call_id: int, size: int) -> np.ndarray:
+        self.sizes.append(size)
+        return np.empty(size, np.uint8)
+
+
+def chunk_of_batches(count: int = 14) -> Frame:
+    """A loader's chunk answer: ``count`` batches of 32 x float32[128] (16 KiB each)."""
+    rng = np.random.default_rng(1)
+    batches = [rng.standard_normal((32, 128), dtype=np.float32) for _ in range(count)]
+    return Frame(Kind.RESULT, 21, 0, b"chunk", [b.reshape(-1).view(np.uint8) for b in batches])
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 70_000, 1 << 30])
+def test_a_run_of_small_buffers_is_one_allocation_and_each_buffer_a_view_of_it(piece):
+    sent = chunk_of_batches()
+    allocate = CountingAllocate()
+    sink = Sink()
+    protocol = FrameProtocol(sink, Limits(), allocate=allocate)
+    feed(protocol, wire(sent, Frame(Kind.PONG, 3)), piece)
+    check(sink.frames, [sent, Frame(Kind.PONG, 3)])
+    assert allocate.sizes == [14 * 16384]  # one block, not one allocation per buffer
+    got = sink.frames[0].buffers
+    assert all(type(b) is np.ndarray and b.dtype == np.uint8 for b in got)
+    starts = [b.__array_interface__["data"][0] for b in got]
+    assert [s - starts[0] for s in starts] == [i * 16384 for i in range(14)]  # back to back in one block
+    assert protocol.idle
+
+
+def mixed_frame() -> tuple[Frame, list[int]]:
+    """Buffers of every kind a socket frame carries, and the allocations a receiver makes for them."""
+    rng = np.random.default_rng(2)
+
+    def some(size: int) -> bytes:
+        return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+
+    sizes = [16, 32, 0, 48, 5, 7, 0, 64, 70_000, 16, 16, 60_000] + [60_000] * 17 + [3]
+    buffers = [some(size) for size in sizes]
+    runs = [
+        16 + 32 + 0 + 48 + 5,  # the 5-byte one ends it: the next would start unaligned
+        7,  # a run of one (the zero-size one behind it is at 7, unaligned)
+        0 + 64,  # the large buffer after it stands alone
+        70_000,
+        16 + 16 + 60_000 * 17,  # the next 60 KB would pass buffers.MIN_BYTES
+        60_000 + 3,
+    ]
+    return Frame(Kind.RESULT, 8, 0, b"mixed", buffers), runs
+
+
+def test_mixed_runs_break_where_a_buffer_is_large_unaligned_or_would_pass_the_bound():
+    sent, runs = mixed_frame()
+    allocate = CountingAllocate()
+    sink = Sink()
+    feed(FrameProtocol(sink, Limits(), allocate=allocate), wire(sent), 5000)
+    check(sink.frames, [sent])
+    assert allocate.sizes == runs
+    assert all(b.__array_interface__["data"][0] % 16 == 0 for b in sink.frames[0].buffers)
+
+
+def test_any_split_of_a_frame_with_runs_gives_the_same_bytes():
+    sizes = [16, 0, 32, 3, 16, 0, 0, 8, 100, 0]
+    frames = [
+        Frame(Kind.RESULT, 5, 0, b"pp", [bytes([i]) * size for i, size in enumerate(sizes)]),
+        Frame(Kind.RESULT, 6, 0, b"", [b"", b""]),  # a run of nothing
+        Frame(Kind.PONG, 7),
+    ]
+    data = wire(*frames)
+    for at in range(len(data) + 1):
+        for allocate in (CountingAllocate(), lambda call_id, size: bytearray(size)):
+            sink = Sink()
+            protocol = FrameProtocol(sink, Limits(), allocate=allocate)
+            feed(protocol, data[:at], 1 << 30)
+            feed(protocol, data[at:], 1 << 30)
+            check(sink.frames, frames)
+            assert not sink.failed and protocol.idle
+
+
+def test_segment_and_compressed_buffers_end_runs():
+    lz4_block = pytest.importorskip("lz4.block")
+    segment = bytes(range(256)) * 4
+    in_segment = Frame(
+        Kind.RESULT,
+        4,
+        0,
+        b"p",
+        [b"a" * 16, b"b" * 16, segment[16:48], b"c" * 16, b"d" * 16],
+        IN_SEGMENT,
+        offsets=[NOT_IN_SEGMENT, NOT_IN_SEGMENT, 16, NOT_IN_SEGMENT, NOT_IN_SEGMENT],
+    )
+    allocate = CountingAllocate()
+    sink = Sink()
+    protocol = FrameProtocol(
+        sink, Limits(), allocate=allocate, segment=lambda c, offset, size: memoryview(segment)[offset : offset + size]
+    )
+    feed(protocol, wire(in_segment), 3)
+    check(sink.frames, [in_segment])
+    assert allocate.sizes == [32, 32]
+
+    data = bytes(range(256)) * 64
+    packed = lz4_block.compress(data, store_size=False)
+    raw = [b"e" * 16, b"f" * 16]
+    compressed = Frame(Kind.RESULT, 5, 0, b"q", [*raw, packed, *raw], COMPRESSED, decoded_sizes=[0, 0, len(data), 0, 0])
+    allocate = CountingAllocate()
+    sink = Sink()
+    feed(FrameProtocol(sink, Limits(), decompress=True, allocate=allocate), wire(compressed), 11)
+    assert allocate.sizes == [32, len(data), 32]
+    got = [bytes(memoryview(b).cast("B")) for b in sink.frames[0].buffers]
+    assert got == [*raw, data, *raw]
+
+
+def _placed(*tensors: torch.Tensor) -> list[tuple[int, bool]]:
+    """Where each tensor's bytes are, and whether they are pinned (run by the worker on its arguments)."""
+    return [(t.data_ptr(), t.is_pinned()) for t in tensors]
+
+
+def test_small_tensors_cross_a_worker_both_ways_whole_and_the_answers_back_to_back(two_workers):
+    sent = [torch.arange(32 * 128, dtype=torch.float32).reshape(32, 128) * (i + 1) for i in range(14)]
+    sent += [torch.tensor([1.5, -2.5], dtype=torch.float64), torch.arange(3, dtype=torch.int8), torch.zeros(0)]
+    got = rpcdl.rpc_sync(two_workers[0], list, (sent,))
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in sent]
+    assert all(torch.equal(a, b) for a, b in zip(got, sent, strict=True))
+    starts = [t.data_ptr() for t in got[:16]]  # the batches, the float64 and the int8 ones: one run
+    assert [s - starts[0] for s in starts] == [*(i * 16384 for i in range(15)), 14 * 16384 + 16]
+    assert all(t.data_ptr() % 16 == 0 for t in got if t.numel())
+
+    placed = rpcdl.rpc_sync(two_workers[0], _placed, tuple(sent[:14]))  # the worker's receiver makes runs too
+    assert [p - placed[0][0] for p, _ in placed] == [i * 16384 for i in range(14)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_a_run_received_for_a_pinned_call_is_pinned(two_workers):
+    sent = [torch.full((32, 128), float(i)) for i in range(14)]
+    got = rpcdl.rpc_sync(two_workers[0], list, (sent,), pin_memory=True)
+    assert all(t.is_pinned() for t in got) and all(torch.equal(a, b) for a, b in zip(got, sent, strict=True))

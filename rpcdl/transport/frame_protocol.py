@@ -18,7 +18,18 @@ so:
 * a large payload or out-of-band buffer is received straight into its final
   memory (``allocate``: pooled or pinned buffers), a payload above
   :data:`~rpcdl.transport.wire.GROWN_PAYLOAD_BYTES` into memory that grows with
-  the bytes that arrived, so a header alone costs nothing.
+  the bytes that arrived, so a header alone costs nothing;
+* a run of consecutive small plain buffers (each below :data:`DIRECT_BYTES`,
+  neither compressed nor in the segment, together below
+  :data:`~rpcdl.transport.buffers.MIN_BYTES`, so never from the pool) is one
+  part, on both sides: one ``allocate`` for all of it (so one question whether the call
+  wants pinned memory), one copy or receive, and each buffer is a view of
+  that block (a numpy slice where ``allocate`` gives a numpy array, so the
+  tensors rebuilt from them are numpy's fast path, pinned where the block is).
+  A buffer joins a run only where it starts :data:`RUN_ALIGN`-aligned in the
+  block, as aligned as memory of its own would be. The cost: a buffer kept
+  (a tensor the user holds) keeps its whole run's block alive, less than
+  :data:`~rpcdl.transport.buffers.MIN_BYTES`.
 
 Threading model: a protocol is driven by the one loop thread that owns its
 transport (``rpcdl-loop``, :mod:`rpcdl.transport.event_loop`): its fields are
@@ -38,8 +49,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..errors import ConnectionLost, FrameTooLarge, ProtocolError
-from . import compression
+from . import buffers, compression
 from .wire import (
     COMPRESSED,
     GROWN_PAYLOAD_BYTES,
@@ -55,6 +68,7 @@ from .wire import (
 _LAYOUT_FLAGS = COMPRESSED | IN_SEGMENT
 STAGING_BYTES = 256 * 1024  #: the staging buffer of a loop thread, shared by its connections
 DIRECT_BYTES = 64 * 1024  #: what is left of a payload or buffer from this size is received straight into it
+RUN_ALIGN = 16  #: a buffer joins a run where it starts at a multiple of this in the block (as malloc aligns)
 
 
 class FrameSink(Protocol):
@@ -74,8 +88,12 @@ class _Need(enum.Enum):
     TABLES = "tables"  #: the lengths, decoded sizes and offsets of the buffers
     PAYLOAD = "payload"
     BUFFER = "buffer"  #: an out-of-band buffer received into its own memory
+    RUN = "run"  #: consecutive small plain buffers received into one block, each a view of it
     PACKED = "packed"  #: an lz4-compressed buffer, into scratch memory
     FAILED = "failed"  #: the stream broke the protocol: what arrives is dropped
+
+
+_INTO_TARGET = frozenset({_Need.PAYLOAD, _Need.BUFFER, _Need.RUN, _Need.PACKED})  # parts with memory of their own
 
 
 class _Staging(threading.local):
@@ -136,7 +154,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         decompress: whether compressed frames are accepted (negotiated); otherwise one is a protocol error.
         segment: called with the call id, offset and size of each buffer in the shared segment; returns its
             memory. Without one, a frame with such buffers is a protocol error.
-        allocate: called with the call id and size of each out-of-band buffer; returns writable memory.
+        allocate: called with the call id and size of each out-of-band buffer, or of a run of small ones
+            (see the module); returns writable memory, a flat ``uint8`` numpy array for views that are arrays.
         leftover: bytes already received after the handshake: the start of the first frames.
 
     Example::
@@ -167,7 +186,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._target: Any = None  # the memory a payload or buffer is received into
         self._view: memoryview | None = None
         self._filled = 0  # bytes of the target received so far
-        self._index = 0  # the buffer being received
+        self._index = 0  # the buffer being received (the first of a run)
+        self._run_end = 0  # the index after a run's last buffer
         self._direct = False  # whether get_buffer handed out the target itself
         self._progress = time.monotonic()
         self.transport: asyncio.BaseTransport | None = None
@@ -188,7 +208,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         need = self._need
-        if need in (_Need.PAYLOAD, _Need.BUFFER, _Need.PACKED) and self._target is not None:
+        if need in _INTO_TARGET and self._target is not None:
             left = self._wanted - self._filled
             if left >= DIRECT_BYTES:
                 self._direct = True
@@ -245,11 +265,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Take ``data`` (received into the staging buffer) into the frames, part by part."""
         while data and self._need is not _Need.FAILED:
             need = self._need
-            if need is _Need.HEADER and not self._partial and len(data) >= HEADER.size:
-                header, data = data[: HEADER.size], data[HEADER.size :]
-                self._header(header)
-                continue
-            if need in (_Need.PAYLOAD, _Need.BUFFER, _Need.PACKED) and self._target is not None:
+            if need in _INTO_TARGET and self._target is not None:
                 take = min(len(data), self._wanted - self._filled)
                 if type(self._target) is mmap.mmap and self._filled == len(self._target):
                     self._grow()
@@ -260,21 +276,22 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 if self._filled == self._wanted:
                     self._part_done()
                 continue
-            take = min(len(data), self._wanted - len(self._partial))
-            if need is _Need.PAYLOAD and not self._partial and take == self._wanted:
-                part, data = data[:take], data[take:]  # the usual small frame: whole in the staging buffer
-                self._payload(bytes(part))
-                continue
-            self._partial += data[:take]
-            data = data[take:]
-            if len(self._partial) == self._wanted:
-                part, self._partial = bytes(self._partial), bytearray()
-                if need is _Need.HEADER:
-                    self._header(memoryview(part))
-                elif need is _Need.TABLES:
-                    self._tables(part)
-                else:
-                    self._payload(part)
+            wanted = self._wanted
+            if not self._partial and len(data) >= wanted:
+                part, data = data[:wanted], data[wanted:]  # the usual small frame: whole in the staging buffer
+            else:
+                take = min(len(data), wanted - len(self._partial))
+                self._partial += data[:take]
+                data = data[take:]
+                if len(self._partial) < wanted:
+                    continue
+                part, self._partial = memoryview(bytes(self._partial)), bytearray()
+            if need is _Need.HEADER:
+                self._header(part)
+            elif need is _Need.TABLES:
+                self._tables(part)
+            else:
+                self._payload(bytes(part))  # the staging buffer is overwritten by the next receive
 
     def _header(self, header: memoryview) -> None:
         number, flags, _, count, call_id, ref, payload_size = HEADER.unpack(header)
@@ -292,7 +309,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             frame.sizes = frame.decoded = frame.offsets = ()
             self._start_payload()
 
-    def _tables(self, raw: bytes) -> None:
+    def _tables(self, raw: memoryview) -> None:
         frame = self._frame
         count = frame.count
         values = struct.unpack(f"!{len(raw) // 8}Q", raw)
@@ -346,7 +363,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if decoded:
                 self._receive_into(_Need.PACKED, bytearray(size), size)
             else:
-                self._receive_into(_Need.BUFFER, self._allocate(frame.call_id, size), size)
+                end, total = self._run(frame)
+                if end - self._index > 1:
+                    self._run_end = end
+                    self._receive_into(_Need.RUN, self._allocate(frame.call_id, total), total)
+                    size = total
+                else:
+                    self._receive_into(_Need.BUFFER, self._allocate(frame.call_id, size), size)
             if size:
                 return
             self._part_done()
@@ -357,6 +380,31 @@ class FrameProtocol(asyncio.BufferedProtocol):
             Frame(frame.kind, frame.call_id, frame.ref, frame.payload, frame.buffers, frame.flags)
         )
 
+    def _run(self, frame: _Frame) -> tuple[int, int]:
+        """The end (an index) and the bytes of the run of small plain buffers from the current one."""
+        sizes, decoded, offsets = frame.sizes, frame.decoded, frame.offsets
+        end, total = self._index, 0
+        while (
+            end < frame.count
+            and sizes[end] < DIRECT_BYTES
+            and not decoded[end]
+            and offsets[end] == NOT_IN_SEGMENT
+            and total % RUN_ALIGN == 0
+            and total + sizes[end] < buffers.MIN_BYTES
+        ):
+            total += sizes[end]
+            end += 1
+        return end, total
+
+    def _run_views(self, block: Any) -> list[Any]:
+        """The buffers of the run just received into ``block``, each a view of its bytes."""
+        frame, at, views = self._frame, 0, []
+        flat = block if type(block) is np.ndarray and block.dtype == np.uint8 else memoryview(block).cast("B")
+        for size in frame.sizes[self._index : self._run_end]:
+            views.append(flat[at : at + size])
+            at += size
+        return views
+
     def _part_done(self) -> None:
         """The payload or buffer received into its own memory is whole."""
         need, target, frame = self._need, self._target, self._frame
@@ -364,6 +412,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._target = self._view = None
         if need is _Need.PAYLOAD:
             self._payload(memoryview(target) if type(target) is mmap.mmap else target)
+            return
+        if need is _Need.RUN:
+            frame.buffers.extend(self._run_views(target))
+            self._index = self._run_end
+            self._next_buffer()
             return
         if need is _Need.PACKED:
             buffer = self._allocate(frame.call_id, frame.decoded[self._index])
