@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import mmap
 import struct
 import threading
@@ -93,21 +94,21 @@ class _Need(enum.Enum):
     FAILED = "failed"  #: the stream broke the protocol: what arrives is dropped
 
 
-_INTO_TARGET = frozenset({_Need.PAYLOAD, _Need.BUFFER, _Need.RUN, _Need.PACKED})  # parts with memory of their own
+_INTO_TARGET = (_Need.PAYLOAD, _Need.BUFFER, _Need.RUN, _Need.PACKED)  # parts with memory of their own
 
 
 class _Staging(threading.local):
-    buffer: bytearray | None = None
+    view: memoryview | None = None  # of a bytearray that never changes size
 
 
 _staging = _Staging()
 
 
 def _staging_view() -> memoryview:
-    buffer = _staging.buffer
-    if buffer is None:
-        buffer = _staging.buffer = bytearray(STAGING_BYTES)
-    return memoryview(buffer)
+    view = _staging.view
+    if view is None:
+        view = _staging.view = memoryview(bytearray(STAGING_BYTES))
+    return view
 
 
 def _default_allocate(call_id: int, size: int) -> Any:
@@ -208,7 +209,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         need = self._need
-        if need in _INTO_TARGET and self._target is not None:
+        if self._target is not None and need in _INTO_TARGET:
             left = self._wanted - self._filled
             if left >= DIRECT_BYTES:
                 self._direct = True
@@ -265,7 +266,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Take ``data`` (received into the staging buffer) into the frames, part by part."""
         while data and self._need is not _Need.FAILED:
             need = self._need
-            if need in _INTO_TARGET and self._target is not None:
+            if self._target is not None and need in _INTO_TARGET:
                 take = min(len(data), self._wanted - self._filled)
                 if type(self._target) is mmap.mmap and self._filled == len(self._target):
                     self._grow()
@@ -322,7 +323,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         frame.offsets = rest[:count] if frame.flags & IN_SEGMENT else (NOT_IN_SEGMENT,) * count
         compressed = bool(frame.flags & COMPRESSED)
         limit = self._limits.max_message_bytes
-        for total in (sum(frame.sizes), sum(d or s for s, d in zip(frame.sizes, frame.decoded, strict=True))):
+        totals = [sum(frame.sizes)]
+        if compressed:
+            totals.append(sum(d or s for s, d in zip(frame.sizes, frame.decoded, strict=True)))
+        for total in totals:
             if frame.payload_size + total > limit:
                 raise FrameTooLarge(
                     f"frame announces {frame.payload_size + total} bytes{' decompressed' if compressed else ''}, "
@@ -398,12 +402,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def _run_views(self, block: Any) -> list[Any]:
         """The buffers of the run just received into ``block``, each a view of its bytes."""
-        frame, at, views = self._frame, 0, []
         flat = block if type(block) is np.ndarray and block.dtype == np.uint8 else memoryview(block).cast("B")
-        for size in frame.sizes[self._index : self._run_end]:
-            views.append(flat[at : at + size])
-            at += size
-        return views
+        sizes = self._frame.sizes[self._index : self._run_end]
+        return [flat[end - size : end] for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
 
     def _part_done(self) -> None:
         """The payload or buffer received into its own memory is whole."""
