@@ -331,3 +331,15 @@ def test_a_tls_connection_survives_idling_between_calls(embedded_worker, pki):
         assert answer.shape == (size,)
         time.sleep(1.5)
     assert rpcdl.stats(worker.address, token=token, ssl_context=trusted)["connections_total"] == 1
+
+
+def test_runs_of_small_tensors_cross_a_tls_connection_whole(embedded_worker, pki):
+    """Asyncio's TLS transport hands the frame receiver's memory to the SSL object: a run of small
+    buffers (one block, each tensor a view of it) comes back byte for byte both ways."""
+    token = "tls-run-token"
+    worker = embedded_worker(token=token, ssl_context=server_tls_context(pki / "worker.pem", pki / "worker.key"))
+    trusted = client_tls_context(pki / "ca.pem")
+    sent = [torch.randn(32, 128) for _ in range(14)] + [torch.arange(5, dtype=torch.int8), torch.randn(300_000)]
+    for _ in range(3):
+        got = rpcdl.rpc_sync(worker.address, list, (sent,), token=token, ssl_context=trusted)
+        assert len(got) == len(sent) and all(torch.equal(a, b) for a, b in zip(got, sent, strict=True))
