@@ -11,6 +11,9 @@ call as it can, so what moves between two runs is the worker. Scenarios:
 - ``pipelined``: no-op calls with ``--window`` (64) in flight, sent in bursts as answers come back.
 - ``small``: the loader's small batches: ``fetch_batch(dataset RRef, 32 indices, default_collate, None)``
   on a ``SmallDataset`` of float32[128] rows built on the worker, 2 in flight.
+- ``image``: the loader's large batches, the same call on an ``ImageDataset`` (64 x uint8[3, 224, 224],
+  9.6 MB per batch), 2 in flight, over the socket (no shared segment): what the worker spends to
+  collate, pickle and write a large answer, and its minor page faults per batch.
 
 The worker's CPU is the sum of its threads' time on a CPU (``/proc/PID/task/*/schedstat``,
 nanoseconds), before and after each round. Rounds alternate between the
@@ -50,7 +53,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # blo
 import harness
 from blocking_wire import FrameReader, client_negotiate, io_stream, server_negotiate
 
-from rpcdl.cli.bench.workloads import SmallDataset, noop
+from rpcdl.cli.bench.workloads import ImageDataset, SmallDataset, noop
 from rpcdl.data.fetch import fetch_batch
 from rpcdl.rpc.rref import resolve_here
 from rpcdl.serialization.pickling import dumps
@@ -59,6 +62,8 @@ from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 _FLOOR = "floor"
 _ROWS = 9600
 _BATCH = 32
+_IMAGES = 64 * 200
+_IMAGE_BATCH = 64
 
 
 class _DatasetOnWorker:
@@ -80,12 +85,12 @@ def _call_bytes(call_id: int, func: Any, args: tuple, ref: int = 0) -> bytes:
 class RawClient:
     """One connection to a worker, speaking frames with nothing else around them."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, shared_memory: bool = True):
         host, port = address.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(10)
-        client_negotiate(sock, None, address, compression="off", shared_memory=True)
+        client_negotiate(sock, None, address, compression="off", shared_memory=shared_memory)
         self.sock = io_stream(sock, receive=None, send=None)
         self.reader = FrameReader(self.sock, Limits(), stall_timeout=10)
 
@@ -160,6 +165,11 @@ class WorkerProcess:
                 pass
         return total / 1e9
 
+    def minor_faults(self) -> int:
+        """The worker process's minor page faults so far (every thread's)."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(30)
@@ -227,19 +237,43 @@ def small(client: RawClient, worker: WorkerProcess, calls: int, window: int = 2)
     return _windowed(client, worker, frames, calls, window)
 
 
+def image(client: RawClient, worker: WorkerProcess, calls: int, window: int = 2) -> dict[str, float]:
+    uid = 0x1AA6E
+    client.sock.sendall(_call_bytes(1, ImageDataset, (_IMAGES,), ref=uid))
+    client.read()
+    dataset = _DatasetOnWorker(uid)
+    batches = _IMAGES // _IMAGE_BATCH
+    frames = [
+        _call_bytes(
+            i + 2,
+            fetch_batch,
+            (dataset, list(range(i * _IMAGE_BATCH, (i + 1) * _IMAGE_BATCH)), default_collate, None),
+        )
+        for i in range(batches)
+    ]
+    _windowed(client, worker, frames, batches, window)
+    faults = worker.minor_faults()
+    figures = _windowed(client, worker, frames, calls, window)
+    figures = {"worker_us_per_batch": figures["worker_us_per_call"], "batches_per_s": figures["calls_per_s"]}
+    figures["minor_faults_per_batch"] = (worker.minor_faults() - faults) / calls
+    return figures
+
+
 def run_round(python: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     worker = WorkerProcess(python)
     try:
         results = {}
         for scenario in args.scenario:
-            if python == _FLOOR and scenario == "small":
+            if python == _FLOOR and scenario in ("small", "image"):
                 continue  # the floor holds no RRefs
-            client = RawClient(worker.address)
+            client = RawClient(worker.address, shared_memory=scenario != "image")
             try:
                 if scenario == "latency":
                     results[scenario] = latency(client, worker, args.calls)
                 elif scenario == "pipelined":
                     results[scenario] = pipelined(client, worker, args.calls * 4, args.window)
+                elif scenario == "image":
+                    results[scenario] = image(client, worker, args.calls // 5)
                 else:
                     results[scenario] = small(client, worker, args.calls)
             finally:
@@ -253,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness.parser(__doc__, rounds=3)
     parser.add_argument("--python", action="append", help="interpreter running the worker (repeat to compare)")
     parser.add_argument("--scenario", nargs="+", default=["latency", "pipelined", "small"])
-    parser.add_argument("--calls", type=int, default=5000, help="calls per round (pipelined: 4 times as many)")
+    parser.add_argument(
+        "--calls", type=int, default=5000, help="calls per round (pipelined: 4 times as many; image: a fifth)"
+    )
     parser.add_argument("--window", type=int, default=64, help="pipelined calls in flight")
     parser.add_argument("--floor", action="store_true", help="also measure the floor loop (no-op scenarios)")
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
