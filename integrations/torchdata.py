@@ -229,10 +229,15 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
 
     def _pull(self) -> Iterator[tuple[Any, Any]]:
         """The items of ``source``, each with the source's state after it (every ``snapshot_frequency``)."""
-        frequency = self.snapshot_frequency
-        for item in self.source:
+        source, frequency = self.source, self.snapshot_frequency
+        if frequency == 1:  # the default: every item's state, with no count to keep
+            state_dict = source.state_dict
+            for item in source:
+                yield item, state_dict()
+            return
+        for item in source:
             self._pulled += 1
-            yield item, (self.source.state_dict() if frequency and self._pulled % frequency == 0 else None)
+            yield item, (source.state_dict() if frequency and self._pulled % frequency == 0 else None)
 
     def _advance(self, snapshot: Any) -> None:
         """Move the state past one thing handed out, which came with ``snapshot`` (or ``None``)."""
@@ -255,22 +260,26 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
         if self._behind is not _UP_TO_DATE:  # the caller went on after an error: the state moves past it
             self._advance(self._behind)
             self._behind = _UP_TO_DATE
-        if self._pass is None:
-            self._pass = self._get_remote_map().start(self._pull())
+        mapping = self._pass
+        if mapping is None:
+            mapping = self._pass = self._get_remote_map().start(self._pull())
         try:
-            task: ChunkedItem = next(self._pass)
+            task: ChunkedItem = next(mapping)
         except StopIteration:
             raise
         except Exception:
-            if self._pass.state is ChunkedPassState.SOURCE_FAILED:  # a new pass goes on with what the source gives next
+            if mapping.state is ChunkedPassState.SOURCE_FAILED:  # a new pass goes on with what the source gives next
                 self._pass, self._behind = None, _SOURCE_NOW
             raise
         snapshot = task.payload[1]
         if task.error is not None:
             self._behind = snapshot
+            return self._remote_map.result(task)  # raises the item's error
+        if snapshot is not None:  # _advance, inline: this is every item's path
+            self._snapshot, self._steps = snapshot, 0
         else:
-            self._advance(snapshot)
-        return self._remote_map.result(task)
+            self._steps += 1
+        return task.value
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self._snapshot, self.STEPS_KEY: self._steps}

@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import threading
-import time
 from collections.abc import Iterable, Iterator
+from time import perf_counter
 from typing import Any
 
 from ..errors import ChunkFailed
@@ -165,15 +166,16 @@ class ChunkReader(Iterator[list[Any]]):
         if self.state is not ReaderState.READING:
             raise StopIteration
         chunk: list[Any] = []
-        size = self._sizer.size
-        started = time.perf_counter()
+        append, items = chunk.append, self._items
+        previous = perf_counter()  # when the item pulled last came (one clock read per item)
+        filled_by = previous + FILL_SECONDS
         try:
-            while len(chunk) < size:
-                pulled_at = time.perf_counter()
-                chunk.append(next(self._items))
-                now = time.perf_counter()
-                if now - pulled_at > FILL_SECONDS or now - started > FILL_SECONDS:
+            for _ in range(self._sizer.size):
+                append(next(items))
+                now = perf_counter()
+                if now - previous > FILL_SECONDS or now > filled_by:
                     break  # the source is slow: the next item might not come soon either
+                previous = now
         except StopIteration:
             self.state = ReaderState.ENDED
             if not chunk:
@@ -271,22 +273,24 @@ class ChunkedPass(Iterator[ChunkedItem]):
         self._reader = ChunkReader(items, sizer)
         self._dispatch = Dispatch(pool, self._reader, call, in_order=in_order)
         self._ready: collections.deque[ChunkedItem] = collections.deque()
-        self._handed_out = 0
+        self._queued = 0  # the items queued to hand out so far: the number of the next one
         self._closing = threading.Event()  # set by close(), from any thread
         self._lock = threading.Lock()  # guards _split: the advancing thread sets it, close() closes it
         self._split: Dispatch | None = None  # a failed chunk, run again item by item
         self.state = ChunkedPassState.RUNNING
 
     def __next__(self) -> ChunkedItem:
+        ready = self._ready
+        if ready and self.state is ChunkedPassState.RUNNING and not self._closing.is_set():
+            return ready.popleft()  # most items: one of a chunk already here
         if self.state is not ChunkedPassState.RUNNING:
             raise StopIteration
         while True:
             if self._closing.is_set():  # closed, by this thread or another
                 self._end()
                 raise StopIteration
-            if self._ready:
-                self._handed_out += 1
-                return self._ready.popleft()
+            if ready:
+                return ready.popleft()
             if not self._expand_next():
                 break
         if self._closing.is_set():  # its passes ended because it was closed
@@ -326,14 +330,20 @@ class ChunkedPass(Iterator[ChunkedItem]):
                 errors: dict[int, bytes] = {}
             else:
                 values, seconds, nbytes, errors = error.values, error.seconds, error.nbytes, error.errors
-            self._sizer.observe(len(chunk), seconds, nbytes)
-            self._served.add(worker, len(chunk), seconds, nbytes)
-            for index, (item, value) in enumerate(zip(chunk, values, strict=True)):
-                report = errors.get(index)
-                failure = None if report is None else load_exception(report, worker)
-                self._ready.append(ChunkedItem(self._handed_out + len(self._ready), item, value, failure, worker))
+            items = len(chunk)
+            if len(values) != items:
+                raise ValueError(f"a chunk of {items} items was answered with {len(values)} values by {worker}")
+            self._sizer.observe(items, seconds, nbytes)
+            self._served.add(worker, items, seconds, nbytes)
+            failures = [None] * items
+            for index, report in errors.items():
+                failures[index] = load_exception(report, worker)
+            first, self._queued = self._queued, self._queued + items
+            numbers = range(first, self._queued)
+            self._ready.extend(map(ChunkedItem, numbers, chunk, values, failures, itertools.repeat(worker)))
         elif len(chunk) == 1:
-            self._ready.append(ChunkedItem(self._handed_out + len(self._ready), chunk[0], None, error, worker))
+            self._ready.append(ChunkedItem(self._queued, chunk[0], None, error, worker))
+            self._queued += 1
         else:
             self._sizer.restart()
             split = Dispatch(self._pool, iter([[item] for item in chunk]), self._call, in_order=self._in_order)

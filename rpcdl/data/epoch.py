@@ -44,8 +44,8 @@ import itertools
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator
+from time import perf_counter
 from typing import Any, Protocol
 
 import torch
@@ -190,6 +190,10 @@ class _Running:
     batches: ChunkedPass
     flow_at_start: FlowSnapshot
     served_at_start: dict[str, int]  #: the loader's counts of batches per worker as the epoch began
+    # What every batch updates, looked up once: plan.flow.yielded, plan.book.yielded, plan.position.
+    flow_yielded: Callable[..., None]
+    book_yielded: Callable[[Position, int], None]
+    position: Position
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -218,7 +222,7 @@ class EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         if not self._entry.try_enter():
             raise self._entry.busy()
-        entered = time.perf_counter()
+        entered = perf_counter()
         try:
             stage = self._stage
             if type(stage) is not _Running:
@@ -240,12 +244,12 @@ class EpochIterator(Iterator[Any]):
                 if stage.batches.state is ChunkedPassState.SOURCE_FAILED:  # the sampler raised, after its batches
                     self._end(stage)
                 raise
-            self._count(stage, entered, worked, batches=1)
+            self._returned_at = now = perf_counter()  # _count, inline: this is every batch's path
+            stage.flow_yielded(now - entered, worked)
             seq, indices = item.payload
-            plan = stage.plan
-            plan.book.yielded(plan.position, seq)
+            stage.book_yielded(stage.position, seq)
             if item.error is not None:
-                raise self._annotate(item.error, plan.position.epoch, seq, indices, item.worker)
+                raise self._annotate(item.error, stage.position.epoch, seq, indices, item.worker)
             return item.value
         finally:
             self._entry.leave()
@@ -280,11 +284,9 @@ class EpochIterator(Iterator[Any]):
             # A resumed epoch's sampler starts at its origin: its first batch has the origin's number.
             first = position.origin.first_batch
             numbered = enumerate(plan.batches, first)
-            batched = (
-                (seq, indices)
-                for seq, indices in itertools.islice(numbered, position.start_prefix - first, None)
-                if seq not in skip
-            )
+            if position.start_prefix != first:
+                numbered = itertools.islice(numbered, position.start_prefix - first, None)
+            batched = ((seq, indices) for seq, indices in numbered if seq not in skip) if skip else numbered
             if plan.call.seed is not None:
                 _reseed(plan)
             running = _Running(
@@ -292,6 +294,9 @@ class EpochIterator(Iterator[Any]):
                 ChunkedPass(plan.pool, batched, plan.call, plan.sizer, plan.served, in_order=plan.in_order),
                 plan.flow.snapshot(),
                 plan.served.snapshot(),
+                plan.flow.yielded,
+                plan.book.yielded,
+                plan.position,
             )
         except BaseException:
             self._stage = _FINISHED
@@ -306,8 +311,8 @@ class EpochIterator(Iterator[Any]):
 
     def _count(self, stage: _Running, entered: float, worked: float, batches: int) -> None:
         """Tell the loader's flow how long this ``next()`` waited, and how long the consumer worked before it."""
-        self._returned_at = now = time.perf_counter()
-        stage.plan.flow.yielded(now - entered, worked, batches)
+        self._returned_at = now = perf_counter()
+        stage.flow_yielded(now - entered, worked, batches)
 
     def _end(self, stage: _Running, complete: bool = False) -> None:
         self._stage = _FINISHED
