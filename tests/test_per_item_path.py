@@ -1,5 +1,7 @@
 """The consumer's path for a batch or item whose chunk is already here stays a handful of Python calls.
 
+(And a seeded loader leaves each batch's seed to its worker.)
+
 A loader's batch or a mapper's item that came in a chunk already received is
 handed out without any call or wait: what remains is bookkeeping (the
 position a state resumes from, the data-flow counters), which every batch
@@ -14,16 +16,20 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import helpers
+import numpy as np
+import torch
 from torchdata.nodes import IterableWrapper
 
 import rpcdl
 import rpcdl.integrations
 from rpcdl.integrations.torchdata import RPCMapper
+from rpcdl.seeding import derive_seed, set_random_seeds
 
 #: rpcdl's Python calls for a batch already here: the epoch's next(), its pass's next(), the flow's and the
 #: position's bookkeeping (one call each, whatever the flows above the loader's).
@@ -92,3 +98,43 @@ def test_a_position_counts_batches_yielded_in_any_order():
             prefix = next(n for n in itertools.count() if n not in done)
             assert (position.yielded_prefix, position.yielded_extra) == (prefix, done - set(range(prefix)) | {7})
         assert position.snapshot().yielded_extra == (7,)
+
+
+class Noise(torch.utils.data.Dataset):
+    """Sample ``i`` is a draw of the worker's torch generator, as seeded for its batch."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(())
+
+
+def test_a_seeded_batch_is_seeded_on_the_worker_as_derive_seed_says(two_workers):
+    # Each batch's seed, derive_seed(seed, epoch, batch number), costs some microseconds: the workers derive
+    # it, and the thread iterating derives only the epoch's (to reseed the workers as it begins).
+    loader = rpcdl.RPCDataloader(rpcdl.RPCDataset(two_workers, Noise), batch_size=4, seed=42)
+    derived: list[int] = []
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is derive_seed.__code__:
+            derived.append(1)
+
+    for epoch in range(2):
+        sys.setprofile(count)
+        try:
+            batches = list(loader)
+        finally:
+            sys.setprofile(None)
+        expected = []
+        saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        try:  # the draws the workers make, made here
+            for number in range(len(batches)):
+                set_random_seeds(derive_seed(42, epoch, number), 0)
+                expected.append(torch.stack([torch.rand(()) for _ in range(4)]))
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.random.set_rng_state(saved[2])
+        assert all(torch.equal(batch, want) for batch, want in zip(batches, expected, strict=True)), epoch
+    assert len(derived) <= 2, f"the thread iterating derived {len(derived)} seeds in 2 epochs of 12 batches"

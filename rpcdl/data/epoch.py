@@ -133,12 +133,11 @@ class EpochCall:
         rref = self.dataset.rref(address)
         if rref is None:
             raise RRefNotFound(f"the dataset is not built on worker {address}")
-        seed, epoch = self.seed, self.epoch
-        if seed is None:
-            chunk = [(indices, None) for _, indices in task.payload]
-        else:
-            chunk = [(indices, derive_seed(seed, epoch, seq)) for seq, indices in task.payload]
-        args = (remote_id(rref), chunk, self.collate_fn)
+        if self.seed is None:
+            args: tuple = (remote_id(rref), [(indices, None) for _, indices in task.payload], self.collate_fn)
+        else:  # each batch's seed is derived on the worker, from its number: not on the thread iterating
+            chunk = [(indices, seq) for seq, indices in task.payload]
+            args = (remote_id(rref), chunk, self.collate_fn, (self.seed, self.epoch))
         return rpc_async(address, self.fetch, args, pin_memory=self.pin_memory, timeout=self.timeout)
 
 

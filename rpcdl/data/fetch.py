@@ -12,6 +12,9 @@ A loader's call fetches a chunk of batches (:func:`fetch_batches_at`, or
 samples: :func:`fetch_samples_at`; see :mod:`rpcdl.data.chunks`). It names its
 dataset by the id of its RRef and torch's default collate or convert function by
 ``None``: what does not change within an epoch costs the pickler nothing per batch.
+A seeded loader sends its seed and epoch once per call and each batch's number:
+the worker derives each batch's seed (:func:`~rpcdl.seeding.derive_seed`, some
+microseconds each), not the trainer's thread that iterates the loader.
 
 Threading: these functions run on a worker, on the threads that execute its
 calls (several at once with ``--parallel``); they keep no state between calls.
@@ -36,7 +39,7 @@ from torch.utils.data._utils.collate import (
 )
 
 from ..rpc.rref import resolve_here
-from ..seeding import set_random_seeds
+from ..seeding import derive_seed, set_random_seeds
 from ..serialization.stacked import StackedSamples
 from ..server.counters import count_batches
 from ..transport import shm
@@ -92,23 +95,45 @@ def fetch_sample(dataset: Any, index: Any, convert_fn: Callable, seed: int | Non
     return convert_fn(dataset[index])
 
 
+def _no_seed(number: int | None) -> None:
+    return None
+
+
+def _seeds(epoch_seed: tuple[int, int] | None) -> Callable[[int | None], int | None]:
+    """The seed of a batch from its number: ``derive_seed(seed, epoch, number)``, or ``None`` unseeded."""
+    if epoch_seed is None:
+        return _no_seed
+    seed, epoch = epoch_seed
+    return partial(derive_seed, seed, epoch)
+
+
 def fetch_batches_at(
-    dataset_id: int, batches: list[tuple[Sequence[Any], int | None]], collate_fn: Callable | None
+    dataset_id: int,
+    batches: list[tuple[Sequence[Any], int | None]],
+    collate_fn: Callable | None,
+    epoch_seed: tuple[int, int] | None = None,
 ) -> tuple[list[Any], float, int]:
-    """:func:`fetch_batch` for each ``(indices, seed)`` of a chunk, on the dataset the caller's RRef
+    """:func:`fetch_batch` for each ``(indices, number)`` of a chunk, on the dataset the caller's RRef
     ``dataset_id`` names (see :func:`rpcdl.rpc.rref.remote_id`); ``collate_fn=None`` is torch's
-    ``default_collate``. Returns and raises as :func:`~rpcdl.data.chunks.run_chunk`: the batches,
-    the seconds they took and their size, or :class:`~rpcdl.errors.ChunkFailed` when some raised."""
+    ``default_collate``. With ``epoch_seed=(seed, epoch)``, each batch is seeded first from
+    ``derive_seed(seed, epoch, number)``; without, the numbers are not used. Returns and raises as
+    :func:`~rpcdl.data.chunks.run_chunk`: the batches, the seconds they took and their size, or
+    :class:`~rpcdl.errors.ChunkFailed` when some raised."""
     dataset = resolve_here(dataset_id)
     collate = default_collate if collate_fn is None else collate_fn
-    return run_chunk(lambda batch: fetch_batch(dataset, batch[0], collate, batch[1]), batches)
+    seed_of = _seeds(epoch_seed)
+    return run_chunk(lambda batch: fetch_batch(dataset, batch[0], collate, seed_of(batch[1])), batches)
 
 
 def fetch_samples_at(
-    dataset_id: int, samples: list[tuple[Any, int | None]], convert_fn: Callable | None
+    dataset_id: int,
+    samples: list[tuple[Any, int | None]],
+    convert_fn: Callable | None,
+    epoch_seed: tuple[int, int] | None = None,
 ) -> tuple[list[Any], float, int]:
-    """:func:`fetch_sample` for each ``(index, seed)`` of a chunk, as :func:`fetch_batches_at`
+    """:func:`fetch_sample` for each ``(index, number)`` of a chunk, as :func:`fetch_batches_at`
     (``convert_fn=None`` is torch's ``default_convert``)."""
     dataset = resolve_here(dataset_id)
     convert = default_convert if convert_fn is None else convert_fn
-    return run_chunk(lambda sample: fetch_sample(dataset, sample[0], convert, sample[1]), samples)
+    seed_of = _seeds(epoch_seed)
+    return run_chunk(lambda sample: fetch_sample(dataset, sample[0], convert, seed_of(sample[1])), samples)
