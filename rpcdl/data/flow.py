@@ -144,8 +144,6 @@ class DataFlow:
     def __init__(self, parent: DataFlow | None = None):
         self._parent = parent
         self._lock = threading.Lock()
-        # The lock's own methods: a with-block costs two Python calls more, on a path taken for every batch.
-        self._acquire, self._release = self._lock.acquire, self._lock.release
         self._batches = 0
         self._wait_seconds = 0.0
         self._work_seconds = 0.0
@@ -158,13 +156,10 @@ class DataFlow:
         ``work_seconds`` since its previous ``next()`` returned (0 for an epoch's first)."""
         flow: DataFlow | None = self
         while flow is not None:  # this flow, then its parents, one lock at a time
-            flow._acquire()
-            try:
+            with flow._lock:
                 flow._batches += batches
                 flow._wait_seconds += wait_seconds
                 flow._work_seconds += work_seconds
-            finally:
-                flow._release()
             flow = flow._parent
 
     def served(self, batches: int, seconds: float, nbytes: int) -> None:
