@@ -8,7 +8,7 @@ carried the items (how many, how many items each).
 
 The calls matter: a call's own worker CPU is shared by the items of its
 chunk, and a chunk holds what the client pulled from the source within
-``rpcdl.data.chunked_pass.FILL_SECONDS`` (1 ms) of wall time. A
+``rpcdl.data.chunked_pass.TARGET_CHUNK_SECONDS`` (2 ms) of wall time. A
 preempted client pulls fewer, so on a busy machine the CPU per item follows
 the load. ``--fill-seconds 1`` lets every chunk fill to the bound, which takes
 that out: then two versions compare on their code alone. Run it with each
@@ -59,14 +59,19 @@ class ChunkLog:
 def main() -> None:
     parser = harness.parser(__doc__, rounds=3, json_file=True)
     parser.add_argument("--items", type=int, default=40000, help="items mapped per round")
-    parser.add_argument("--fill-seconds", type=float, default=None, help="override FILL_SECONDS (1: full chunks)")
+    parser.add_argument(
+        "--fill-seconds",
+        type=float,
+        default=None,
+        help="override FILL_SECONDS and TARGET_CHUNK_SECONDS (1: full chunks)",
+    )
     args = parser.parse_args()
     from torchdata.nodes import IterableWrapper
 
     from rpcdl.integrations.torchdata import RPCMapper
 
     if args.fill_seconds is not None:
-        rpcdl.data.chunked_pass.FILL_SECONDS = args.fill_seconds
+        rpcdl.data.chunked_pass.FILL_SECONDS = rpcdl.data.chunked_pass.TARGET_CHUNK_SECONDS = args.fill_seconds
     log = ChunkLog()
     with rpcdl.local_workers(2) as workers:
         node = RPCMapper(IterableWrapper(itertools.count()), workers, increment)

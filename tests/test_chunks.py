@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from rpcdl.data import chunked_pass
 from rpcdl.data.chunked_pass import ChunkReader, ChunkSizer, ReaderState
 from rpcdl.data.chunks import answer_bytes, run_chunk
 from rpcdl.errors import ChunkFailed
@@ -111,3 +112,31 @@ def test_the_reader_hands_out_what_it_pulled_before_the_source_raised():
     assert isinstance(reader.take_error(), KeyError)
     assert reader.state is ReaderState.ENDED and reader.take_error() is None  # handed out once
     assert list(reader) == []
+
+
+class _Clock:
+    """A stand-in for the reader's clock: time moves only when the source says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_source_of_some_microseconds_an_item_fills_its_chunk_for_as_long_as_a_chunk_aims_to_take(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(chunked_pass, "perf_counter", clock)
+
+    def source(step: float):
+        for item in range(100):
+            clock.now += step
+            yield item
+
+    # 150 us an item (a torchdata node asked for its state after each) is not slow: pulling goes on until an
+    # item comes after 2 ms, the 14th.
+    reader = ChunkReader(source(150e-6), _grown(ChunkSizer(64, timeout=120), 64))
+    assert len(next(reader)) == 14
+    # An item that takes longer than FILL_SECONDS to come ends its chunk: the next may be as slow.
+    reader = ChunkReader(source(chunked_pass.FILL_SECONDS * 1.5), _grown(ChunkSizer(64, timeout=120), 64))
+    assert len(next(reader)) == 1

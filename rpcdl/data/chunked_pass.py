@@ -20,7 +20,11 @@ The size of a chunk adapts to the cost of its items:
   it shrinks at once when items get slower or larger;
 - filling a chunk never waits for a slow source: pulling stops after an
   item that took longer than :data:`FILL_SECONDS` to come (the next one
-  would likely be as slow), or once the chunk took that long.
+  would likely be as slow), or once filling the chunk took
+  :data:`TARGET_CHUNK_SECONDS`, as long as the chunk aims to take on a
+  worker (a source that costs some microseconds per item, such as a
+  torchdata node asked for its state after each, still fills chunks that
+  make a call's overhead small).
 
 A chunk that fails as a whole for a reason other than a worker failure (its
 answer cannot be pickled or breaks a message limit, it timed out on every
@@ -77,7 +81,7 @@ __all__ = [
 
 #: Seconds of work (measured on the worker) a chunk aims at, enough to make a call's overhead small.
 TARGET_CHUNK_SECONDS = 0.002
-#: Seconds spent pulling items for one chunk after its first item, before the chunk goes as it is.
+#: Seconds an item may take to come from the source before its chunk goes as it is (the source is slow).
 FILL_SECONDS = 0.001
 
 
@@ -168,7 +172,7 @@ class ChunkReader(Iterator[list[Any]]):
         chunk: list[Any] = []
         append, items = chunk.append, self._items
         previous = perf_counter()  # when the item pulled last came (one clock read per item)
-        filled_by = previous + FILL_SECONDS
+        filled_by = previous + TARGET_CHUNK_SECONDS
         try:
             for _ in range(self._sizer.size):
                 append(next(items))
