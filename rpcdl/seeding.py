@@ -1,7 +1,22 @@
-"""Seeding the random generators of a worker process."""
+"""Seeding the random generators of a worker process.
+
+A seeded loader seeds its worker before every batch, so seeding is on the
+batch's path. ``torch.manual_seed`` seeds every device, and where CUDA is
+built but not started in the process it records a lazy seed with its
+caller's stack, some hundreds of microseconds per call. So torch is seeded
+with ``torch.manual_seed`` where the process has started CUDA or the host
+has an MPS or XPU device, and otherwise through its CPU generator alone
+(about a microsecond): the same numbers on the CPU. A worker that starts
+CUDA in the middle of a batch has CUDA's generators seeded from its next
+batch on.
+
+Threading: stateless but for :func:`_other_accelerator`'s cache, computed
+once per process (what devices a host has does not change while it runs).
+"""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
@@ -45,5 +60,15 @@ def set_random_seeds(base_seed: int, worker_id: int) -> None:
         raise TypeError(f"base_seed and worker_id must be integers, got {base_seed!r} and {worker_id!r}")
     seed = derive_seed(base_seed, worker_id)
     random.seed(seed)
-    torch.manual_seed(seed)
+    if torch.cuda.is_initialized() or _other_accelerator():
+        torch.manual_seed(seed)  # every device's generator
+    else:
+        torch.default_generator.manual_seed(seed)  # the only one there is: what torch.manual_seed seeds here
     np.random.seed(seed % 2**32)
+
+
+@functools.cache
+def _other_accelerator() -> bool:
+    """Whether this host has an MPS or XPU device (a generator of its own; asking starts no CUDA)."""
+    xpu = getattr(torch, "xpu", None)
+    return torch.backends.mps.is_available() or (xpu is not None and xpu.is_available())
