@@ -332,3 +332,29 @@ def test_the_loop_floor_bench_measures_four_systems_and_stops_its_processes(tmp_
         assert medians[name]["p50_us"] > 0 and medians[name]["client_cpu_us"] >= 0, (name, medians[name])
     servers = [p for p in psutil.process_iter(["cmdline"]) if "--serve" in (p.info["cmdline"] or [])]
     assert not [p for p in servers if any("loop_floor.py" in part for part in p.info["cmdline"])]
+
+
+@pytest.mark.timeout(200)  # two sides, each with two workers, start torch on a machine that may be busy
+def test_the_in_turns_bench_pairs_two_versions_and_stops_its_processes(tmp_path):
+    import psutil
+
+    report = tmp_path / "turns.json"
+    args = ("--baseline", sys.executable, "--quick", "--pairs", "2", "--scenario", "small", "mapper")
+    result = _run_script("in_turns.py", *args, "--json", str(report), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if "paired ratio" in line]
+    assert [row.split()[0] for row in rows] == ["small", "mapper"], result.stdout
+    assert all(re.search(r"this faster in [0-2]/2\)", row) for row in rows), rows
+    assert re.search(r"load average before \[.*\], after \[.*\]; 2 pairs$", result.stdout.strip()), result.stdout
+    figures = json.loads(report.read_text())["figures"]
+    for scenario in ("small", "mapper"):
+        assert figures[scenario]["ratio"] > 0 and figures[scenario]["this_rate"] > 0, figures[scenario]
+    sides = [p for p in psutil.process_iter(["cmdline"]) if "--side" in (p.info["cmdline"] or [])]
+    assert not [p for p in sides if any("in_turns.py" in part for part in p.info["cmdline"])]
+
+
+def test_the_in_turns_bench_wants_a_baseline_that_holds_rpcdl(tmp_path):
+    result = _run_script("in_turns.py", "--baseline-path", str(tmp_path))
+    assert result.returncode == 2 and "holds no rpcdl package" in result.stderr, result.stderr
+    result = _run_script("in_turns.py")
+    assert result.returncode == 2 and "give the baseline" in result.stderr, result.stderr
