@@ -223,35 +223,26 @@ def pipelined(client: RawClient, worker: WorkerProcess, calls: int, window: int)
     return _windowed(client, worker, frames, calls, window)
 
 
-def small(client: RawClient, worker: WorkerProcess, calls: int, window: int = 2) -> dict[str, float]:
-    uid = 0x5EED
-    client.sock.sendall(_call_bytes(1, SmallDataset, (_ROWS,), ref=uid))
+def _batch_calls(client: RawClient, dataset_type: type, rows: int, batch: int, uid: int) -> list[bytes]:
+    """Build ``dataset_type(rows)`` on the worker (its RRef ``uid``); return a ``fetch_batch`` call per batch."""
+    client.sock.sendall(_call_bytes(1, dataset_type, (rows,), ref=uid))
     client.read()
     dataset = _DatasetOnWorker(uid)
-    batches = _ROWS // _BATCH
-    frames = [
-        _call_bytes(i + 2, fetch_batch, (dataset, list(range(i * _BATCH, (i + 1) * _BATCH)), default_collate, None))
-        for i in range(batches)
+    return [
+        _call_bytes(i + 2, fetch_batch, (dataset, list(range(i * batch, (i + 1) * batch)), default_collate, None))
+        for i in range(rows // batch)
     ]
-    _windowed(client, worker, frames, batches, window)
+
+
+def small(client: RawClient, worker: WorkerProcess, calls: int, window: int = 2) -> dict[str, float]:
+    frames = _batch_calls(client, SmallDataset, _ROWS, _BATCH, 0x5EED)
+    _windowed(client, worker, frames, len(frames), window)
     return _windowed(client, worker, frames, calls, window)
 
 
 def image(client: RawClient, worker: WorkerProcess, calls: int, window: int = 2) -> dict[str, float]:
-    uid = 0x1AA6E
-    client.sock.sendall(_call_bytes(1, ImageDataset, (_IMAGES,), ref=uid))
-    client.read()
-    dataset = _DatasetOnWorker(uid)
-    batches = _IMAGES // _IMAGE_BATCH
-    frames = [
-        _call_bytes(
-            i + 2,
-            fetch_batch,
-            (dataset, list(range(i * _IMAGE_BATCH, (i + 1) * _IMAGE_BATCH)), default_collate, None),
-        )
-        for i in range(batches)
-    ]
-    _windowed(client, worker, frames, batches, window)
+    frames = _batch_calls(client, ImageDataset, _IMAGES, _IMAGE_BATCH, 0x1AA6E)
+    _windowed(client, worker, frames, len(frames), window)
     faults = worker.minor_faults()
     figures = _windowed(client, worker, frames, calls, window)
     figures = {"worker_us_per_batch": figures["worker_us_per_call"], "batches_per_s": figures["calls_per_s"]}
