@@ -14,6 +14,16 @@ from rpcdl.seeding import derive_seed
 pytestmark = pytest.mark.timeout(30)
 
 
+@pytest.fixture(autouse=True)
+def _random_states_restored():
+    """These tests seed the process's generators: the tests after them find the states they had."""
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    yield
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+
+
 def test_seeding_draws_the_streams_torch_manual_seed_draws():
     rpcdl.set_random_seeds(11, 3)
     drawn = (torch.rand(5), random.random(), np.random.rand())
