@@ -189,10 +189,6 @@ class _Running:
     batches: ChunkedPass
     flow_at_start: FlowSnapshot
     served_at_start: dict[str, int]  #: the loader's counts of batches per worker as the epoch began
-    # What every batch updates, looked up once: plan.flow.yielded, plan.book.yielded, plan.position.
-    flow_yielded: Callable[..., None]
-    book_yielded: Callable[[Position, int], None]
-    position: Position
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -244,11 +240,12 @@ class EpochIterator(Iterator[Any]):
                     self._end(stage)
                 raise
             self._returned_at = now = perf_counter()  # _count, inline: this is every batch's path
-            stage.flow_yielded(now - entered, worked)
+            plan = stage.plan
+            plan.flow.yielded(now - entered, worked)
             seq, indices = item.payload
-            stage.book_yielded(stage.position, seq)
+            plan.book.yielded(plan.position, seq)
             if item.error is not None:
-                raise self._annotate(item.error, stage.position.epoch, seq, indices, item.worker)
+                raise self._annotate(item.error, plan.position.epoch, seq, indices, item.worker)
             return item.value
         finally:
             self._entry.leave()
@@ -293,9 +290,6 @@ class EpochIterator(Iterator[Any]):
                 ChunkedPass(plan.pool, batched, plan.call, plan.sizer, plan.served, in_order=plan.in_order),
                 plan.flow.snapshot(),
                 plan.served.snapshot(),
-                plan.flow.yielded,
-                plan.book.yielded,
-                plan.position,
             )
         except BaseException:
             self._stage = _FINISHED
@@ -311,7 +305,7 @@ class EpochIterator(Iterator[Any]):
     def _count(self, stage: _Running, entered: float, worked: float, batches: int) -> None:
         """Tell the loader's flow how long this ``next()`` waited, and how long the consumer worked before it."""
         self._returned_at = now = perf_counter()
-        stage.flow_yielded(now - entered, worked, batches)
+        stage.plan.flow.yielded(now - entered, worked, batches)
 
     def _end(self, stage: _Running, complete: bool = False) -> None:
         self._stage = _FINISHED
