@@ -126,16 +126,20 @@ def load_average() -> list[float] | None:
         return None
 
 
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads), from ``/proc`` (Linux).
+def process_cpu(*pids: int) -> float:
+    """User + system CPU seconds of the processes ``pids`` so far (all their threads, summed), from ``/proc``
+    (Linux).
 
     Example::
 
         >>> process_cpu(os.getpid()) >= 0.0
         True
     """
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    seconds = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
 
 
 def machine() -> dict[str, Any]:

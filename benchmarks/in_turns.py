@@ -77,15 +77,15 @@ def side(quick: bool) -> None:
         print("ready", flush=True)
         for line in sys.stdin:
             scenario, count = line.split()
-            client, workers_cpu, started = harness.process_cpu(os.getpid()), _cpu(pids), time.perf_counter()
+            client, workers_cpu, started = (
+                harness.process_cpu(os.getpid()),
+                harness.process_cpu(*pids),
+                time.perf_counter(),
+            )
             units = burst(scenario, int(count))
             seconds = time.perf_counter() - started
-            client, workers_cpu = harness.process_cpu(os.getpid()) - client, _cpu(pids) - workers_cpu
+            client, workers_cpu = harness.process_cpu(os.getpid()) - client, harness.process_cpu(*pids) - workers_cpu
             print(units / seconds, client / units * 1e6, workers_cpu / units * 1e6, flush=True)
-
-
-def _cpu(pids: list[int]) -> float:
-    return sum(harness.process_cpu(pid) for pid in pids)
 
 
 # ---------------------------------------------------------------------------- the driver

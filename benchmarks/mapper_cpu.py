@@ -82,11 +82,11 @@ def main() -> None:
 
         def one_round() -> dict[str, float]:
             log.sizes.clear()
-            client, worker = harness.process_cpu(os.getpid()), sum(harness.process_cpu(kid) for kid in kids)
+            client, worker = harness.process_cpu(os.getpid()), harness.process_cpu(*kids)
             for _ in range(args.items):
                 next(node)
             client = harness.process_cpu(os.getpid()) - client
-            worker = sum(harness.process_cpu(kid) for kid in kids) - worker
+            worker = harness.process_cpu(*kids) - worker
             calls = max(1, len(log.sizes))
             return {
                 "client_us_per_item": client / args.items * 1e6,
