@@ -23,6 +23,7 @@ import rpcdl
 import rpcdl.rpc.connection
 from rpcdl.errors import ConnectionLost, WorkerTimeout
 from rpcdl.rpc import client
+from rpcdl.rpc.pool import close_idle_connections_to
 from rpcdl.serialization.pickling import dumps
 from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 
@@ -344,3 +345,39 @@ def test_overdue_calls_fail_on_time_while_threads_race_the_timer(worker, switchi
         thread.join(15)
     assert late == []
     assert client.connection_to(address).status().pending == 0
+
+
+def test_closing_idle_connections_while_threads_call_fails_no_call(worker, switching_often):
+    # A loader closes its idle connections to a worker it no longer needs while other threads of the process
+    # call it: each connection is judged idle and closed in one step, so a call made meanwhile keeps it open or
+    # goes over a new one. (Judged first and closed after, a call made in between failed with ConnectionLost.)
+    address = worker.address
+    _opened(address)
+    stop = threading.Event()
+    lost: list[str] = []
+    answered = [0, 0]
+    closed = [0]
+
+    def calls(index: int) -> None:
+        k = 0
+        while not stop.is_set():
+            try:
+                assert rpcdl.rpc_sync(address, pow, (k, 1), timeout=10) == k
+                answered[index] += 1
+            except ConnectionLost as exc:
+                lost.append(str(exc))
+            k += 1
+
+    def closing() -> None:
+        while not stop.is_set():
+            closed[0] += close_idle_connections_to(address, "no longer needed")
+
+    threads = [threading.Thread(target=calls, args=(i,), name=f"caller-{i}") for i in range(2)]
+    threads.append(threading.Thread(target=closing, name="closer"))
+    for thread in threads:
+        thread.start()
+    _until(lambda: min(answered) >= 500 and closed[0] >= 20, "calls and closes went on together", timeout=15)
+    stop.set()
+    for thread in threads:
+        thread.join(10)
+    assert lost == []

@@ -278,10 +278,45 @@ class Connection:
                 return
             self._state = closed = Closed(reason, error_type)
             submitted, self._submitted = self._submitted, []
+        self._closed_from(state, closed, submitted, wait=True)
+
+    def close_if_idle(self, reason: str) -> bool:
+        """Close the connection if it waits for no answer, deciding under its lock: a call made meanwhile either
+        keeps it open or is refused (:meth:`submit` returns ``False``), never failed by the close.
+
+        Its caller takes it out of the pool first (:func:`rpcdl.rpc.pool.close_idle_connections_to`, under
+        the pool's lock), so ``on_close`` is not called; nor is the loop waited for: no call is left to fail.
+
+        Args:
+            reason: why, for a call that raced the close.
+
+        Returns:
+            whether this closed it (``False``: calls are in flight, or it was closed already).
+        """
+        with self._lock:
+            state = self._state
+            if isinstance(state, Closed) or self._calls or self._submitted:
+                return False
+            self._state = closed = Closed(reason, ConnectionLost)
+        self._closed_from(state, closed, [], wait=False)
+        return True
+
+    def _closed_from(
+        self,
+        state: Connecting | Open,
+        closed: Closed,
+        submitted: list[tuple[Frame, Call, threading.Event | None]],
+        *,
+        wait: bool,
+    ) -> None:
+        """Have the loop finish what a close from ``state`` began (:meth:`_finish`); ``wait`` a while for it."""
         if self._process is not _this_process:
             return  # a forked child: the parent's loop and socket are not its own
         if in_loop_thread():
             self._finish(state, closed, submitted)
+            return
+        if not wait:
+            self._loop.call_soon_threadsafe(self._finish, state, closed, submitted)
             return
         finished = threading.Event()
         self._loop.call_soon_threadsafe(self._finish, state, closed, submitted, finished)

@@ -15,7 +15,10 @@ then publishes by rebinding ``_pool`` (one atomic store). So a thread looking a
 connection up reads ``_pool`` without the lock and sees a whole pool, a moment
 old at most. A closing connection leaves the pool before it is closed, so a
 call that finds it closed (:meth:`~rpcdl.rpc.connection.Connection.submit`
-refuses it) finds another, new one when it asks again.
+refuses it) finds another, new one when it asks again. A connection's lock
+may be taken under ``_pool_lock`` (to close it only if idle, in one step),
+never the other way round: a connection tells the pool it closes before it
+takes its own lock.
 Every connection's socket is owned by this process's one event loop (see
 :mod:`rpcdl.rpc.connection`): no thread per connection. A forked child starts
 with an empty pool and a new lock.
@@ -124,8 +127,9 @@ def close_idle_connections_to(address: str, reason: str) -> int:
     """Close this process's connections to ``address`` that wait for no answer: a worker no longer needed.
 
     A connection with calls pending is left open (another caller still uses
-    it). A call made on a connection as it closes is refused, and the next one
-    opens a new connection.
+    it). Each is judged idle and closed in one step, under its lock: a call
+    made meanwhile keeps it open, or finds it closed and opens a new one; no
+    call is failed by the close.
 
     Args:
         address: the worker, ``"host:port"`` as the connections were asked for.
@@ -140,15 +144,17 @@ def close_idle_connections_to(address: str, reason: str) -> int:
         1
     """
     global _pool
-    # Asked outside _pool_lock: a connection's lock is never taken under it.
-    idle = [c for key, c in _pool.items() if key[0] == address and c.status().pending == 0]
-    if not idle:
-        return 0
     with _pool_lock:
-        closing = [c for c in _pool.values() if any(c is i for i in idle)]
-        _pool = {key: c for key, c in _pool.items() if not any(c is i for i in closing)}
-    for connection in closing:
-        connection.close(reason)
+        mine = {key: c for key, c in _pool.items() if key[0] == address}
+        if not mine:
+            return 0
+        _pool = {key: c for key, c in _pool.items() if key[0] != address}  # lookups miss them from now on
+        # Each decides under its own lock (taken under _pool_lock, never the other way round): a call made
+        # meanwhile keeps it open, and it goes back into the pool before any other connection can be opened.
+        closing = [c for c in mine.values() if c.close_if_idle(reason)]
+        kept = {key: c for key, c in mine.items() if not any(c is closed for closed in closing)}
+        if kept:
+            _pool = {**_pool, **kept}
     if closing:
         log.info("closed the idle connection to %s: %s", address, reason)
     return len(closing)
