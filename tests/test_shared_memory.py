@@ -266,3 +266,30 @@ def test_pinned_calls_get_pinned_memory_outside_the_segment(embedded_worker):
     tensor = rpcdl.rpc_sync(worker.address, make_tensor, (3 * SAMPLE, 4), pin_memory=True)
     assert tensor.is_pinned() and (tensor == 4).all()
     assert not _connection(worker.address).segment.contains(tensor.data_ptr())
+
+
+def test_a_client_held_up_past_the_workers_handshake_deadline_dials_again_and_loses_no_call(spawn_workers, monkeypatch):
+    # The client's loop stalls (a starved process) after it read the segment offer, past the worker's deadline
+    # for the handshake: the worker gives up and closes. The worker's ready byte ends the handshake for both, so
+    # the client reads the end of the stream, dials again, and its call goes over the new connection. (Without
+    # it, the client took the handshake for done and the call failed with ConnectionLost.)
+    monkeypatch.setenv("RPCDL_HANDSHAKE_TIMEOUT", "1")  # the worker's: it reads it as it starts
+    [address] = spawn_workers(1)
+    rpcdl.shutdown()
+    monkeypatch.delenv("RPCDL_HANDSHAKE_TIMEOUT")  # the client keeps its own, longer deadline
+    refused_before = rpcdl.stats(address)["connections_refused"]
+    rpcdl.shutdown()
+    opened = shm.ClientSegment.open.__func__
+    maps: list[float] = []
+
+    def held_up_the_first_time(cls, offer):
+        maps.append(time.monotonic())
+        if len(maps) == 1:
+            time.sleep(2.0)  # on the loop's thread: nothing of this process reads or writes meanwhile
+        return opened(cls, offer)
+
+    monkeypatch.setattr(shm.ClientSegment, "open", classmethod(held_up_the_first_time))
+    tensor = rpcdl.rpc_sync(address, make_tensor, (3 * SAMPLE, 5), timeout=30)
+    assert (tensor == 5).all()
+    assert len(maps) == 2  # the stalled handshake, and the one that served the call
+    assert rpcdl.stats(address)["connections_refused"] == refused_before + 1  # the worker gave up on the first

@@ -13,6 +13,13 @@ offer (see :mod:`rpcdl.transport.shm`), inside the authenticated handshake::
     client -> worker   identity  32 bytes: the client's host identity
     worker -> client   segment   pid u32, fd u32, size u64, nonce (size 0: no segment for this client)
     client -> worker   confirm   1 if the client mapped that segment and found the nonce, else 0 (after a segment)
+    worker -> client   ready     1 (after a confirm): the worker's side of the handshake is over too
+
+The ready byte makes the two sides agree on the end: without it the client
+would be done once its confirm left, while the worker still waited to read it,
+and a client held up past the worker's deadline (a starved process) would send
+calls down a connection the worker was closing. With it, such a client reads
+the end of the stream instead, and dials again with its calls still queued.
 
 The flags byte of the hello says whether the client has a token, whether it can
 decode lz4, which compression mode it wants and whether it only observes
@@ -74,7 +81,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("rpcdl.shm")
 
 MAGIC = b"RPCDL\x00"
-VERSION = 1
+VERSION = 2  #: the protocol both sides must speak (2: a shared-memory handshake ends with the worker's ready byte)
+READY = b"\x01"  #: the worker's last byte of a handshake with a segment offered
 
 # The messages' layouts and bits, shared by the blocking sides here and the loop's
 # (rpcdl.transport.handshake_client, rpcdl.transport.handshake_server).
@@ -308,6 +316,8 @@ def client_steps(
     segment = ClientSegment.open(Offer(pid, fd, size, nonce)) if size >= HEADER_BYTES else None
     if size:
         yield Write(b"\x01" if segment is not None else b"\x00")
+        if (yield Read(1, "shared-memory ready")) != READY:
+            raise ProtocolError(f"{peer} ended the handshake with another byte than rpcdl's")
     return Agreement(mode, segment)
 
 
@@ -457,6 +467,7 @@ def _offer_segment(peer: str, size: int) -> Generator[Read | Write, bytes | None
         offer = segment.offer()
         yield Write(SEGMENT.pack(offer.pid, offer.fd, offer.size, offer.nonce))
         confirmed = (yield Read(1, "shared-memory confirmation")) == b"\x01"
+        yield Write(READY)
     except BaseException:
         segment.close()
         raise
