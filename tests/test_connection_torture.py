@@ -40,7 +40,7 @@ class _Torture:
     def __init__(self, stable: str, doomed: str) -> None:
         self.stable, self.doomed = stable, doomed
         self.lock = threading.Lock()
-        self.outcomes: list[tuple[str, float, str]] = []  # (address, when it was made, outcome)
+        self.outcomes: list[tuple[str, float, str, str]] = []  # (address, when it was made, outcome, its error)
         self.completions: collections.Counter[int] = collections.Counter()  # id(future) -> callbacks run
         self.futures: list = []
         self.crashed: list[str] = []  # threads that raised what they should not
@@ -51,14 +51,14 @@ class _Torture:
     def address(self, k: int) -> str:
         return self.stable if k % 2 else self.doomed
 
-    def record(self, address: str, made: float, outcome: str) -> None:
+    def record(self, address: str, made: float, outcome: str, error: BaseException | None = None) -> None:
         with self.lock:
-            self.outcomes.append((address, made, outcome))
+            self.outcomes.append((address, made, outcome, "" if error is None else str(error)))
 
     def answered_after(self, moment: float) -> bool:
         """Whether a call to the stable worker made after ``moment`` got its answer."""
         with self.lock:
-            return any(a == self.stable and made > moment and o == "ok" for a, made, o in self.outcomes)
+            return any(a == self.stable and made > moment and o == "ok" for a, made, o, _ in self.outcomes)
 
     def watch(self, future) -> None:
         with self.lock:
@@ -74,7 +74,7 @@ class _Torture:
         try:
             value = action(*args)
         except (ConnectionLost, WorkerUnavailable, WorkerTimeout, RRefNotFound) as exc:
-            self.record(address, made, type(exc).__name__)
+            self.record(address, made, type(exc).__name__, exc)
         else:
             self.record(address, made, "ok" if value == expected else f"wrong answer {value!r}, not {expected!r}")
 
@@ -96,7 +96,7 @@ def _pipelined_calls(torture: _Torture, index: int) -> None:
             try:
                 future = rpcdl.rpc_async(address, pow, (k, 1), timeout=CALL_TIMEOUT)
             except (ConnectionLost, WorkerUnavailable) as exc:
-                torture.record(address, made, type(exc).__name__)
+                torture.record(address, made, type(exc).__name__, exc)
             else:
                 torture.watch(future)
                 window.append((future, address, made, k))
@@ -115,7 +115,7 @@ def _calls_in_bursts(torture: _Torture) -> None:
             try:
                 calls.append((address, k, rpcdl.rpc_async(address, pow, (k, 1), timeout=CALL_TIMEOUT)))
             except (ConnectionLost, WorkerUnavailable) as exc:
-                torture.record(address, made, type(exc).__name__)
+                torture.record(address, made, type(exc).__name__, exc)
         for _, _, future in calls:
             torture.watch(future)
         for address, k, future in calls:
@@ -134,7 +134,7 @@ def _rrefs_dropped(torture: _Torture) -> None:
         try:
             rref = rpcdl.remote(address, list, (range(size),))
         except (ConnectionLost, WorkerUnavailable) as exc:
-            torture.record(address, made, type(exc).__name__)
+            torture.record(address, made, type(exc).__name__, exc)
         else:
             if k % 3 == 0:
                 torture.settle(address, made, rref.to_here, list(range(size)))
@@ -223,12 +223,14 @@ def test_threads_on_one_connection_get_every_answer_or_one_error_through_a_kill_
     assert set(completions) == {1}, f"futures by the number of times they completed: {dict(completions)}"
 
     by_fate: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
-    for address, made, outcome in torture.outcomes:
+    errors: dict[str, list[str]] = collections.defaultdict(list)  # "fate: outcome" -> when made, and the error
+    for address, made, outcome, error in torture.outcomes:
         if address == torture.stable:
             fate = "stable, after the shutdown" if made > torture.shut_down_at else "stable"
         else:
             fate = "doomed, before the kill" if made < torture.killed_at else "doomed"
         by_fate[fate, outcome] += collections.Counter([outcome])
+        errors[f"{fate}: {outcome}"].append(f"made at {made:.6f}: {error}")
     summary = {f"{fate}: {outcome}": count[outcome] for (fate, outcome), count in sorted(by_fate.items())}
     allowed = {
         # lost: in flight when rpcdl.shutdown() closed the connection; not found: an RRef made over it, which the
@@ -241,7 +243,11 @@ def test_threads_on_one_connection_get_every_answer_or_one_error_through_a_kill_
         "doomed": {"ok", "ConnectionLost", "WorkerUnavailable"},
     }
     unexplained = {key: count for key, count in summary.items() if key.split(": ")[1] not in allowed[key.split(":")[0]]}
-    assert not unexplained, f"outcomes its worker's fate does not explain: {unexplained} (all: {summary})"
+    assert not unexplained, (
+        f"outcomes its worker's fate does not explain: {unexplained} (all: {summary}; killed at "
+        f"{torture.killed_at:.6f}, shut down at {torture.shut_down_at:.6f}; the first errors: "
+        f"{ {key: errors[key][:4] for key in unexplained} })"
+    )
     assert summary.get("stable, after the shutdown: ok", 0) > 0 and summary.get("doomed, before the kill: ok", 0) > 0
 
     assert rpcdl.rpc_sync(torture.stable, pow, (7, 1)) == 7  # the survivor serves on
