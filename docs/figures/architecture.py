@@ -96,8 +96,8 @@ def main() -> None:
     legend_y = 1.45
     arrow(ax, (0.3, legend_y), (1.0, legend_y), CALL)
     ax.text(1.15, legend_y + 0.12, "CALL: the function and its arguments,\ne.g. fetch_batches_at(dataset id,\n"
-            "[(indices, seed)], collate_fn), pickled:\na few hundred bytes", va="top", fontsize=8.3, color=CALL,
-            linespacing=1.4)  # fmt: skip
+            "[(indices, number)], collate_fn,\n(seed, epoch)), pickled: a few hundred bytes", va="top", fontsize=8.3,
+            color=CALL, linespacing=1.4)  # fmt: skip
     arrow(ax, (5.0, legend_y), (4.3, legend_y), RESULT)
     ax.text(5.15, legend_y + 0.12, "RESULT: the collated batches; tensors\ntravel as out-of-band buffers, sent\n"
             "from their memory, received into\nthe final (pinned) tensor", va="top", fontsize=8.3, color=RESULT,
