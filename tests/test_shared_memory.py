@@ -275,10 +275,9 @@ def test_a_client_held_up_past_the_workers_handshake_deadline_dials_again_and_lo
     # it, the client took the handshake for done and the call failed with ConnectionLost.)
     monkeypatch.setenv("RPCDL_HANDSHAKE_TIMEOUT", "1")  # the worker's: it reads it as it starts
     [address] = spawn_workers(1)
-    rpcdl.shutdown()
-    monkeypatch.delenv("RPCDL_HANDSHAKE_TIMEOUT")  # the client keeps its own, longer deadline
+    monkeypatch.delenv("RPCDL_HANDSHAKE_TIMEOUT")  # the client's new connections keep their own, longer deadline
     refused_before = rpcdl.stats(address)["connections_refused"]
-    rpcdl.shutdown()
+    rpcdl.shutdown()  # the call below dials anew
     opened = shm.ClientSegment.open.__func__
     maps: list[float] = []
 
