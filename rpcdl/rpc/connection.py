@@ -281,8 +281,10 @@ class Connection:
         self._closed_from(state, closed, submitted, wait=True)
 
     def close_if_idle(self, reason: str) -> bool:
-        """Close the connection if it waits for no answer, deciding under its lock: a call made meanwhile either
-        keeps it open or is refused (:meth:`submit` returns ``False``), never failed by the close.
+        """Close the connection if it is open and waits for no answer, deciding under its lock: a call made
+        meanwhile either keeps it open or is refused (:meth:`submit` returns ``False``), never failed by the
+        close. One still connecting is not idle: whoever asked for it is about to call (so a call refused
+        here finds, when it asks again, a new connection that no such close can take from it).
 
         Its caller takes it out of the pool first (:func:`rpcdl.rpc.pool.close_idle_connections_to`, under
         the pool's lock), so ``on_close`` is not called; nor is the loop waited for: no call is left to fail.
@@ -291,11 +293,11 @@ class Connection:
             reason: why, for a call that raced the close.
 
         Returns:
-            whether this closed it (``False``: calls are in flight, or it was closed already).
+            whether this closed it (``False``: still connecting, calls are in flight, or it was closed already).
         """
         with self._lock:
             state = self._state
-            if isinstance(state, Closed) or self._calls or self._submitted:
+            if not isinstance(state, Open) or self._calls or self._submitted:
                 return False
             self._state = closed = Closed(reason, ConnectionLost)
         self._closed_from(state, closed, [], wait=False)

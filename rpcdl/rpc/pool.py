@@ -126,8 +126,8 @@ def close_connections_to(address: str, reason: str) -> None:
 def close_idle_connections_to(address: str, reason: str) -> int:
     """Close this process's connections to ``address`` that wait for no answer: a worker no longer needed.
 
-    A connection with calls pending is left open (another caller still uses
-    it). Each is judged idle and closed in one step, under its lock: a call
+    A connection with calls pending, or still connecting, is left open
+    (another caller uses it, or is about to). Each is judged idle and closed in one step, under its lock: a call
     made meanwhile keeps it open, or finds it closed and opens a new one; no
     call is failed by the close.
 
