@@ -8,10 +8,13 @@ loop is busy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from helpers import start_worker_process
 
 import rpcdl
 from rpcdl.processes import stop_process
+from rpcdl.rpc import connection
 from rpcdl.transport import event_loop
 from rpcdl.transport.socket_stream import SocketStream
 
@@ -141,26 +145,38 @@ def worker_process():
         stop_process(process, grace=5.0)
 
 
+@contextlib.contextmanager
+def _loop_held() -> Iterator[threading.Event]:
+    """Hold this process's loop with a callback until the block ends, or until the event it gives is set."""
+    held, release = threading.Event(), threading.Event()
+    event_loop.call_soon(lambda: (held.set(), release.wait(20)))
+    try:
+        assert held.wait(10)
+        yield release
+    finally:
+        release.set()
+
+
+def _appears(path: Path, seconds: float = 5.0) -> bool:
+    """Whether ``path`` exists within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_a_call_over_plain_tcp_is_sent_by_its_caller_while_the_loop_is_busy(worker_process, tmp_path):
     """The frame goes out from the calling thread: a worker in another process runs the call while this
     process's loop is held by a callback."""
-    held, release = threading.Event(), threading.Event()
-    try:
-        assert rpcdl.rpc_sync(worker_process, pow, (2, 3), timeout=30) == 8  # connected
-        marker = tmp_path / "ran"
-        event_loop.call_soon(lambda: (held.set(), release.wait(20)))
-        assert held.wait(10)
+    assert rpcdl.rpc_sync(worker_process, pow, (2, 3), timeout=30) == 8  # connected
+    marker = tmp_path / "ran"
+    with _loop_held():
         future = rpcdl.rpc_async(worker_process, marker.mkdir, timeout=30)
-        for _ in range(100):
-            if marker.exists():
-                break
-            release.wait(0.05)
-        ran_while_held = marker.exists()
-        release.set()
-        future.wait()
-        assert ran_while_held, "the call did not reach the worker while the client's loop was busy"
-    finally:
-        release.set()
+        ran_while_held = _appears(marker)
+    future.wait()
+    assert ran_while_held, "the call did not reach the worker while the client's loop was busy"
 
 
 def test_an_answer_with_a_payload_larger_than_its_first_memory_arrives_whole(worker_process):
@@ -170,19 +186,44 @@ def test_an_answer_with_a_payload_larger_than_its_first_memory_arrives_whole(wor
     assert len(answer) == size and answer.count(0) == size
 
 
-def test_a_tensor_may_change_once_its_call_returns_while_another_call_is_in_flight(worker_process):
-    """With a call in flight the frame goes to the loop, which writes it later: its tensor is copied first."""
-    held, release = threading.Event(), threading.Event()
-    try:
-        assert rpcdl.rpc_sync(worker_process, pow, (2, 3), timeout=30) == 8  # connected
-        slow = rpcdl.rpc_async(worker_process, time.sleep, (0.5,), timeout=30)
-        event_loop.call_soon(lambda: (held.set(), release.wait(20)))
-        assert held.wait(10)
+def test_a_call_made_while_another_is_in_flight_is_sent_by_its_caller_too(worker_process, tmp_path):
+    """A pipeline's calls do not wait for the loop either: with a call in flight, whose answer the held loop
+    cannot read, the next call still reaches the worker."""
+    assert rpcdl.rpc_sync(worker_process, pow, (2, 3), timeout=30) == 8  # connected
+    marker = tmp_path / "ran"
+    slow = rpcdl.rpc_async(worker_process, time.sleep, (0.2,), timeout=30)
+    with _loop_held():
+        future = rpcdl.rpc_async(worker_process, marker.mkdir, timeout=30)
+        ran_while_held = _appears(marker)
+    slow.wait()
+    future.wait()
+    assert ran_while_held, "the call made with another in flight did not reach the worker while the loop was busy"
+
+
+def test_calls_made_while_connecting_and_as_it_opens_reach_the_worker_in_the_order_made(worker_process, monkeypatch):
+    """The calls queued while connecting go first: none made as the connection opens, which its caller may
+    write itself, overtakes them (the worker runs one call at a time, in the order received). The loop is
+    slowed for 0.3 s between opening the connection and writing what was queued, where a caller's write
+    would overtake."""
+    serves = connection.worker_serves
+    monkeypatch.setattr(connection, "worker_serves", lambda address: (time.sleep(0.3), serves(address)))
+    rpcdl.shutdown()  # the connection to this worker is made again, below, while the loop is held
+    with _loop_held() as release:
+        futures = [rpcdl.rpc_async(worker_process, time.monotonic_ns, timeout=30) for _ in range(50)]
+        release.set()
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            futures.append(rpcdl.rpc_async(worker_process, time.monotonic_ns, timeout=30))
+            time.sleep(0.002)
+    times = [future.wait() for future in futures]
+    assert times == sorted(times), "a call reached the worker before one made earlier"
+
+
+def test_a_tensor_may_change_once_its_call_returns_while_its_connection_opens(worker_process):
+    """A call made while connecting goes to the loop, which writes it once open: its tensor is copied first."""
+    rpcdl.shutdown()  # the connection to this worker is made again, below, while the loop is held
+    with _loop_held():
         tensor = torch.ones(1000)
         future = rpcdl.rpc_async(worker_process, torch.sum, (tensor,), timeout=30)
-        tensor.zero_()  # allowed once rpc_async returned; the loop has not written the call yet
-        release.set()
-        assert future.wait().item() == 1000.0
-        slow.wait()
-    finally:
-        release.set()
+        tensor.zero_()  # allowed once rpc_async returned; the loop has not even dialed yet
+    assert future.wait().item() == 1000.0

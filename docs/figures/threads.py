@@ -90,7 +90,7 @@ def draw_trainer(ax):
         "training thread (any thread in an epoch's next())",
         "advances its epoch in next(): owns the pass (tasks waiting, in flight,\n"
         "finished; its stage) and the iterator's stage. It submits calls (over\n"
-        "plain TCP, with none in flight, it writes the frame itself) and\n"
+        "plain TCP, once open, it writes the frame itself) and\n"
         "unpickles the answers it takes; it never reads a socket.\n"
         "A second thread entering the same next() gets a RuntimeError.",
     )

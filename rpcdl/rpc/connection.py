@@ -18,13 +18,15 @@ Threads and what each owns (the one statement of the connection's model):
 * **Any thread** makes calls (:meth:`Connection.submit`) and waits on their
   futures; it unpickles the answers it asks for
   (:class:`~rpcdl.rpc.calls.CallFuture`). Over an open plain socket, a call
-  made while no other is in flight and none waits for the loop is written by
-  its caller (with the releases waiting):
+  made while none waits for the loop to write it is written by its caller
+  (with the releases waiting):
   :class:`~rpcdl.transport.socket_stream.SocketStream` sends it at once, so
-  a lone call (``rpc_sync``) costs one ``send`` and no wakeup of the loop.
-  Other calls go to the loop, a burst in one write; since a call handed to
-  the loop is in flight until answered, a call written by its caller never
-  overtakes one made before it. It never reads the socket.
+  a call costs one ``send`` and no wakeup of the loop, whether others are in
+  flight (a loader's pipeline) or not (``rpc_sync``). Calls made while
+  connecting, or while calls handed to the loop wait to be written, go to
+  the loop, a burst in one write; until the loop has written them (those
+  queued while connecting included), no caller writes, so a call written by
+  its caller never overtakes one made before it. It never reads the socket.
 * **One lock**, ``Connection._lock``, guards the lifecycle state (exactly one
   of :class:`~rpcdl.rpc.state.Connecting`, :class:`~rpcdl.rpc.state.Open`,
   :class:`~rpcdl.rpc.state.Leaving`, :class:`~rpcdl.rpc.state.Closed`; a
@@ -32,7 +34,8 @@ Threads and what each owns (the one statement of the connection's model):
   :class:`~rpcdl.rpc.state.PendingCalls` (a call is added before a byte of
   it is written, so its answer always finds it) and the calls submitted but
   not yet written by the loop (``_submitted``, with ``_posted``: whether the
-  loop was asked to take them and has not written them yet), and the time
+  loop was asked to write calls, submitted or queued while connecting, and
+  has not written them yet), and the time
   the loop's overdue timer is armed for (``_overdue_at``; ``inf`` when none
   is), which a call reads to post the loop a sooner timer only when its
   deadline comes first. A burst of such calls costs the loop one wakeup: the
@@ -255,9 +258,9 @@ class Connection:
         return True
 
     def _writes_directly(self) -> bool:
-        """Whether a call made now is written by its caller (see the module): open over a plain socket, no call
-        in flight and none waiting for the loop (exact under ``_lock``, a hint outside it)."""
-        return _written_by_caller(self._state) and not self._posted and not self._calls
+        """Whether a call made now is written by its caller (see the module): open over a plain socket, none
+        waiting for the loop to write it (exact under ``_lock``, a hint outside it)."""
+        return _written_by_caller(self._state) and not self._posted
 
     def release(self, uid: int) -> None:
         """Queue ``uid`` to be freed on the worker: one atomic append, no lock (safe in a finalizer)."""
@@ -446,6 +449,7 @@ class Connection:
             state = self._state
             if state is connecting:
                 self._state = opened = Open(transport, protocol, agreed.segment, agreed.compression)
+                self._posted |= bool(connecting.queued)  # they go first: no caller writes before the loop has
         if state is not connecting:  # closed meanwhile: nobody else has seen this transport
             transport.abort()
             return
@@ -454,8 +458,11 @@ class Connection:
         protocol.connection_made(transport)
         self._tick = asyncio.get_running_loop().call_later(TICK, self._on_tick)
         if connecting.queued or self._releases:
-            self._write(opened, connecting.queued)
-            connecting.queued = []
+            try:
+                self._write(opened, connecting.queued)
+            finally:
+                connecting.queued = []
+                self._take_submitted()  # those made since, if any; then callers may write
 
     def _connect_failed(self, exc: OSError) -> float:
         """Note a failed attempt to connect; fail the calls overdue; return until when calls still want a
