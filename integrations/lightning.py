@@ -394,7 +394,7 @@ class RPCDataModule(pl.LightningDataModule):
         timeout: float = 120.0,
         seed: int | None = None,
         num_local_workers: int = 2,
-        max_batches_per_call: int = 16,
+        max_batches_per_call: int = 32,
     ):
         super().__init__()
         check_positive_int(batch_size, "batch_size")

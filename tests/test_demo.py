@@ -61,8 +61,8 @@ def test_short_demo_with_its_own_workers_learns(tmp_path, monkeypatch, capsys):
     # 2 x 30 training batches, 2 sanity-check and 2 x 3 validation batches, plus what was prefetched
     assert sum(w["batches"] for w in summary["workers"].values()) >= 2 * 30 + 2 + 2 * 3
     for address, counters in summary["workers"].items():
-        # a call carries one batch, or a chunk of up to max_batches_per_call (16 by default) quick ones
-        assert 0 < counters["batches"] <= 16 * counters["calls"] and counters["busy_s"] > 0
+        # a call carries one batch, or a chunk of up to max_batches_per_call (32 by default) quick ones
+        assert 0 < counters["batches"] <= 32 * counters["calls"] and counters["busy_s"] > 0
         assert address in out
     assert f"validation accuracy  {summary['val_acc']:.3f}" in out
     assert "samples/s" in out

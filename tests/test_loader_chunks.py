@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import rpcdl
+from rpcdl.data.epoch import TARGET_CHUNK_BYTES
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -75,7 +76,7 @@ def test_max_batches_per_call_one_fetches_each_batch_in_its_own_call(two_workers
 
 
 def test_large_batches_go_one_per_call(two_workers):
-    dataset = rpcdl.RPCDataset(two_workers, helpers.ArrayDataset, 96, 64 * 1024)  # batches of 256 KB
+    dataset = rpcdl.RPCDataset(two_workers, helpers.ArrayDataset, 96, TARGET_CHUNK_BYTES // 4)  # batches that large
     loader = rpcdl.RPCDataloader(dataset, batch_size=4)
     before = helpers.worker_calls(two_workers)[0]
     assert [int(b[0, 0]) for b in loader] == list(range(0, 96, 4))

@@ -81,7 +81,7 @@ WAIT_LOGGER = logging.getLogger("rpcdl.dataloader.wait")
 
 #: The size of the answer a chunk of batches aims at, in bytes. Enough batches to make a call's overhead
 #: small, few enough that the batches in flight stay a few MB and that a chunk crosses a slow link quickly.
-TARGET_CHUNK_BYTES = 256 * 1024
+TARGET_CHUNK_BYTES = 512 * 1024
 
 #: An epoch whose consumer waited for data more than this fraction of its time logs a warning as it ends.
 WAIT_WARNING_FRACTION = 0.05
