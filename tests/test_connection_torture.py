@@ -51,9 +51,12 @@ class _Torture:
     def address(self, k: int) -> str:
         return self.stable if k % 2 else self.doomed
 
-    def record(self, address: str, made: float, outcome: str, error: BaseException | None = None) -> None:
+    def record(self, address: str, made: float, outcome: str, error: str = "") -> None:
         with self.lock:
-            self.outcomes.append((address, made, outcome, "" if error is None else str(error)))
+            self.outcomes.append((address, made, outcome, error))
+
+    def record_error(self, address: str, made: float, error: BaseException) -> None:
+        self.record(address, made, type(error).__name__, str(error))
 
     def answered_after(self, moment: float) -> bool:
         """Whether a call to the stable worker made after ``moment`` got its answer."""
@@ -74,7 +77,7 @@ class _Torture:
         try:
             value = action(*args)
         except (ConnectionLost, WorkerUnavailable, WorkerTimeout, RRefNotFound) as exc:
-            self.record(address, made, type(exc).__name__, exc)
+            self.record_error(address, made, exc)
         else:
             self.record(address, made, "ok" if value == expected else f"wrong answer {value!r}, not {expected!r}")
 
@@ -96,7 +99,7 @@ def _pipelined_calls(torture: _Torture, index: int) -> None:
             try:
                 future = rpcdl.rpc_async(address, pow, (k, 1), timeout=CALL_TIMEOUT)
             except (ConnectionLost, WorkerUnavailable) as exc:
-                torture.record(address, made, type(exc).__name__, exc)
+                torture.record_error(address, made, exc)
             else:
                 torture.watch(future)
                 window.append((future, address, made, k))
@@ -115,7 +118,7 @@ def _calls_in_bursts(torture: _Torture) -> None:
             try:
                 calls.append((address, k, rpcdl.rpc_async(address, pow, (k, 1), timeout=CALL_TIMEOUT)))
             except (ConnectionLost, WorkerUnavailable) as exc:
-                torture.record(address, made, type(exc).__name__, exc)
+                torture.record_error(address, made, exc)
         for _, _, future in calls:
             torture.watch(future)
         for address, k, future in calls:
@@ -134,7 +137,7 @@ def _rrefs_dropped(torture: _Torture) -> None:
         try:
             rref = rpcdl.remote(address, list, (range(size),))
         except (ConnectionLost, WorkerUnavailable) as exc:
-            torture.record(address, made, type(exc).__name__, exc)
+            torture.record_error(address, made, exc)
         else:
             if k % 3 == 0:
                 torture.settle(address, made, rref.to_here, list(range(size)))

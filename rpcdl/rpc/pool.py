@@ -127,9 +127,9 @@ def close_idle_connections_to(address: str, reason: str) -> int:
     """Close this process's connections to ``address`` that wait for no answer: a worker no longer needed.
 
     A connection with calls pending, or still connecting, is left open
-    (another caller uses it, or is about to). Each is judged idle and closed in one step, under its lock: a call
-    made meanwhile keeps it open, or finds it closed and opens a new one; no
-    call is failed by the close.
+    (another caller uses it, or is about to). Each is judged idle and closed
+    in one step, under its lock: a call made meanwhile keeps it open, or
+    finds it closed and opens a new one; no call is failed by the close.
 
     Args:
         address: the worker, ``"host:port"`` as the connections were asked for.
@@ -151,13 +151,13 @@ def close_idle_connections_to(address: str, reason: str) -> int:
         _pool = {key: c for key, c in _pool.items() if key[0] != address}  # lookups miss them from now on
         # Each decides under its own lock (taken under _pool_lock, never the other way round): a call made
         # meanwhile keeps it open, and it goes back into the pool before any other connection can be opened.
-        closing = [c for c in mine.values() if c.close_if_idle(reason)]
-        kept = {key: c for key, c in mine.items() if not any(c is closed for closed in closing)}
+        kept = {key: c for key, c in mine.items() if not c.close_if_idle(reason)}
         if kept:
             _pool = {**_pool, **kept}
-    if closing:
+    closed = len(mine) - len(kept)
+    if closed:
         log.info("closed the idle connection to %s: %s", address, reason)
-    return len(closing)
+    return closed
 
 
 def _after_fork_in_child() -> None:
