@@ -8,7 +8,7 @@ carried the items (how many, how many items each).
 
 The calls matter: a call's own worker CPU is shared by the items of its
 chunk, and a chunk holds what the client pulled from the source within
-``rpcdl.data.chunked_pass.TARGET_CHUNK_SECONDS`` (2 ms) of wall time. A
+``rpcdl.data.chunked_pass.TARGET_CHUNK_SECONDS`` (4 ms) of wall time. A
 preempted client pulls fewer, so on a busy machine the CPU per item follows
 the load. ``--fill-seconds 1`` lets every chunk fill to the bound, which takes
 that out: then two versions compare on their code alone. Run it with each

@@ -86,7 +86,7 @@ class RPCMapper(_RemoteMapOwner, BaseNode[T]):
 
     Items come out in the order of ``source``. They travel in chunks: one call
     maps a list of items on a worker. A chunk starts at one item and grows
-    while ``fn`` is cheap (aiming at about 2 ms of work per call, at most
+    while ``fn`` is cheap (aiming at about 4 ms of work per call, at most
     ``max_chunk_size`` items); filling one never waits for a slow source, it
     goes with the items there. Each chunk goes to the worker expected to finish
     it first, at most ``prefetch_factor`` chunks (2 at least) in flight per worker, and at

@@ -27,10 +27,10 @@ def test_a_chunk_grows_by_doubling_up_to_its_bound():
 def test_a_chunk_aims_at_its_seconds_and_shrinks_at_once_when_items_get_slower():
     sizer = ChunkSizer(256, timeout=120)
     for _ in range(10):
-        sizer.observe(sizer.size, seconds=sizer.size * 1e-4)  # 100 us an item: 20 in 2 ms
-    assert sizer.size == 20
-    sizer.observe(20, seconds=20 * 1e-3)
-    assert sizer.size == 2
+        sizer.observe(sizer.size, seconds=sizer.size * 1e-4)  # 100 us an item: 40 in 4 ms
+    assert sizer.size == 40
+    sizer.observe(40, seconds=40 * 1e-3)
+    assert sizer.size == 4
     sizer.observe(2, seconds=2 * 0.1)
     assert sizer.size == 1
 
@@ -134,9 +134,9 @@ def test_a_source_of_some_microseconds_an_item_fills_its_chunk_for_as_long_as_a_
             yield item
 
     # 150 us an item (a torchdata node asked for its state after each) is not slow: pulling goes on until an
-    # item comes after 2 ms, the 14th.
+    # item comes after 4 ms, the 27th.
     reader = ChunkReader(source(150e-6), _grown(ChunkSizer(64, timeout=120), 64))
-    assert len(next(reader)) == 14
+    assert len(next(reader)) == 27
     # An item that takes longer than FILL_SECONDS to come ends its chunk: the next may be as slow.
     reader = ChunkReader(source(chunked_pass.FILL_SECONDS * 1.5), _grown(ChunkSizer(64, timeout=120), 64))
     assert len(next(reader)) == 1

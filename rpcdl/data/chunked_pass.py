@@ -80,7 +80,7 @@ __all__ = [
 ]
 
 #: Seconds of work (measured on the worker) a chunk aims at, enough to make a call's overhead small.
-TARGET_CHUNK_SECONDS = 0.002
+TARGET_CHUNK_SECONDS = 0.004
 #: Seconds an item may take to come from the source before its chunk goes as it is (the source is slow).
 FILL_SECONDS = 0.001
 

@@ -88,7 +88,7 @@ class RPCDataloader:
             a chunk of consecutive small batches (see ``max_batches_per_call``).
         max_batches_per_call: the most batches (samples, with
             ``batch_size=None``) one call may fetch. Cheap, small batches go
-            in chunks of up to that many, about 2 ms of work and 512 KB per
+            in chunks of up to that many, about 4 ms of work and 512 KB per
             call, which divides the cost of a call between them; batches of
             a few hundred KB or more, or slow ones, go one per call, as they
             do with ``1``.

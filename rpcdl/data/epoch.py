@@ -2,7 +2,7 @@
 
 An epoch is a :class:`~rpcdl.data.chunked_pass.ChunkedPass` over the
 sampler's batches: each call fetches a chunk of consecutive batches on a
-worker, as many as take about 2 ms there and answer at most
+worker, as many as take about 4 ms there and answer at most
 :data:`TARGET_CHUNK_BYTES`, up to the loader's ``max_batches_per_call``. Small
 batches then cost one call per chunk instead of one per batch; a batch of a
 few hundred KB or more, or a slow one, still has its own call. Each batch
