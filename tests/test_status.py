@@ -28,6 +28,22 @@ def run_status(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     )
 
 
+def start_watch(*args: str) -> subprocess.Popen:
+    """``rpcdl status --watch *args`` in a process of its own, stopped by SIGINT as by Ctrl-C.
+
+    A shell that starts pytest in the background (``&``, no job control) has it ignore SIGINT, its children
+    too, and Python then installs no handler for it: the watcher puts it back, as a terminal's process has it.
+    """
+    code = (
+        "import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"from rpcdl.cli import main\nsys.exit(main(['status', '--watch', *{list(args)!r}]))\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment
+    )
+
+
 def remote_pid() -> int:
     return os.getpid()
 
@@ -221,14 +237,7 @@ def test_timeout_is_a_deprecated_spelling_of_answer_timeout():
 
 def test_watch_reports_rates_over_the_interval_and_stops_on_ctrl_c(spawn_workers):
     (address,) = spawn_workers(1)
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "rpcdl", "status", "--watch", "--interval", "0.3", "--json", address],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment,
-    )
+    watch = start_watch("--interval", "0.3", "--json", address)
     try:
         loader = rpcdl.RPCDataloader(rpcdl.RPCDataset([address], RangeDataset, 64), batch_size=4)
         readings = []
@@ -251,15 +260,7 @@ def test_watch_reports_rates_over_the_interval_and_stops_on_ctrl_c(spawn_workers
 
 
 def test_watch_ends_with_1_when_a_worker_did_not_answer_its_last_reading():
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    refused = f"127.0.0.1:{free_port()}"
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "rpcdl", "status", "--watch", "--interval", "0.2", "--json", refused],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment,
-    )
+    watch = start_watch("--interval", "0.2", "--json", f"127.0.0.1:{free_port()}")
     try:
         (row,) = json.loads(watch.stdout.readline())["workers"]
         assert row["state"] == "refused"
