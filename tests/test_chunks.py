@@ -31,7 +31,7 @@ def test_a_chunk_aims_at_its_seconds_and_shrinks_at_once_when_items_get_slower()
     assert sizer.size == 40
     sizer.observe(40, seconds=40 * 1e-3)
     assert sizer.size == 4
-    sizer.observe(2, seconds=2 * 0.1)
+    sizer.observe(4, seconds=4 * 0.1)
     assert sizer.size == 1
 
 
