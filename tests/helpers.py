@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Dataset
@@ -185,6 +185,20 @@ def start_worker_process(*options: str) -> tuple[subprocess.Popen, str]:
     except BaseException:
         stop_process(process, grace=1.0)
         raise
+
+
+def eventually(condition: Callable[[], object], what: str, timeout: float = 10.0, interval: float = 0.01) -> None:
+    """Poll ``condition`` every ``interval`` seconds until it holds; after ``timeout`` seconds, fail naming ``what``.
+
+    Example::
+
+        eventually(lambda: worker.stats()["clients"] == 0, "the session to be forgotten")
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g}s for {what}")
+        time.sleep(interval)
 
 
 def free_port() -> int:

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -27,13 +26,6 @@ from rpcdl.server.process import add_address, process_exists, remove_address
 pytestmark = pytest.mark.timeout(120)
 
 _WAIT = 30.0
-
-
-def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_add_lists_an_address_once_and_remove_keeps_the_other_lines(tmp_path):

@@ -10,7 +10,6 @@ iproute2).
 from __future__ import annotations
 
 import subprocess
-import time
 
 import helpers
 import pytest
@@ -92,14 +91,6 @@ def test_the_datamodule_across_the_cluster(cluster, with_token):
     assert len({pid for record in model.records for pid in record["pids"]}) == 2
 
 
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still waiting after {timeout:g}s for {what}")
-        time.sleep(0.1)
-
-
 def test_a_link_cut_mid_epoch_loses_and_repeats_nothing_and_the_worker_rejoins(cluster, with_token):
     dataset = rpcdl.RPCDataset(cluster.workers, helpers.RangeDataset, 120, 0.03)
     loader = rpcdl.RPCDataloader(dataset, batch_size=2, timeout=2.0)
@@ -121,7 +112,9 @@ def test_a_link_cut_mid_epoch_loses_and_repeats_nothing_and_the_worker_rejoins(c
         assert batch_indices(loader) == list(range(120))
         return loader.batches_served[cluster.workers[0]] > served_before
 
-    wait_until(rejoined, 60, f"worker {cluster.workers[0]} to serve batches again once its link is back")
+    helpers.eventually(
+        rejoined, f"worker {cluster.workers[0]} to serve batches again once its link is back", timeout=60
+    )
 
 
 def test_a_link_throttled_mid_epoch_is_treated_as_a_straggler(cluster, with_token):

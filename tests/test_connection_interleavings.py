@@ -17,7 +17,7 @@ import time
 
 import pytest
 from blocking_wire import FrameReader, server_negotiate
-from helpers import GATES, gated, gated_workers
+from helpers import GATES, eventually, gated, gated_workers
 
 import rpcdl
 import rpcdl.rpc.connection
@@ -48,13 +48,6 @@ def worker():
 def _gate(name: str) -> threading.Event:
     GATES[name] = threading.Event()
     return GATES[name]
-
-
-def _until(predicate, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.001)
 
 
 def _opened(address: str) -> client.Connection:
@@ -228,7 +221,7 @@ def test_a_peer_that_closes_in_the_middle_of_a_frame_fails_every_pending_call():
             target=lambda: outcome.append(_raised(lambda: rpcdl.rpc_sync(address, abs, (-9,)))), name="waiter"
         )
         waiter.start()
-        _until(lambda: connection.status().pending == 5, "the waiter's call is pending")
+        eventually(lambda: connection.status().pending == 5, "the waiter's call is pending", timeout=5, interval=0.001)
         assert not first.done()  # half a frame: the reader waits for the rest
         started = time.monotonic()
         close.set()
@@ -251,7 +244,7 @@ def test_closing_the_connection_while_a_caller_waits_fails_its_call(worker):
         target=lambda: outcome.append(_raised(lambda: rpcdl.rpc_sync(address, gated, ("never", 0)))), name="caller"
     )
     caller.start()
-    _until(lambda: worker.stats()["calls_in_flight"] == 1, "the worker runs the call")
+    eventually(lambda: worker.stats()["calls_in_flight"] == 1, "the worker runs the call", timeout=5, interval=0.001)
     connection.close("closed by the test")
     caller.join(5)
     assert outcome == [ConnectionLost]
@@ -282,7 +275,7 @@ def test_an_unexpected_frame_read_with_an_answer_delivers_the_answer_then_fails_
     ):
         first = rpcdl.rpc_async(address, abs, (-1,))
         connection = client.connection_to(address)
-        _until(lambda: connection.status().state == "open", "the connection is open")
+        eventually(lambda: connection.status().state == "open", "the connection is open", timeout=5, interval=0.001)
         second = rpcdl.rpc_async(address, abs, (-2,))
         gate.set()
         assert answered.wait(5)
@@ -379,10 +372,11 @@ def test_closing_idle_connections_while_threads_call_fails_no_call(worker, switc
     for thread in threads:
         thread.start()
     try:
-        _until(
+        eventually(
             lambda: (min(answered) >= 1000 and closed[0] >= 100) or failed,
             f"calls and closes went on together (answered {answered}, closed {closed[0]})",
             timeout=15,
+            interval=0.001,
         )
     finally:
         stop.set()

@@ -272,13 +272,6 @@ def test_a_rank_whose_own_workers_all_die_takes_the_others(spawn_workers, caplog
 # ---------------------------------------------------------------------------- sources that change
 
 
-def _wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def _join_mid_epoch(loader, add, newcomer: str, n: int) -> None:
     """Run an epoch of ``loader``, calling ``add()`` after its 3rd batch; ``newcomer`` must serve in it."""
     seen, _ = _run_epoch(loader, lambda i: add() if i == 2 else None)
@@ -303,7 +296,7 @@ def test_a_worker_added_to_the_file_serves_mid_epoch_and_one_removed_drains(spaw
     # The first one leaves the file: its calls in flight finish, it is given no more.
     seen, _ = _run_epoch(loader, lambda i: listing.write_text(f"{second[0]}\n") if i == 2 else None)
     assert sorted(seen) == list(range(n))
-    _wait_until(lambda: loader.worker_states()[first[0]] == "left")
+    helpers.eventually(lambda: loader.worker_states()[first[0]] == "left", "the first worker to be left", timeout=30)
     served = loader.batches_served[first[0]]
     seen, _ = _run_epoch(loader)
     assert sorted(seen) == list(range(n)) and loader.batches_served[first[0]] == served
@@ -428,7 +421,7 @@ def test_a_worker_killed_while_it_rebuilds_its_dataset_rejoins(spawn_workers, tm
     _restart(workers, 1)  # it lost its dataset: the loader rebuilds it there
 
     def kill_during_rebuild() -> None:
-        _wait_until(building.exists)
+        helpers.eventually(building.exists, "the dataset to start building", timeout=30)
         workers.kill(1)
 
     killer = threading.Thread(target=kill_during_rebuild, name="test-killer")

@@ -34,13 +34,6 @@ from rpcdl.transport.wire import Frame, Kind, Limits, encode_frame
 _WAIT = 10.0
 
 
-def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def sleep_and_return(seconds: float, value):
     time.sleep(seconds)
     return value
@@ -96,10 +89,10 @@ def test_a_leaving_worker_answers_its_calls_in_flight_and_new_calls_fail_at_once
     try:
         assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
         in_flight = [rpcdl.rpc_async(address, sleep_and_return, (1.5, i)) for i in range(3)]  # 2 run, 1 queued
-        _eventually(lambda: worker.calls_in_flight == 3, "the calls to reach the worker")
+        helpers.eventually(lambda: worker.calls_in_flight == 3, "the calls to reach the worker")
         stopper = threading.Thread(target=worker.stop, kwargs={"grace": 30.0}, name="test-stopper")
         stopper.start()
-        _eventually(lambda: is_leaving(address), "the client to hear LEAVING")
+        helpers.eventually(lambda: is_leaving(address), "the client to hear LEAVING")
         assert heard == [address]
         assert worker.phase is Phase.DRAINING
 
@@ -128,8 +121,8 @@ def test_a_worker_that_left_is_not_awaited_and_one_back_at_its_address_is_used(e
     assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
     connection = connection_to(address)
     worker.stop(grace=5.0)
-    _eventually(lambda: is_leaving(address), "the idle client to hear LEAVING")
-    _eventually(lambda: connection.closed, "the idle client to see the connection closed")
+    helpers.eventually(lambda: is_leaving(address), "the idle client to hear LEAVING")
+    helpers.eventually(lambda: connection.closed, "the idle client to see the connection closed")
     started = time.monotonic()
     with pytest.raises(WorkerUnavailable, match="not reachable") as caught:  # refused, and not retried
         rpcdl.rpc_sync(address, min, (1, 2), timeout=60.0)
@@ -150,7 +143,7 @@ def test_a_draining_worker_says_leaving_first_then_rejects_calls_as_worker_leavi
     with socket.create_connection((host, int(port)), timeout=_WAIT) as sock:
         client_negotiate(sock, None, worker.address, compression="off")
         stream = io_stream(sock, receive=_WAIT, send=_WAIT)
-        _eventually(lambda: worker.stats()["clients"] == 1, "the session to start")
+        helpers.eventually(lambda: worker.stats()["clients"] == 1, "the session to start")
         assert worker.drain(grace=7.0, reason="a test") and not worker.drain()  # once
         reader = FrameReader(stream, Limits(), stall_timeout=_WAIT)
         notice = reader.read_frame()
@@ -171,9 +164,9 @@ def test_sigterm_drains_a_worker_process_which_exits_zero():
     process, address = helpers.start_worker_process("--parallel", "2", "--drain-timeout", "30")
     try:
         in_flight = [rpcdl.rpc_async(address, sleep_and_return, (2.0, i)) for i in range(2)]
-        _eventually(lambda: rpcdl.stats(address)["calls_in_flight"] == 2, "the calls to run")
+        helpers.eventually(lambda: rpcdl.stats(address)["calls_in_flight"] == 2, "the calls to run")
         process.send_signal(signal.SIGTERM)
-        _eventually(lambda: is_leaving(address), "the client to hear LEAVING")
+        helpers.eventually(lambda: is_leaving(address), "the client to hear LEAVING")
         with pytest.raises(WorkerLeaving):
             rpcdl.rpc_sync(address, min, (1, 2))
         assert [future.wait() for future in in_flight] == [0, 1]
@@ -189,9 +182,9 @@ def test_a_second_signal_stops_a_draining_worker_at_once():
     process, address = helpers.start_worker_process("--drain-timeout", "100")
     try:
         long_call = rpcdl.rpc_async(address, sleep_and_return, (100.0, "never"))
-        _eventually(lambda: rpcdl.stats(address)["calls_in_flight"] == 1, "the call to run")
+        helpers.eventually(lambda: rpcdl.stats(address)["calls_in_flight"] == 1, "the call to run")
         process.send_signal(signal.SIGINT)
-        _eventually(lambda: is_leaving(address), "the client to hear LEAVING")
+        helpers.eventually(lambda: is_leaving(address), "the client to hear LEAVING")
         time.sleep(SAME_SIGNAL_WINDOW + 0.2)  # a second signal at once would be the same notice
         assert process.poll() is None  # draining: the call has 100 s
         process.send_signal(signal.SIGINT)
@@ -216,7 +209,7 @@ def test_launch_and_run_worker_drain_on_sigterm_too():
         address = read_ready_line(process, 60.0)
         assert rpcdl.rpc_sync(address, os.getpid) == process.pid
         process.send_signal(signal.SIGTERM)
-        _eventually(lambda: is_leaving(address), "the client to hear LEAVING")
+        helpers.eventually(lambda: is_leaving(address), "the client to hear LEAVING")
         assert process.wait(_WAIT) == 0
     finally:
         stop_process(process, grace=1.0)
@@ -248,7 +241,7 @@ def test_a_worker_sent_sigterm_mid_epoch_drains_and_the_epoch_ends_exactly_once_
     assert sorted(seen) == list(range(96))
     assert max(waits) < 30, f"a batch waited for the timeout: {max(waits):.1f}s"  # 60 s: none comes near
     assert workers.processes[0].wait(_WAIT) == 0  # drained, exit 0
-    _eventually(lambda: is_leaving(workers[0]), "the client to hear LEAVING")
+    helpers.eventually(lambda: is_leaving(workers[0]), "the client to hear LEAVING")
     assert sorted(i for batch in loader for i in batch.tolist()) == list(range(96))  # the next epoch, on one
 
 

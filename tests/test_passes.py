@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import eventually
 
 from rpcdl.data.chunked_pass import ChunkedPass, ChunkSizer, ServedCounts
 from rpcdl.data.events import Answered, Orphaned
@@ -132,13 +133,6 @@ def _advance_in_thread(dispatch: Dispatch) -> tuple[threading.Thread, list]:
     thread = threading.Thread(target=advance, name="test-advance")
     thread.start()
     return thread, outcome
-
-
-def _until(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------- every task once
@@ -260,7 +254,7 @@ def test_pass_holds_at_most_the_windows_and_windows_are_visible():
             remote.window, remote.rtt, remote.round_trip, remote.service_time = 5, 0.05, 0.06, 0.01  # as measured
         dispatch = Dispatch(pool, iter(range(100)), workers)
         thread, outcome = _advance_in_thread(dispatch)
-        _until(lambda: len(workers.sent) >= 7, "the windows filled")
+        eventually(lambda: len(workers.sent) >= 7, "the windows filled", interval=0.005)
         time.sleep(0.2)
         assert sorted(address for _, address in workers.where()) == ["w0:1"] * 2 + ["w1:2"] * 5
         windows = pool.windows()
@@ -270,7 +264,7 @@ def test_pass_holds_at_most_the_windows_and_windows_are_visible():
         assert windows["w1:2"] == {
             "state": "active", "in_flight": 5, "window": 5, "service_time": 0.01, "rtt": 0.05, "round_trip": 0.06
         }  # fmt: skip
-        _until(lambda: workers.held() == 7, "the calls held")
+        eventually(lambda: workers.held() == 7, "the calls held", interval=0.005)
         workers.release(lambda payload: payload)
         thread.join(10)
         assert outcome[0].value == 0
@@ -294,7 +288,7 @@ def test_a_second_thread_in_a_pass_is_refused_and_a_close_from_another_thread_en
         pool = WorkerPool(["w0:1"], prefetch_factor=2, timeout=30.0)
         dispatch = Dispatch(pool, iter(range(10)), workers)
         thread, outcome = _advance_in_thread(dispatch)
-        _until(lambda: workers.sent, "the first call")
+        eventually(lambda: workers.sent, "the first call", interval=0.005)
         with pytest.raises(RuntimeError, match="already being advanced by another thread"):
             next(dispatch)
         dispatch.close()

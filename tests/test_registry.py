@@ -38,13 +38,6 @@ def redis_server():
         yield server
 
 
-def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _read_until(process: subprocess.Popen, text: str, timeout: float = _WAIT) -> str:
     """Read the process's stderr until a line holds ``text``; return what was read.
 
@@ -111,9 +104,11 @@ def test_a_registered_worker_beats_leaves_on_sigterm_and_expires_when_killed(red
     leaving, leaving_address = helpers.start_worker_process("--register", url, "--drain-timeout", "5")
     killed, killed_address = helpers.start_worker_process("--register", url, "--drain-timeout", "5")
     try:
-        _eventually(lambda: live_addresses(url) == sorted([leaving_address, killed_address]), "both registered")
+        helpers.eventually(
+            lambda: live_addresses(url) == sorted([leaving_address, killed_address]), "both registered", timeout=_WAIT
+        )
         first_beat = client.zscore(key, killed_address)
-        _eventually(lambda: client.zscore(key, killed_address) > first_beat, "a heartbeat")
+        helpers.eventually(lambda: client.zscore(key, killed_address) > first_beat, "a heartbeat", timeout=_WAIT)
         assert abs(client.zscore(key, killed_address) - server_time(client)) < 1.5  # the server's clock
 
         time.sleep(2.0)  # longer than the ttl: alive because they beat
@@ -121,8 +116,12 @@ def test_a_registered_worker_beats_leaves_on_sigterm_and_expires_when_killed(red
 
         killed.send_signal(signal.SIGKILL)
         killed.wait(_WAIT)
-        _eventually(lambda: live_addresses(url) == [leaving_address], "the killed worker to expire")
-        _eventually(lambda: client.zscore(key, killed_address) is None, "the others to trim the dead entry")
+        helpers.eventually(
+            lambda: live_addresses(url) == [leaving_address], "the killed worker to expire", timeout=_WAIT
+        )
+        helpers.eventually(
+            lambda: client.zscore(key, killed_address) is None, "the others to trim the dead entry", timeout=_WAIT
+        )
 
         leaving.send_signal(signal.SIGTERM)
         assert leaving.wait(_WAIT) == 0
@@ -147,7 +146,9 @@ def test_a_worker_keeps_serving_while_the_registry_is_down_and_registers_once_it
         log = _read_until(process, "could not register")  # it serves, and says so
         assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
         with server:
-            _eventually(lambda: live_addresses(url) == [address], "the worker to register once Redis is up")
+            helpers.eventually(
+                lambda: live_addresses(url) == [address], "the worker to register once Redis is up", timeout=_WAIT
+            )
         process.send_signal(signal.SIGTERM)
         assert process.wait(_WAIT) == 0
         log += process.stderr.read()

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from blocking_wire import FrameReader, io_stream
+from helpers import eventually
 
 import rpcdl
 from rpcdl.errors import ConnectionLost
@@ -63,13 +64,6 @@ def _value(frame: Frame):
     return pickle.loads(frame.payload, buffers=frame.buffers)
 
 
-def _eventually(condition, what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds}s"
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def start_worker() -> Iterator:
     workers: list[rpcdl.Worker] = []
@@ -113,7 +107,7 @@ def test_pipelined_calls_all_answered_with_their_call_ids(start_worker):
         frame = client.answer()
         answers[frame.call_id] = _value(frame)
     assert answers == {call_id: call_id * 3 for call_id in range(1, count + 1)}
-    _eventually(lambda: worker.stats()["calls_in_flight"] == 0, "calls counted as answered")
+    eventually(lambda: worker.stats()["calls_in_flight"] == 0, "calls counted as answered")
     stats = worker.stats()
     assert stats["calls_served"] == count
     assert stats["calls_failed"] == 0
@@ -152,7 +146,7 @@ def test_calls_of_two_clients_share_one_slot_in_arrival_order(start_worker):
     worker, connect = start_worker(parallel=1)
     first, second = connect("first"), connect("second")
     first.send(_call(1, time.sleep, 0.3))
-    _eventually(lambda: worker.stats()["calls_in_flight"] == 1, "the first call running")
+    eventually(lambda: worker.stats()["calls_in_flight"] == 1, "the first call running")
     second.send(_call(2, operator.add, 40, 2))
     assert _value(second.answer()) == 42
     assert first.answer().call_id == 1
@@ -164,10 +158,10 @@ def test_client_closing_mid_frame_ends_its_session_and_the_worker_serves_others(
     leaving = connect("leaving")
     frame = _call(1, operator.add, 1, 2)
     leaving.send(frame[: HEADER.size + 3])
-    _eventually(lambda: worker.stats()["clients"] == 1, "the session counted")
+    eventually(lambda: worker.stats()["clients"] == 1, "the session counted")
     leaving.close()
-    _eventually(lambda: leaving.session.closed, "the session closed")
-    _eventually(lambda: worker.stats()["clients"] == 0, "the session forgotten")
+    eventually(lambda: leaving.session.closed, "the session closed")
+    eventually(lambda: worker.stats()["clients"] == 0, "the session forgotten")
     staying = connect("staying")
     staying.send(_call(2, operator.add, 2, 3))
     assert _value(staying.answer()) == 5
@@ -181,7 +175,7 @@ def test_frame_over_the_limit_is_refused_by_closing_the_connection(start_worker,
         client.send(header)
         with pytest.raises(ConnectionLost):
             client.reader.read_frame()
-        _eventually(lambda: client.session.closed, "the session closed")
+        eventually(lambda: client.session.closed, "the session closed")
     assert any("limit is 4096" in record.getMessage() for record in caplog.records)
     other = connect("other")
     other.send(_call(1, operator.add, 1, 1))
@@ -199,9 +193,9 @@ def test_release_of_an_rref_in_the_middle_of_a_stream(start_worker):
     )
     answers = {frame.call_id: _value(frame) for frame in (client.answer(), client.answer())}
     assert answers == {3: 3, 4: -4}
-    _eventually(lambda: worker.stats()["rrefs"] == 1, "the released RRef freed")
+    eventually(lambda: worker.stats()["rrefs"] == 1, "the released RRef freed")
     client.close()
-    _eventually(lambda: worker.stats()["rrefs"] == 0, "the RRefs of a closed session freed")
+    eventually(lambda: worker.stats()["rrefs"] == 0, "the RRefs of a closed session freed")
 
 
 def test_answers_held_back_in_a_burst_go_out_when_control_frames_end_it(start_worker):
@@ -249,7 +243,7 @@ def test_clients_pipelining_quick_and_slow_calls_and_pings_get_each_answer_once(
         pongs = sorted(frame.call_id for frame in received if frame.kind == Kind.PONG)
         assert results == {value: value for value in range(1, calls + 1)}  # each call once, none lost
         assert pongs == [1000 + value for value in range(5, calls + 1, 5)]
-    _eventually(lambda: worker.stats()["calls_in_flight"] == 0, "every call counted as answered")
+    eventually(lambda: worker.stats()["calls_in_flight"] == 0, "every call counted as answered")
     assert worker.stats()["calls_served"] == 4 * calls
 
 
@@ -267,10 +261,10 @@ def test_calls_arriving_while_the_worker_drains_are_rejected_and_the_running_cal
     worker, connect = start_worker(parallel=1)
     client = connect()
     client.send(_call(1, _until_released))
-    _eventually(lambda: worker.stats()["calls_in_flight"] == 1, "the long call running")
+    eventually(lambda: worker.stats()["calls_in_flight"] == 1, "the long call running")
     stopping = threading.Thread(target=worker.stop, args=(10.0,), name="test-stopping")
     stopping.start()
-    _eventually(lambda: worker.phase is Phase.DRAINING, "the worker draining")
+    eventually(lambda: worker.phase is Phase.DRAINING, "the worker draining")
     notice = client.answer()  # the worker tells its clients it leaves before it rejects anything
     assert (notice.kind, notice.call_id) == (Kind.LEAVING, 0)
     client.send(_call(2, operator.add, 1, 1))

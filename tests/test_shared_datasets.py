@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import Allocates, RangeDataset, start_worker_process
+from helpers import Allocates, RangeDataset, eventually, start_worker_process
 from torch.utils.data import Dataset
 
 import rpcdl
@@ -51,14 +51,6 @@ def _dataset_id(dataset: rpcdl.RPCDataset, address: str) -> int:
 
 def _grow(dataset: Allocates) -> int:
     return dataset.grow()
-
-
-def _wait_for(condition, what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {seconds:g}s for {what}")
-        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------ the store's rule
@@ -183,13 +175,13 @@ def test_datasets_with_one_definition_share_one_instance_until_the_last_releases
     assert worker.stats()["rrefs_shared"] == 2
     first.release()
     gc.collect()
-    _wait_for(lambda: worker.stats()["rrefs"] == 2, "the first dataset's reference to be released")
+    eventually(lambda: worker.stats()["rrefs"] == 2, "the first dataset's reference to be released")
     assert second[4] == 4 and len(second) == 5  # the other trainer's instance still serves
     assert worker.stats()["rrefs_shared"] == 2
     second.release()
     other.release()
     gc.collect()
-    _wait_for(lambda: worker.stats()["rrefs_shared"] == 0, "the shared datasets to be freed")
+    eventually(lambda: worker.stats()["rrefs_shared"] == 0, "the shared datasets to be freed")
 
 
 def test_a_dataset_built_per_trainer_is_its_own_and_a_mutation_stays_with_it(embedded_worker):
@@ -263,7 +255,7 @@ def test_trainer_processes_sending_one_dataset_cost_the_worker_one_copy():
             group.stdin.flush()
             assert group.stdout.readline().strip() == "0"
         assert group.wait(30) == 0
-        _wait_for(lambda: rpcdl.stats(address)["rrefs_shared"] == 0, "the last trainer's release")
+        eventually(lambda: rpcdl.stats(address)["rrefs_shared"] == 0, "the last trainer's release")
     finally:
         if group is not None:
             stop_process(group, grace=1.0)

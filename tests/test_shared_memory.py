@@ -35,14 +35,6 @@ def _dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def _wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def make_tensor(size: int, value: int) -> torch.Tensor:
     return torch.full((size,), value, dtype=torch.uint8)
 
@@ -139,7 +131,7 @@ def test_a_full_segment_sends_the_rest_over_the_socket(embedded_worker):
     assert state["buffers_on_socket"] >= 1 and state["bytes_in_use"] <= shm.MIN_BYTES
     del held
     gc.collect()
-    _wait_for(lambda: rpcdl.stats(worker.address)["shared_memory"]["spans_in_use"] == 0, what="spans released")
+    helpers.eventually(lambda: rpcdl.stats(worker.address)["shared_memory"]["spans_in_use"] == 0, "spans released")
 
 
 @pytest.mark.parametrize("where", ["client", "worker"])
@@ -222,7 +214,7 @@ def test_sigkill_of_a_worker_mid_stream_leaves_nothing_and_the_loader_fails_over
         if step == 2:
             workers.kill(0, signal.SIGKILL)
     assert sorted(seen) == list(range(48))
-    _wait_for(lambda: _dev_shm() <= before, what="/dev/shm as before")  # others' entries may come and go
+    helpers.eventually(lambda: _dev_shm() <= before, "/dev/shm as before")  # others' entries may come and go
 
 
 _CLIENT = textwrap.dedent(
@@ -253,11 +245,11 @@ def test_sigkill_of_a_client_mid_stream_leaves_nothing_and_the_worker_serves_on(
             victim.kill()
             victim.wait(10)
         victim.stdout.close()
-    _wait_for(lambda: rpcdl.stats(address)["clients"] == 1, what="the worker to forget the killed client")
+    helpers.eventually(lambda: rpcdl.stats(address)["clients"] == 1, "the worker to forget the killed client")
     tensor = rpcdl.rpc_sync(address, make_tensor, (3 * SAMPLE, 9))
     assert (tensor == 9).all() and _connection(address).segment.contains(tensor.data_ptr())
     assert workers.processes[0].poll() is None
-    _wait_for(lambda: _dev_shm() <= before, what="/dev/shm as before")  # others' entries may come and go
+    helpers.eventually(lambda: _dev_shm() <= before, "/dev/shm as before")  # others' entries may come and go
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")

@@ -11,9 +11,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from helpers import eventually
 
 import rpcdl
 from rpcdl.local import child_environment, read_ready_line
@@ -38,13 +38,6 @@ def test_describe_exit_names_the_signal_or_the_code():
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(-signal.SIGSEGV) == "killed by SIGSEGV"
     assert describe_exit(1) == "exited with code 1"
-
-
-def _eventually(condition, what: str, timeout: float = _WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, "exit"])
@@ -83,7 +76,7 @@ def test_procs_restarts_a_child_that_dies_says_why_and_drains_all_on_sigterm(tmp
         assert "started again" in log
         assert log.count("drained") == 2  # both children drained on the supervisor's SIGTERM
         assert address_file.read_text() == ""  # and removed their lines
-        _eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit")
+        eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit", timeout=_WAIT)
     finally:
         stop_process(supervisor, grace=1.0)
         for pid in pids:
