@@ -14,11 +14,10 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import start_worker_process
+from helpers import eventually, start_worker_process
 
 import rpcdl
 from rpcdl.processes import stop_process
@@ -157,16 +156,6 @@ def _loop_held() -> Iterator[threading.Event]:
         release.set()
 
 
-def _appears(path: Path, seconds: float = 5.0) -> bool:
-    """Whether ``path`` exists within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_a_call_over_plain_tcp_is_sent_by_its_caller_while_the_loop_is_busy(worker_process, tmp_path):
     """The frame goes out from the calling thread: a worker in another process runs the call while this
     process's loop is held by a callback."""
@@ -174,9 +163,10 @@ def test_a_call_over_plain_tcp_is_sent_by_its_caller_while_the_loop_is_busy(work
     marker = tmp_path / "ran"
     with _loop_held():
         future = rpcdl.rpc_async(worker_process, marker.mkdir, timeout=30)
-        ran_while_held = _appears(marker)
+        eventually(
+            marker.exists, "the call to reach the worker while the client's loop was busy", timeout=5, interval=0.05
+        )
     future.wait()
-    assert ran_while_held, "the call did not reach the worker while the client's loop was busy"
 
 
 def test_an_answer_with_a_payload_larger_than_its_first_memory_arrives_whole(worker_process):
@@ -194,10 +184,9 @@ def test_a_call_made_while_another_is_in_flight_is_sent_by_its_caller_too(worker
     slow = rpcdl.rpc_async(worker_process, time.sleep, (0.2,), timeout=30)
     with _loop_held():
         future = rpcdl.rpc_async(worker_process, marker.mkdir, timeout=30)
-        ran_while_held = _appears(marker)
+        eventually(marker.exists, "the call made with another in flight to reach the worker", timeout=5, interval=0.05)
     slow.wait()
     future.wait()
-    assert ran_while_held, "the call made with another in flight did not reach the worker while the loop was busy"
 
 
 def test_calls_made_while_connecting_and_as_it_opens_reach_the_worker_in_the_order_made(worker_process, monkeypatch):
