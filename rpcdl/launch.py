@@ -15,10 +15,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .cli import add_version_argument, add_worker_arguments, run_worker_command
+from .cli import add_version_argument, add_worker_arguments, run_worker_command, skip_collections_at_exit
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    skip_collections_at_exit()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="python -m rpcdl.launch",

@@ -96,6 +96,25 @@ def test_status_of_an_unreachable_worker_fails():
     assert result.returncode == 1 and "refused" in result.stdout
 
 
+def test_the_command_skips_the_collections_at_exit_and_not_before():
+    """The command freezes the collector at exit (its last collections would walk all of torch), not while the
+    process that called it goes on."""
+    address = f"127.0.0.1:{helpers.free_port()}"
+    script = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0, flush=True))\n"
+        "from rpcdl.cli import main\n"
+        f"status = main(['status', {address!r}, '--answer-timeout', '1'])\n"
+        "gc.collect()\n"
+        "print('after the command:', status, gc.get_freeze_count(), flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-2:] == ["after the command: 1 0", "frozen at exit: True"], result.stdout
+
+
 def test_local_workers_stop_when_their_parent_dies():
     code = (
         "import rpcdl, os, sys\n"

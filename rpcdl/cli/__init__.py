@@ -5,6 +5,20 @@ It may load the integrations (the demo trains through Lightning); nothing below 
 
 from __future__ import annotations
 
-from .commands import add_version_argument, add_worker_arguments, build_parser, main, run_worker_command
+from .commands import (
+    add_version_argument,
+    add_worker_arguments,
+    build_parser,
+    main,
+    run_worker_command,
+    skip_collections_at_exit,
+)
 
-__all__ = ["add_version_argument", "add_worker_arguments", "build_parser", "main", "run_worker_command"]
+__all__ = [
+    "add_version_argument",
+    "add_worker_arguments",
+    "build_parser",
+    "main",
+    "run_worker_command",
+    "skip_collections_at_exit",
+]
