@@ -23,6 +23,7 @@ import argparse
 import itertools
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,11 +92,28 @@ def side(quick: bool) -> None:
 # ---------------------------------------------------------------------------- the driver
 
 
+def package_of(checkout: Path, scratch: Path) -> Path:
+    """The folder to put first on the baseline's path for ``checkout``.
+
+    A checkout laid out as this repository keeps ``rpcdl.integrations`` and
+    ``rpcdl.configs`` beside the package (``integrations/``, ``configs/``),
+    where only an install maps them; an editable install of this side maps
+    them to this side's folders, whatever rpcdl comes first on the path. So
+    such a checkout's package is assembled in ``scratch``, with both inside.
+    """
+    beside = [name for name in ("integrations", "configs") if (checkout / name).is_dir()]
+    if not beside:
+        return checkout
+    package = scratch / "baseline" / "rpcdl"
+    shutil.copytree(checkout / "rpcdl", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in beside:
+        shutil.copytree(checkout / name, package / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return package.parent
+
+
 def driver(args: argparse.Namespace) -> dict:
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     baseline_environment = dict(environment)
-    if args.baseline_path:
-        baseline_environment["PYTHONPATH"] = str(args.baseline_path)
     commands = {
         "baseline": ([args.baseline or sys.executable], baseline_environment),
         "this": ([sys.executable], environment),
@@ -106,6 +124,8 @@ def driver(args: argparse.Namespace) -> dict:
     }
     loads = [harness.load_average()]
     with tempfile.TemporaryDirectory() as scratch:  # each side imports its interpreter's rpcdl, not the cwd's
+        if args.baseline_path:
+            baseline_environment["PYTHONPATH"] = str(package_of(args.baseline_path, Path(scratch)))
         sides = {
             name: subprocess.Popen(
                 [*python, os.path.abspath(__file__), "--side", *(["--quick"] if args.quick else [])],

@@ -353,6 +353,27 @@ def test_the_in_turns_bench_pairs_two_versions_and_stops_its_processes(tmp_path)
     assert not [p for p in sides if any("in_turns.py" in part for part in p.info["cmdline"])]
 
 
+def test_the_in_turns_bench_assembles_a_checkouts_package_with_its_integrations(tmp_path):
+    """A checkout laid out as this repository gets its integrations and configs inside its package, where an
+    editable install of this side cannot map them to this side's folders; any other folder is used as it is."""
+    spec = importlib.util.spec_from_file_location("benchmark_in_turns", BENCHMARKS / "in_turns.py")
+    in_turns = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(in_turns)
+    checkout, plain, scratch = tmp_path / "checkout", tmp_path / "plain", tmp_path / "scratch"
+    for folder, text in (("rpcdl", "VERSION = 'old'"), ("integrations", "NAME = 'old'"), ("configs", "old: 1")):
+        (checkout / folder).mkdir(parents=True)
+        (checkout / folder / ("data.yaml" if folder == "configs" else "__init__.py")).write_text(text)
+    (plain / "rpcdl").mkdir(parents=True)
+    (plain / "rpcdl" / "__init__.py").write_text("")
+    scratch.mkdir()
+    package = in_turns.package_of(checkout, scratch) / "rpcdl"
+    assert package.parent != checkout and package.parent.is_relative_to(scratch)
+    assert (package / "__init__.py").read_text() == "VERSION = 'old'"
+    assert (package / "integrations" / "__init__.py").read_text() == "NAME = 'old'"
+    assert (package / "configs" / "data.yaml").read_text() == "old: 1"
+    assert in_turns.package_of(plain, scratch) == plain
+
+
 def test_the_in_turns_bench_wants_a_baseline_that_holds_rpcdl(tmp_path):
     result = _run_script("in_turns.py", "--baseline-path", str(tmp_path))
     assert result.returncode == 2 and "holds no rpcdl package" in result.stderr, result.stderr
