@@ -14,11 +14,19 @@ import pytest
 import rpcdl
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+def child_environment() -> dict[str, str]:
+    """This environment, with this process's import path for a child Python."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def run_python(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rpcdl", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=child_environment()
     )
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return run_python("-m", "rpcdl", *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("command", [["--help"], ["worker", "--help"], ["status", "--help"]])
@@ -61,13 +69,12 @@ def test_bad_arguments_are_explained():
 
 def test_procs_and_address_file_then_status_table(tmp_path):
     address_file = tmp_path / "workers"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     process = subprocess.Popen(
         [sys.executable, "-m", "rpcdl", "worker", "--port", "0", "--procs", "3", "--address-file", str(address_file)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=child_environment(),
     )
     try:
         printed = [process.stdout.readline().strip() for _ in range(3)]
@@ -108,8 +115,7 @@ def test_the_command_skips_the_collections_at_exit_and_not_before():
         "gc.collect()\n"
         "print('after the command:', status, gc.get_freeze_count(), flush=True)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    result = run_python("-c", script)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[-2:] == ["after the command: 1 0", "frozen at exit: True"], result.stdout
@@ -123,8 +129,7 @@ def test_local_workers_stop_when_their_parent_dies():
         "print(workers.processes[0].pid, flush=True)\n"
         "os._exit(0)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    result = run_python("-c", code, timeout=120)
     pid = int(result.stdout.split()[0])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
