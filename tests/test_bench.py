@@ -19,16 +19,16 @@ from rpcdl.cli.bench.workloads import FRAMED, PARALLEL_MAPPER, RPCDL, SCENARIOS,
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _load_targets():
-    """benchmarks/targets.py, the project's own goals (not part of the package)."""
-    spec = importlib.util.spec_from_file_location("benchmark_targets", BENCHMARKS / "targets.py")
+def _load_benchmark(name: str):
+    """``benchmarks/NAME.py`` as a module (the scripts are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-targets = _load_targets()
+targets = _load_benchmark("targets")  # the project's own goals
 TARGETS, evaluate_targets, format_targets = targets.TARGETS, targets.evaluate_targets, targets.format_targets
 
 
@@ -356,9 +356,7 @@ def test_the_in_turns_bench_pairs_two_versions_and_stops_its_processes(tmp_path)
 def test_the_in_turns_bench_assembles_a_checkouts_package_with_its_integrations(tmp_path):
     """A checkout laid out as this repository gets its integrations and configs inside its package, where an
     editable install of this side cannot map them to this side's folders; any other folder is used as it is."""
-    spec = importlib.util.spec_from_file_location("benchmark_in_turns", BENCHMARKS / "in_turns.py")
-    in_turns = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(in_turns)
+    in_turns = _load_benchmark("in_turns")
     checkout, plain, scratch = tmp_path / "checkout", tmp_path / "plain", tmp_path / "scratch"
     for folder, text in (("rpcdl", "VERSION = 'old'"), ("integrations", "NAME = 'old'"), ("configs", "old: 1")):
         (checkout / folder).mkdir(parents=True)
