@@ -128,6 +128,22 @@ class RegistryReset(RPCDLError):
     registering again, and what it lists now is not the fleet yet (:class:`rpcdl.registry.RegistryReader`)."""
 
 
+class ForkServerExited(RPCDLError, RuntimeError):
+    """A fork server (:class:`rpcdl.forkserver.ForkServer`) exited before it answered a request.
+
+    Attributes:
+        code: its exit code. 0: it had been idle for its ``idle_timeout`` and left as the request came, so
+            a new server may serve it; 1: it could not import what it preloads (its error is on standard error).
+    """
+
+    def __init__(self, message: str, code: int | None):
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.code)
+
+
 class ConnectionLost(RPCDLError, ConnectionError):
     """The connection to a worker broke while a call was in flight."""
 

@@ -12,12 +12,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from .checks import check_positive_int
+from .errors import ForkServerExited
+from .forkserver import ForkedProcess, fork_server_supported, shared_fork_server
 from .processes import stop_process, stop_processes
 
 __all__ = ["LOG_LEVELS", "LocalWorkers", "child_environment", "local_workers", "read_ready_line", "stop_process"]
 
 #: The logging levels a worker accepts (``rpcdl worker --log-level``).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+#: How :func:`local_workers` may start its processes.
+START_METHODS = ("forkserver", "spawn")
+
+#: What a worker process imports before it serves: a fork server imports them once for all its workers.
+_WORKER_MODULES = ("torch", "rpcdl.server.worker", "rpcdl.cli.commands")
 
 
 class LocalWorkers(list):
@@ -29,24 +37,42 @@ class LocalWorkers(list):
     can be handed to anything that sends its arguments elsewhere.
 
     Attributes:
-        processes: the :class:`subprocess.Popen` of each worker, in the order of
-            the addresses.
+        processes: each worker's process, in the order of the addresses: a
+            :class:`subprocess.Popen`, or with ``start_method="forkserver"`` a
+            :class:`~rpcdl.forkserver.ForkedProcess`, which has the same ``pid``,
+            ``stdout``, ``poll``, ``wait``, ``send_signal``, ``terminate`` and ``kill``.
     """
 
-    def __init__(self, command: list[str], env: dict[str, str], startup_timeout: float):
+    def __init__(self, args: list[str], env: dict[str, str], startup_timeout: float, start_method: str):
         super().__init__()
-        self._command = command
+        self._args = args
         self._env = env
         self._startup_timeout = startup_timeout
-        self.processes: list[subprocess.Popen] = []
+        self._start_method = start_method
+        self.processes: list[subprocess.Popen | ForkedProcess] = []
 
     def __reduce__(self) -> tuple[type, tuple[list[str]]]:
         return list, (list(self),)
 
-    def _spawn(self, port: int = 0) -> subprocess.Popen:
-        return subprocess.Popen([*self._command, "--port", str(port)], stdout=subprocess.PIPE, env=self._env, text=True)
+    def _spawn(self, port: int = 0) -> subprocess.Popen | ForkedProcess:
+        args = [*self._args, "--port", str(port)]
+        if self._start_method == "spawn":
+            return subprocess.Popen(
+                [sys.executable, "-m", "rpcdl", *args], stdout=subprocess.PIPE, env=self._env, text=True
+            )
 
-    def _launch(self, port: int = 0) -> tuple[subprocess.Popen, str]:
+        def fork() -> ForkedProcess:
+            server = shared_fork_server(_WORKER_MODULES, self._env)
+            return server.start("rpcdl", args, self._env, self._startup_timeout)
+
+        try:
+            return fork()
+        except ForkServerExited as exc:
+            if exc.code != 0:
+                raise
+        return fork()  # it left, idle, as the request came: a new one serves it
+
+    def _launch(self, port: int = 0) -> tuple[subprocess.Popen | ForkedProcess, str]:
         process = self._spawn(port)
         try:
             return process, read_ready_line(process, self._startup_timeout)
@@ -128,7 +154,7 @@ def _forget_connections(address: str, reason: str) -> None:
     close_connections_to(address, reason)
 
 
-def read_ready_line(process: subprocess.Popen, timeout: float) -> str:
+def read_ready_line(process: subprocess.Popen | ForkedProcess, timeout: float) -> str:
     """The next non-empty line of ``process``'s standard output (a worker's ``HOST:PORT`` once it is ready).
 
     The pipe is read a byte at a time, never past the line: what follows stays in the pipe for the next
@@ -194,6 +220,7 @@ def local_workers(
     env: dict[str, str] | None = None,
     startup_timeout: float = 60.0,
     log_level: str = "WARNING",
+    start_method: str | None = None,
 ) -> Iterator[LocalWorkers]:
     """Start ``n`` worker processes on loopback; yield their addresses; stop them on exit.
 
@@ -216,6 +243,11 @@ def local_workers(
             error: ``"WARNING"`` (the default) shows warnings and errors only;
             ``"INFO"`` adds a line per worker started and stopped, ``"DEBUG"``
             more. ``--log-level`` in ``extra_args`` overrides it.
+        start_method: ``"forkserver"`` (the default on Linux): the workers are forked from one
+            process that imported torch already (see :mod:`rpcdl.forkserver`), so each starts
+            in a fraction of the CPU and shares torch's memory; the process stays while workers
+            run and for 30 s after, and serves later calls in this process too. ``"spawn"`` (the
+            default elsewhere): each worker is a new interpreter, ``python -m rpcdl worker``.
 
     Yields:
         a :class:`~rpcdl.local.LocalWorkers`: the list of ``"127.0.0.1:port"`` addresses.
@@ -228,16 +260,21 @@ def local_workers(
         ...         ...
     """
     check_positive_int(n, "n", "the number of workers")
+    if start_method is None:
+        start_method = "forkserver" if fork_server_supported() else "spawn"
+    elif start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(START_METHODS)} (or None: the default), got {start_method!r}"
+        )
+    elif start_method == "forkserver" and not fork_server_supported():
+        raise ValueError("start_method='forkserver' needs Linux 5.3 or later (fork and pidfds): use 'spawn'")
     level = log_level.upper() if isinstance(log_level, str) else None
     if level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     environment = child_environment(env)
     if token is not None:
         environment["RPCDL_TOKEN"] = token
-    command = [
-        sys.executable,
-        "-m",
-        "rpcdl",
+    args = [
         "worker",
         "--host",
         "127.0.0.1",
@@ -253,7 +290,7 @@ def local_workers(
         level,
         *extra_args,
     ]
-    workers = LocalWorkers(command, environment, startup_timeout)
+    workers = LocalWorkers(args, environment, startup_timeout, start_method)
     try:
         workers.start(n)
         yield workers

@@ -50,6 +50,7 @@ DOCTEST_MODULES = [
     "rpcdl.address",
     "rpcdl.checks",
     "rpcdl.errors",
+    "rpcdl.forkserver",
     "rpcdl.local",
     "rpcdl.logs",
     "rpcdl.processes",
