@@ -25,14 +25,16 @@ exits).
 Protocol: one ``SOCK_SEQPACKET`` Unix socket pair, a pickled message per
 packet. The client sends ``("start", module, args, env, cwd)`` with the
 command's standard input, output and error as three file descriptors; the
-server answers ``("started", pid)`` with a pidfd of the command, or
-``("failed", message)``, and reports ``("exited", pid, code)`` when a command
-ends. The server handles one message at a time on one thread, so it forks
-with no other thread of Python's in it.
+server answers ``("started", pid, serial)`` with a pidfd of the command, or
+``("failed", message)``, and reports ``("exited", serial, code)`` when a command
+ends (a serial names one command for good; a pid is used again). The server
+handles one message at a time on one thread, so it forks with no other
+thread of Python's in it.
 
 Ownership: a :class:`ForkServer`'s socket, its reports and its state are
 guarded by its ``_lock`` (waits on the socket happen outside it). A
-:class:`ForkedProcess`'s ``returncode`` is written under its server's lock.
+:class:`ForkedProcess`'s ``returncode`` is guarded by its own ``_lock``; its pidfd
+stays open as long as the object lives, so no thread waits on a number reused.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
@@ -151,7 +154,7 @@ class ForkServer:
         self._start_lock = threading.Lock()  # one request at a time, so each reply goes to its request
         self._lock = threading.Lock()
         self._state = _State.RUNNING
-        self._reports: dict[int, int] = {}  # pid -> exit code, until its process asks
+        self._reports: dict[int, int] = {}  # serial -> exit code (an int per command started)
         self._replies: list[tuple] = []  # start replies, until the starting thread takes them
 
     @property
@@ -187,8 +190,8 @@ class ForkServer:
         if start_variables(env) != self.start_variables:
             raise ValueError("env differs from the fork server's on a variable read at start: start another server")
         with self._start_lock:
-            pid, pidfd, stdout = self._fork(module, args, env, timeout)
-        return ForkedProcess(self, [sys.executable, "-m", module, *args], pid, pidfd, stdout)
+            pid, serial, pidfd, stdout = self._fork(module, args, env, timeout)
+        return ForkedProcess(self, [sys.executable, "-m", module, *args], pid, serial, pidfd, stdout)
 
     def _fork(self, module: str, args: Sequence[str], env: Mapping[str, str], timeout: float) -> tuple:
         read_end, write_end = os.pipe()
@@ -210,29 +213,30 @@ class ForkServer:
         if reply[0] == "failed":
             os.close(read_end)
             raise RuntimeError(f"the fork server could not start python -m {module}: {reply[1]}")
-        return reply[1], reply[2], os.fdopen(read_end, "r")
+        _, pid, serial, pidfd = reply
+        return pid, serial, pidfd, os.fdopen(read_end, "r")
 
     # The client side of the protocol. Every read of the socket happens under _lock; what a read brings is
     # kept for the thread it belongs to. A thread that waits for news on the socket may find that another
     # read its news first, so it waits in slices of _SLICE and looks again.
 
-    def exit_code(self, pid: int, pidfd: int) -> int | None:
-        """The exit code of the command ``pid`` (whose pidfd is ``pidfd``); ``None`` while it runs."""
+    def exit_code(self, serial: int, pidfd: int) -> int | None:
+        """The exit code of the command ``serial`` (whose pidfd is ``pidfd``); ``None`` while it runs."""
         with self._lock:
             self._drain()
-            if pid in self._reports:
-                return self._reports.pop(pid)
+            if serial in self._reports:
+                return self._reports[serial]
             running = self._state is _State.RUNNING
         if running or not _readable(pidfd, 0.0):
             return None
         return _UNKNOWN_CODE  # it ended after the server: nobody can tell how
 
-    def wait_for_exit(self, pid: int, pidfd: int, timeout: float | None) -> int | None:
+    def wait_for_exit(self, serial: int, pidfd: int, timeout: float | None) -> int | None:
         """Wait up to ``timeout`` seconds (``None``: for ever) for the command's exit code; ``None`` if it runs on."""
         if not _readable(pidfd, timeout):  # readable once the command has ended
             return None
         while True:  # its report follows: the server sees the same pidfd readable
-            code = self.exit_code(pid, pidfd)
+            code = self.exit_code(serial, pidfd)
             if code is not None:
                 return code
             self._wait_for_news(_SLICE)
@@ -278,7 +282,7 @@ class ForkServer:
             if message[0] == "exited":
                 self._reports[message[1]] = message[2]
             elif message[0] == "started":
-                self._replies.append(("started", message[1], fds[0]))
+                self._replies.append((*message, fds[0]))
             else:
                 self._replies.append(message)
 
@@ -372,19 +376,23 @@ class ForkedProcess:
     stdin: IO[str] | None = None
     stderr: IO[str] | None = None
 
-    def __init__(self, server: ForkServer, args: list[str], pid: int, pidfd: int, stdout: IO[str]):
+    def __init__(self, server: ForkServer, args: list[str], pid: int, serial: int, pidfd: int, stdout: IO[str]):
         self.args = args
         self.pid = pid
         self.stdout = stdout
         self.returncode: int | None = None
         self._server = server
+        self._serial = serial
         self._pidfd = pidfd
+        self._lock = threading.Lock()
+        weakref.finalize(self, os.close, pidfd)
 
     def poll(self) -> int | None:
         """Its exit code if it has ended, else ``None``."""
-        if self.returncode is None:
-            self._settle(self._server.exit_code(self.pid, self._pidfd))
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                self._settle(self._server.exit_code(self._serial, self._pidfd))
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for it to end; return its exit code.
@@ -392,20 +400,26 @@ class ForkedProcess:
         Raises:
             subprocess.TimeoutExpired: it runs on after ``timeout`` seconds.
         """
-        if self.returncode is None:
-            code = self._server.wait_for_exit(self.pid, self._pidfd, timeout)
-            if code is None:
-                raise subprocess.TimeoutExpired(self.args, timeout)
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+        code = self._server.wait_for_exit(self._serial, self._pidfd, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        with self._lock:
             self._settle(code)
-        return self.returncode
+            return self.returncode
 
     def send_signal(self, sig: int) -> None:
         """Send ``sig`` unless it has ended."""
-        if self.poll() is None:
-            try:
-                signal.pidfd_send_signal(self._pidfd, sig)
-            except ProcessLookupError:
-                pass  # it ended a moment ago
+        with self._lock:
+            if self.returncode is None:
+                self._settle(self._server.exit_code(self._serial, self._pidfd))
+            if self.returncode is None:
+                try:
+                    signal.pidfd_send_signal(self._pidfd, sig)
+                except ProcessLookupError:
+                    pass  # it ended a moment ago
 
     def terminate(self) -> None:
         """Send SIGTERM."""
@@ -416,9 +430,9 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
     def _settle(self, code: int | None) -> None:
+        """Under ``_lock``: keep the exit code once known."""
         if code is not None and self.returncode is None:
             self.returncode = code
-            os.close(self._pidfd)
 
     def __repr__(self) -> str:
         return f"<ForkedProcess pid={self.pid} returncode={self.returncode}>"
@@ -452,7 +466,8 @@ def _serve(channel: socket.socket, idle_timeout: float, preload: Sequence[str]) 
         importlib.import_module(name)
     selector = selectors.DefaultSelector()
     selector.register(channel, selectors.EVENT_READ)
-    children: dict[int, int] = {}  # pidfd -> pid
+    children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, serial)
+    started = 0
     while True:
         events = selector.select(None if children else idle_timeout)
         if not events:
@@ -466,19 +481,25 @@ def _serve(channel: socket.socket, idle_timeout: float, preload: Sequence[str]) 
                 if not data:
                     return  # the client closed its side or exited
                 request = pickle.loads(data)
-                pidfd = _fork(request, fds, channel, selector, children)
+                started += 1
+                pidfd = _fork(request, started, fds, channel, selector, children)
                 if pidfd is not None:
                     selector.register(pidfd, selectors.EVENT_READ)
             else:
-                pid = children.pop(key.fd)
+                pid, serial = children.pop(key.fd)
                 selector.unregister(key.fd)
                 os.close(key.fd)
                 _, status = os.waitpid(pid, 0)
-                _send(channel, ("exited", pid, os.waitstatus_to_exitcode(status)))
+                _send(channel, ("exited", serial, os.waitstatus_to_exitcode(status)))
 
 
 def _fork(
-    request: tuple, fds: list[int], channel: socket.socket, selector: selectors.BaseSelector, children: dict[int, int]
+    request: tuple,
+    serial: int,
+    fds: list[int],
+    channel: socket.socket,
+    selector: selectors.BaseSelector,
+    children: dict[int, tuple[int, int]],
 ) -> int | None:
     _, module, args, env, cwd = request
     try:
@@ -497,8 +518,8 @@ def _fork(
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
-    children[pidfd] = pid
-    _send(channel, ("started", pid), [pidfd])
+    children[pidfd] = (pid, serial)
+    _send(channel, ("started", pid, serial), [pidfd])
     return pidfd
 
 

@@ -167,3 +167,18 @@ def test_local_workers_refuse_an_unknown_start_method(start_method):
         rpcdl.local_workers(1, start_method=start_method),
     ):
         pass
+
+
+def test_threads_waiting_on_one_command_all_get_its_code(switching_often):
+    server = ForkServer(["numpy"], child_environment())
+    process = server.start("forkserver_probe", ["5", "0.3"], child_environment())
+    codes: list[int] = []
+    waiters = [threading.Thread(target=lambda: codes.append(process.wait()), name=f"waiter-{i}") for i in range(4)]
+    for thread in waiters:
+        thread.start()
+    for thread in waiters:
+        thread.join(timeout=20)
+    assert codes == [5, 5, 5, 5]  # none took the code from the others
+    process.send_signal(signal.SIGTERM)  # it ended: nothing is sent
+    assert process.poll() == 5
+    server.close()
