@@ -21,6 +21,7 @@ import rpcdl
 from rpcdl.errors import ForkServerExited
 from rpcdl.forkserver import ForkServer, shared_fork_server, start_variables
 from rpcdl.local import child_environment
+from rpcdl.server.process import process_exists
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,17 +134,9 @@ def test_the_server_leaves_when_its_client_exits():
     assert result.returncode == 0, result.stderr
     pid = int(result.stdout)
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_exists(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not process_exists(pid)
 
 
 def test_local_workers_start_from_one_fork_server_and_spawn_on_request():
