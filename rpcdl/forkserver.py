@@ -275,8 +275,7 @@ class ForkServer:
             except OSError:
                 data, fds = b"", []
             if not data:
-                self._state = _State.GONE
-                self._socket.close()
+                self._mark_gone()
                 return
             message = pickle.loads(data)
             if message[0] == "exited":
@@ -288,9 +287,7 @@ class ForkServer:
 
     def _lost(self, why: str) -> None:
         with self._lock:
-            if self._state is _State.RUNNING:
-                self._state = _State.GONE
-                self._socket.close()
+            self._mark_gone()
         code = self._reap_server()
         raise ForkServerExited(f"the fork server {why} (exit code {code}; its error, if any, is above)", code)
 
@@ -300,14 +297,16 @@ class ForkServer:
         Those run on, but their exit codes are lost (:meth:`ForkedProcess.wait` then gives 255).
         """
         with self._lock:
-            if self._state is _State.RUNNING:
-                self._state = _State.GONE
-                self._socket.close()
+            self._mark_gone()
 
     def _drop_after_fork(self) -> None:
         """In a forked child, which has one thread: new locks (another thread may have held one), this copy closed."""
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
+        self._mark_gone()
+
+    def _mark_gone(self) -> None:
+        """Under ``_lock``: no request reaches the server any more; this side's socket is closed."""
         if self._state is _State.RUNNING:
             self._state = _State.GONE
             self._socket.close()
