@@ -23,8 +23,8 @@ commands outlive it (rpcdl's workers stop when the process they watch
 exits).
 
 Protocol: one ``SOCK_SEQPACKET`` Unix socket pair, a pickled message per
-packet. The client sends ``("start", module, args, env, cwd)`` with the
-command's standard input, output and error as three file descriptors; the
+packet. The client sends ``("start", module, args, env, cwd, process_group)``
+with the command's standard input, output and error as three file descriptors; the
 server answers ``("started", pid, serial)`` with a pidfd of the command, or
 ``("failed", message)``, and reports ``("exited", serial, code)`` when a command
 ends (a serial names one command for good; a pid is used again). The server
@@ -169,7 +169,14 @@ class ForkServer:
             self._drain()
             return self._state is _State.RUNNING
 
-    def start(self, module: str, args: Sequence[str], env: Mapping[str, str], timeout: float = 60.0) -> ForkedProcess:
+    def start(
+        self,
+        module: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        timeout: float = 60.0,
+        process_group: int | None = None,
+    ) -> ForkedProcess:
         """Fork ``python -m module args`` with ``env``, its standard output a pipe to this process.
 
         Args:
@@ -177,6 +184,8 @@ class ForkServer:
             args: its command-line arguments.
             env: its environment; its :func:`start_variables` must be the server's.
             timeout: seconds to wait for the fork (the server may still be importing ``preload``).
+            process_group: as ``subprocess.Popen``'s: ``0`` puts the command in a process group
+                of its own; ``None`` (the default) leaves it in the server's, which is this process's.
 
         Returns:
             the process, with ``Popen``'s methods.
@@ -190,14 +199,16 @@ class ForkServer:
         if start_variables(env) != self.start_variables:
             raise ValueError("env differs from the fork server's on a variable read at start: start another server")
         with self._start_lock:
-            pid, serial, pidfd, stdout = self._fork(module, args, env, timeout)
+            pid, serial, pidfd, stdout = self._fork(
+                (module, list(args), dict(env), os.getcwd(), process_group), timeout
+            )
         return ForkedProcess(self, [sys.executable, "-m", module, *args], pid, serial, pidfd, stdout)
 
-    def _fork(self, module: str, args: Sequence[str], env: Mapping[str, str], timeout: float) -> tuple:
+    def _fork(self, command: tuple, timeout: float) -> tuple:
         read_end, write_end = os.pipe()
         stdin = _stdin_fd()
         try:
-            message = pickle.dumps(("start", module, list(args), dict(env), os.getcwd()))
+            message = pickle.dumps(("start", *command))
             try:
                 socket.send_fds(self._socket, [message], [stdin, write_end, 2])
             except OSError as exc:
@@ -212,7 +223,7 @@ class ForkServer:
                 os.close(stdin)
         if reply[0] == "failed":
             os.close(read_end)
-            raise RuntimeError(f"the fork server could not start python -m {module}: {reply[1]}")
+            raise RuntimeError(f"the fork server could not start python -m {command[0]}: {reply[1]}")
         _, pid, serial, pidfd = reply
         return pid, serial, pidfd, os.fdopen(read_end, "r")
 
@@ -500,7 +511,7 @@ def _fork(
     selector: selectors.BaseSelector,
     children: dict[int, tuple[int, int]],
 ) -> int | None:
-    _, module, args, env, cwd = request
+    _, module, args, env, cwd, process_group = request
     try:
         pid = os.fork()
     except OSError as exc:
@@ -513,7 +524,7 @@ def _fork(
         channel.close()
         for pidfd in children:
             os.close(pidfd)
-        _become(module, args, env, cwd, fds)  # never returns
+        _become(module, args, env, cwd, process_group, fds)  # never returns
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
@@ -522,8 +533,12 @@ def _fork(
     return pidfd
 
 
-def _become(module: str, args: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
-    """In the fork: take the request's streams, environment and directory, then run the module as ``__main__``."""
+def _become(
+    module: str, args: list[str], env: dict[str, str], cwd: str, process_group: int | None, fds: list[int]
+) -> None:
+    """In the fork: take the request's streams, environment, directory and group; run the module as ``__main__``."""
+    if process_group is not None:
+        os.setpgid(0, process_group)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         if fd > 2:

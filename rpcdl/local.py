@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from .checks import check_positive_int
@@ -16,7 +16,17 @@ from .errors import ForkServerExited
 from .forkserver import ForkedProcess, fork_server_supported, shared_fork_server
 from .processes import stop_process, stop_processes
 
-__all__ = ["LOG_LEVELS", "LocalWorkers", "child_environment", "local_workers", "read_ready_line", "stop_process"]
+__all__ = [
+    "LOG_LEVELS",
+    "START_METHODS",
+    "LocalWorkers",
+    "child_environment",
+    "local_workers",
+    "read_ready_line",
+    "resolve_start_method",
+    "start_worker_process",
+    "stop_process",
+]
 
 #: The logging levels a worker accepts (``rpcdl worker --log-level``).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -26,6 +36,81 @@ START_METHODS = ("forkserver", "spawn")
 
 #: What a worker process imports before it serves: a fork server imports them once for all its workers.
 _WORKER_MODULES = ("torch", "rpcdl.server.worker", "rpcdl.cli.commands")
+
+
+def resolve_start_method(start_method: str | None) -> str:
+    """The way to start worker processes: ``start_method``, checked, or this platform's default.
+
+    Args:
+        start_method: ``"forkserver"``, ``"spawn"``, or ``None`` for the default: ``"forkserver"``
+            where :func:`~rpcdl.forkserver.fork_server_supported`, else ``"spawn"``.
+
+    Returns:
+        ``"forkserver"`` or ``"spawn"``.
+
+    Raises:
+        ValueError: another name, or ``"forkserver"`` where this platform has none.
+
+    Example::
+
+        >>> resolve_start_method("spawn")
+        'spawn'
+        >>> resolve_start_method(None) in START_METHODS
+        True
+    """
+    if start_method is None:
+        return "forkserver" if fork_server_supported() else "spawn"
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(START_METHODS)} (or None: the default), got {start_method!r}"
+        )
+    if start_method == "forkserver" and not fork_server_supported():
+        raise ValueError("start_method='forkserver' needs Linux 5.3 or later (fork and pidfds): use 'spawn'")
+    return start_method
+
+
+def start_worker_process(
+    args: Sequence[str],
+    env: Mapping[str, str],
+    start_method: str,
+    timeout: float = 60.0,
+    process_group: int | None = None,
+) -> subprocess.Popen | ForkedProcess:
+    """Start ``rpcdl ARGS`` (say ``["worker", "--port", "0"]``), its standard output a pipe to this process.
+
+    Args:
+        args: the arguments after ``python -m rpcdl``.
+        env: its environment.
+        start_method: ``"spawn"``: a new interpreter (:class:`subprocess.Popen`); ``"forkserver"``:
+            forked from this process's fork server for ``env``, which imported torch and rpcdl's
+            worker once (see :func:`~rpcdl.forkserver.shared_fork_server`).
+        timeout: seconds the fork server may take to answer (its first request waits for its imports).
+        process_group: as ``subprocess.Popen``'s (``0``: a process group of its own).
+
+    Returns:
+        the process: a :class:`subprocess.Popen` or a :class:`~rpcdl.forkserver.ForkedProcess`,
+        its standard output text.
+
+    Example::
+
+        >>> process = start_worker_process(["worker", "--port", "0"], os.environ, "forkserver")  # doctest: +SKIP
+        >>> read_ready_line(process, timeout=60)  # doctest: +SKIP
+        '127.0.0.1:40123'
+    """
+    if start_method == "spawn":
+        command = [sys.executable, "-m", "rpcdl", *args]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True, process_group=process_group)
+
+    def fork() -> ForkedProcess:
+        server = shared_fork_server(_WORKER_MODULES, env)
+        return server.start("rpcdl", args, env, timeout, process_group)
+
+    try:
+        return fork()
+    except ForkServerExited as exc:
+        if exc.code != 0:
+            raise
+    return fork()  # it left, idle, as the request came: a new one serves it
 
 
 class LocalWorkers(list):
@@ -56,21 +141,7 @@ class LocalWorkers(list):
 
     def _spawn(self, port: int = 0) -> subprocess.Popen | ForkedProcess:
         args = [*self._args, "--port", str(port)]
-        if self._start_method == "spawn":
-            return subprocess.Popen(
-                [sys.executable, "-m", "rpcdl", *args], stdout=subprocess.PIPE, env=self._env, text=True
-            )
-
-        def fork() -> ForkedProcess:
-            server = shared_fork_server(_WORKER_MODULES, self._env)
-            return server.start("rpcdl", args, self._env, self._startup_timeout)
-
-        try:
-            return fork()
-        except ForkServerExited as exc:
-            if exc.code != 0:
-                raise
-        return fork()  # it left, idle, as the request came: a new one serves it
+        return start_worker_process(args, self._env, self._start_method, self._startup_timeout)
 
     def _launch(self, port: int = 0) -> tuple[subprocess.Popen | ForkedProcess, str]:
         process = self._spawn(port)
@@ -260,14 +331,7 @@ def local_workers(
         ...         ...
     """
     check_positive_int(n, "n", "the number of workers")
-    if start_method is None:
-        start_method = "forkserver" if fork_server_supported() else "spawn"
-    elif start_method not in START_METHODS:
-        raise ValueError(
-            f"start_method must be one of {', '.join(START_METHODS)} (or None: the default), got {start_method!r}"
-        )
-    elif start_method == "forkserver" and not fork_server_supported():
-        raise ValueError("start_method='forkserver' needs Linux 5.3 or later (fork and pidfds): use 'spawn'")
+    start_method = resolve_start_method(start_method)
     level = log_level.upper() if isinstance(log_level, str) else None
     if level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")

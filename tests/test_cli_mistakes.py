@@ -46,6 +46,7 @@ def _mistakes(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], tuple[str
         "host": (["--host", "no-such-host.invalid"], {}, ("--host", "no-such-host.invalid", "does not resolve")),
         "address-file": (["--address-file", f"{missing}/workers.txt"], {}, ("--address-file", "does not exist")),
         "procs": (["--procs", "2", "--token-file", missing], {}, ("--token-file", "cannot be read")),
+        "start-method": (["--start-method", "spawn"], {}, ("--start-method", "with --procs 2 or more")),
     }
 
 
@@ -62,6 +63,7 @@ def _mistakes(tmp: Path) -> dict[str, tuple[list[str], dict[str, str], tuple[str
         "host",
         "address-file",
         "procs",
+        "start-method",
     ],
 )
 @pytest.mark.parametrize("command", list(WORKER_COMMANDS))

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 from helpers import eventually
 
@@ -76,6 +77,37 @@ def test_procs_restarts_a_child_that_dies_says_why_and_drains_all_on_sigterm(tmp
         assert "started again" in log
         assert log.count("drained") == 2  # both children drained on the supervisor's SIGTERM
         assert address_file.read_text() == ""  # and removed their lines
+        eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit", timeout=_WAIT)
+    finally:
+        stop_process(supervisor, grace=1.0)
+        for pid in pids:
+            if process_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+        rpcdl.shutdown()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_procs_children_start_as_asked_each_in_a_process_group_of_its_own(start_method):
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "rpcdl", "worker", "--procs", "2", "--port", "0", "--start-method", start_method],
+        stdout=subprocess.PIPE,
+        env=child_environment(),
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        addresses = [read_ready_line(supervisor, 60.0), read_ready_line(supervisor, 60.0)]
+        pids = [rpcdl.stats(address)["pid"] for address in addresses]
+        for pid in pids:
+            assert os.getpgid(pid) == pid != os.getpgid(supervisor.pid)  # a Ctrl-C reaches the supervisor only
+            parent = psutil.Process(pid).ppid()
+            if start_method == "spawn":
+                assert parent == supervisor.pid
+            else:  # forked by the fork server, which the supervisor started
+                assert parent != supervisor.pid and psutil.Process(parent).ppid() == supervisor.pid
+        assert rpcdl.rpc_sync(addresses[1], min, (1, 2)) == 1
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(_WAIT) == 0
         eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit", timeout=_WAIT)
     finally:
         stop_process(supervisor, grace=1.0)

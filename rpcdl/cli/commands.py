@@ -10,11 +10,11 @@ import importlib.util
 import os
 import signal
 import ssl
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from ..local import START_METHODS, resolve_start_method, start_worker_process
 from ..logs import FORMATS
 from ..logs import configure as configure_logging
 from ..server.admission import DEFAULT_MAX_SESSIONS
@@ -87,6 +87,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker processes to start, each on its own port (--port P: P, P+1, ...); one that dies once it served "
         "is logged with its signal or exit code and started again, after a backoff while it keeps dying; one that "
         "dies before it was ever ready (its port in use, say) stops them all with exit code 1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--start-method",
+        choices=START_METHODS,
+        help="how --procs starts its processes: 'forkserver' forks them from one process that imported torch once "
+        "(less CPU at start, torch's memory shared), 'spawn' starts each as a new interpreter (default: forkserver "
+        "on Linux, else spawn)",
     )
     parser.add_argument(
         "--address-file",
@@ -254,7 +261,13 @@ def run_worker_command(
         fail(str(exc).replace("compression=", "--compression ", 1))
     if args.register is not None and importlib.util.find_spec("redis") is None:
         fail("--register needs redis-py: pip install 'rpcdl[redis]' (or pip install redis)")
+    if args.start_method is not None and args.procs == 1:
+        fail("--start-method is how --procs N starts its processes: give it with --procs 2 or more")
     if args.procs > 1:
+        try:
+            args.start_method = resolve_start_method(args.start_method)
+        except ValueError as exc:
+            fail(str(exc).replace("start_method=", "--start-method ", 1))
         return _run_worker_processes(args, argv)
     from ..server.worker import run_worker
 
@@ -292,6 +305,10 @@ def run_worker_command(
     return 0
 
 
+#: Seconds the fork server of ``--procs`` may take to answer (its first start waits for its import of torch).
+_FORK_TIMEOUT = 300.0
+
+
 def _prog(args: argparse.Namespace) -> str:
     return getattr(args, "prog", None) or "rpcdl worker"
 
@@ -300,29 +317,27 @@ def _run_worker_processes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Start ``--procs`` worker processes and keep them running until a signal (see :mod:`rpcdl.server.supervisor`)."""
     from ..server.draining import SAME_SIGNAL_WINDOW
     from ..server.process import StopSignals
-    from ..server.supervisor import Supervisor
+    from ..server.supervisor import ChildProcess, Supervisor
 
     child_argv = list(argv)
-    for option in ("--procs", "--port", "--watch-pid"):
+    for option in ("--procs", "--port", "--watch-pid", "--start-method"):
         child_argv = _without_option(child_argv, option)
     follow = ["--watch-pid", str(os.getpid())]  # a supervisor killed outright: its children drain and exit
+    environment = dict(os.environ)
 
-    def command_for(index: int) -> list[str]:
+    def start_child(index: int) -> ChildProcess:
         port = args.port + index if args.port else 0
-        command = [sys.executable, "-m", "rpcdl", "worker", *child_argv, "--port", str(port), *follow]
+        command = ["worker", *child_argv, "--port", str(port), *follow]
         if args.metrics_port is not None:  # one metrics port per child, as one port per worker
             metrics_port = args.metrics_port + index if args.metrics_port else 0
             command = [*_without_option(command, "--metrics-port"), "--metrics-port", str(metrics_port)]
-        return command
-
-    def spawn(command: list[str]) -> subprocess.Popen:
         # their own process group: a Ctrl-C in the terminal reaches the supervisor only, which drains them once;
         # their standard output through the supervisor, which learns each one's address from its ready line
-        return subprocess.Popen(command, process_group=0, stdout=subprocess.PIPE)
+        return start_worker_process(command, environment, args.start_method, _FORK_TIMEOUT, process_group=0)
 
     stop = StopSignals().install()
     try:
-        supervisor = Supervisor(command_for, args.procs, args.grace, spawn=spawn, address_file=args.address_file)
+        supervisor = Supervisor(start_child, args.procs, args.grace, address_file=args.address_file)
         return supervisor.run(lambda: stop.received, lambda: stop.again(SAME_SIGNAL_WINDOW))
     finally:
         stop.restore()

@@ -26,11 +26,10 @@ import dataclasses
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import IO, TextIO
+from typing import IO, Any, Protocol, TextIO
 
 from .process import remove_address
 
@@ -38,6 +37,20 @@ log = logging.getLogger("rpcdl.worker")
 
 EXIT_MARGIN = 10.0  #: seconds a child gets past the drain timeout before SIGKILL
 _TICK = 0.1
+
+
+class ChildProcess(Protocol):
+    """What the supervisor uses of a child process: ``subprocess.Popen``'s, or a fork server's command's."""
+
+    pid: int
+    stdout: IO[Any] | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +109,7 @@ class ChildOutput:
         out: where its lines go on (the supervisor's standard output).
     """
 
-    def __init__(self, pipe: IO[bytes], out: TextIO) -> None:
+    def __init__(self, pipe: IO[Any], out: TextIO) -> None:
         self._pipe = pipe
         self._out = out
         self._partial = b""
@@ -134,7 +147,7 @@ class ChildOutput:
 class Starting:
     """A child process started and not ready yet (it has not printed its address)."""
 
-    process: subprocess.Popen
+    process: ChildProcess
     output: ChildOutput
     started: float  #: ``time.monotonic()`` when it started
     wait: float  #: the backoff it waited before this start (``0`` for the first)
@@ -145,7 +158,7 @@ class Starting:
 class Running:
     """A child process that is ready and serves at ``address``."""
 
-    process: subprocess.Popen
+    process: ChildProcess
     output: ChildOutput
     started: float  #: ``time.monotonic()`` when it started
     wait: float  #: the backoff it waited before this start (``0`` for the first)
@@ -176,30 +189,34 @@ class Supervisor:
     """Runs ``count`` children and keeps them running until told to stop.
 
     Args:
-        command_for: the command line of child ``i`` (``0 <= i < count``).
+        start_child: starts child ``i`` (``0 <= i < count``), its standard output a pipe (say
+            ``subprocess.Popen(command, stdout=subprocess.PIPE)``).
         count: how many children.
         drain_timeout: the children's drain timeout (``--drain-timeout``).
         backoff: the waits before restarts.
-        spawn: starts a command with its standard output a pipe (default: :class:`subprocess.Popen`
-            with ``stdout=subprocess.PIPE``).
         address_file: the children's ``--address-file``, whose line of a child that died is removed here.
         out: where the children's standard output goes on (default: ``sys.stdout``).
+
+    Example::
+
+        >>> def start_child(index):  # doctest: +SKIP
+        ...     command = [sys.executable, "-m", "rpcdl", "worker", "--port", str(7000 + index)]
+        ...     return subprocess.Popen(command, stdout=subprocess.PIPE)
+        >>> Supervisor(start_child, 4, drain_timeout=30.0).run(lambda: False, lambda: False)  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        command_for: Callable[[int], list[str]],
+        start_child: Callable[[int], ChildProcess],
         count: int,
         drain_timeout: float,
         backoff: Backoff | None = None,
-        spawn: Callable[[list[str]], subprocess.Popen] | None = None,
         address_file: str | os.PathLike | None = None,
         out: TextIO | None = None,
     ) -> None:
-        self._command_for = command_for
+        self._start_child = start_child
         self._drain_timeout = drain_timeout
         self._backoff = backoff or Backoff()
-        self._spawn = spawn or (lambda command: subprocess.Popen(command, stdout=subprocess.PIPE))
         self._address_file = address_file
         self._out = out or sys.stdout
         self._children: list[Starting | Running | Waiting | Ended] = [
@@ -242,9 +259,9 @@ class Supervisor:
                     self._children[index] = Running(child.process, child.output, child.started, child.wait, address)
 
     def _start(self, index: int, wait: float, served_before: bool) -> None:
-        process = self._spawn(self._command_for(index))
+        process = self._start_child(index)
         if process.stdout is None:
-            raise ValueError("spawn must start the child with stdout=subprocess.PIPE: its ready line is read")
+            raise ValueError("start_child must give the child a pipe for its standard output: its ready line is read")
         output = ChildOutput(process.stdout, self._out)
         if wait > 0.0:
             self.restarts += 1
@@ -320,7 +337,7 @@ class Supervisor:
                 self._children[index] = Ended(0)
 
 
-def _signal(process: subprocess.Popen, signum: int) -> None:
+def _signal(process: ChildProcess, signum: int) -> None:
     if process.poll() is None:
         try:
             process.send_signal(signum)
