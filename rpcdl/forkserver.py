@@ -56,9 +56,12 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from ._lifecycle import in_forked_child
+from .checks import environment_number
 from .errors import ForkServerExited
 
 __all__ = [
+    "DEFAULT_IDLE_TIMEOUT",
+    "IDLE_TIMEOUT_ENV",
     "ForkServer",
     "ForkedProcess",
     "fork_server_supported",
@@ -68,6 +71,10 @@ __all__ = [
 
 #: Prefixes of the environment variables read as the interpreter and the preloaded modules start.
 _START_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "GOMP_", "LD_", "CUDA", "NCCL")
+
+#: Seconds a shared fork server with no live command and no request stays (:func:`shared_fork_server`).
+IDLE_TIMEOUT_ENV = "RPCDL_FORK_SERVER_IDLE"
+DEFAULT_IDLE_TIMEOUT = 30.0
 
 _MAX_MESSAGE = 1 << 20
 _SLICE = 0.05  # seconds a thread waits on the socket before it looks whether another thread read its news
@@ -136,7 +143,7 @@ class ForkServer:
         0
     """
 
-    def __init__(self, preload: Sequence[str], env: Mapping[str, str], idle_timeout: float = 30.0):
+    def __init__(self, preload: Sequence[str], env: Mapping[str, str], idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
         if not fork_server_supported():
             raise RuntimeError("a fork server needs Linux 5.3 or later (fork and pidfds); start processes with Popen")
         self.start_variables = start_variables(env)
@@ -176,6 +183,7 @@ class ForkServer:
         env: Mapping[str, str],
         timeout: float = 60.0,
         process_group: int | None = None,
+        stderr: int | None = None,
     ) -> ForkedProcess:
         """Fork ``python -m module args`` with ``env``, its standard output a pipe to this process.
 
@@ -186,6 +194,8 @@ class ForkServer:
             timeout: seconds to wait for the fork (the server may still be importing ``preload``).
             process_group: as ``subprocess.Popen``'s: ``0`` puts the command in a process group
                 of its own; ``None`` (the default) leaves it in the server's, which is this process's.
+            stderr: ``None`` (the default): this process's standard error; ``subprocess.PIPE``: a
+                pipe to this process, :attr:`ForkedProcess.stderr`.
 
         Returns:
             the process, with ``Popen``'s methods.
@@ -198,34 +208,39 @@ class ForkServer:
         """
         if start_variables(env) != self.start_variables:
             raise ValueError("env differs from the fork server's on a variable read at start: start another server")
+        if stderr not in (None, subprocess.PIPE):
+            raise ValueError(f"stderr must be None (this process's) or subprocess.PIPE, got {stderr!r}")
+        command = (module, list(args), dict(env), os.getcwd(), process_group)
         with self._start_lock:
-            pid, serial, pidfd, stdout = self._fork(
-                (module, list(args), dict(env), os.getcwd(), process_group), timeout
-            )
-        return ForkedProcess(self, [sys.executable, "-m", module, *args], pid, serial, pidfd, stdout)
+            pid, serial, pidfd, pipes = self._fork(command, stderr == subprocess.PIPE, timeout)
+        return ForkedProcess(self, [sys.executable, "-m", module, *args], pid, serial, pidfd, *pipes)
 
-    def _fork(self, command: tuple, timeout: float) -> tuple:
-        read_end, write_end = os.pipe()
+    def _fork(self, command: tuple, pipe_stderr: bool, timeout: float) -> tuple:
+        """Send the request with the command's streams; return its pid, serial, pidfd and (stdout, stderr)."""
+        pipes = [os.pipe() for _ in range(2 if pipe_stderr else 1)]  # (read end, write end) each
         stdin = _stdin_fd()
+        streams = [stdin, pipes[0][1], pipes[1][1] if pipe_stderr else 2]
         try:
             message = pickle.dumps(("start", *command))
             try:
-                socket.send_fds(self._socket, [message], [stdin, write_end, 2])
+                socket.send_fds(self._socket, [message], streams)
             except OSError as exc:
                 self._lost(f"could not be reached: {exc}")
             reply = self._await_reply(timeout)
+            if reply[0] == "failed":
+                raise RuntimeError(f"the fork server could not start python -m {command[0]}: {reply[1]}")
         except BaseException:
-            os.close(read_end)
+            for read_end, _ in pipes:
+                os.close(read_end)
             raise
         finally:
-            os.close(write_end)
+            for _, write_end in pipes:
+                os.close(write_end)
             if stdin != 0:
                 os.close(stdin)
-        if reply[0] == "failed":
-            os.close(read_end)
-            raise RuntimeError(f"the fork server could not start python -m {command[0]}: {reply[1]}")
         _, pid, serial, pidfd = reply
-        return pid, serial, pidfd, os.fdopen(read_end, "r")
+        files = [os.fdopen(read_end, "r") for read_end, _ in pipes]
+        return pid, serial, pidfd, (files[0], files[1] if pipe_stderr else None)
 
     # The client side of the protocol. Every read of the socket happens under _lock; what a read brings is
     # kept for the thread it belongs to. A thread that waits for news on the socket may find that another
@@ -336,6 +351,9 @@ _shared: dict[tuple, ForkServer] = {}  # (preload, start variables) -> the serve
 def shared_fork_server(preload: Sequence[str], env: Mapping[str, str]) -> ForkServer:
     """This process's fork server for ``preload`` and ``env``'s :func:`start_variables`, started if need be.
 
+    A server started here exits after ``RPCDL_FORK_SERVER_IDLE`` seconds (default 30) with no
+    live command and no request; the next call starts another.
+
     Args:
         preload: the modules the server imports.
         env: an environment the server's commands may have.
@@ -350,10 +368,17 @@ def shared_fork_server(preload: Sequence[str], env: Mapping[str, str]) -> ForkSe
         True
     """
     key = (tuple(preload), tuple(start_variables(env).items()))
+    idle_timeout = environment_number(
+        IDLE_TIMEOUT_ENV,
+        DEFAULT_IDLE_TIMEOUT,
+        float,
+        "a number of seconds > 0 (how long an idle fork server stays)",
+        lambda seconds: seconds > 0,
+    )
     with _shared_lock:
         server = _shared.get(key)
         if server is None or not server.running:
-            server = _shared[key] = ForkServer(preload, env)
+            server = _shared[key] = ForkServer(preload, env, idle_timeout)
         return server
 
 
@@ -379,17 +404,28 @@ class ForkedProcess:
         args: the command as ``python -m`` would run it.
         pid: its process id.
         stdout: its standard output (text), read by this process.
-        stdin, stderr: ``None``: it shares this process's.
+        stderr: its standard error (text), read by this process, when it was started with
+            ``stderr=subprocess.PIPE``; else ``None``: it shares this process's.
+        stdin: ``None``: it shares this process's.
         returncode: its exit code once known (negative: the signal that ended it), else ``None``.
     """
 
     stdin: IO[str] | None = None
-    stderr: IO[str] | None = None
 
-    def __init__(self, server: ForkServer, args: list[str], pid: int, serial: int, pidfd: int, stdout: IO[str]):
+    def __init__(
+        self,
+        server: ForkServer,
+        args: list[str],
+        pid: int,
+        serial: int,
+        pidfd: int,
+        stdout: IO[str],
+        stderr: IO[str] | None = None,
+    ):
         self.args = args
         self.pid = pid
         self.stdout = stdout
+        self.stderr = stderr
         self.returncode: int | None = None
         self._server = server
         self._serial = serial

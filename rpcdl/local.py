@@ -75,6 +75,7 @@ def start_worker_process(
     start_method: str,
     timeout: float = 60.0,
     process_group: int | None = None,
+    stderr: int | None = None,
 ) -> subprocess.Popen | ForkedProcess:
     """Start ``rpcdl ARGS`` (say ``["worker", "--port", "0"]``), its standard output a pipe to this process.
 
@@ -86,6 +87,7 @@ def start_worker_process(
             worker once (see :func:`~rpcdl.forkserver.shared_fork_server`).
         timeout: seconds the fork server may take to answer (its first request waits for its imports).
         process_group: as ``subprocess.Popen``'s (``0``: a process group of its own).
+        stderr: ``None``: this process's standard error; ``subprocess.PIPE``: a pipe to this process.
 
     Returns:
         the process: a :class:`subprocess.Popen` or a :class:`~rpcdl.forkserver.ForkedProcess`,
@@ -99,11 +101,13 @@ def start_worker_process(
     """
     if start_method == "spawn":
         command = [sys.executable, "-m", "rpcdl", *args]
-        return subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True, process_group=process_group)
+        return subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True, process_group=process_group
+        )
 
     def fork() -> ForkedProcess:
         server = shared_fork_server(_WORKER_MODULES, env)
-        return server.start("rpcdl", args, env, timeout, process_group)
+        return server.start("rpcdl", args, env, timeout, process_group, stderr)
 
     try:
         return fork()

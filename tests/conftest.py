@@ -13,6 +13,9 @@ import rpcdl
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py for the workers too
+# Tests start local workers minutes apart: each pytest process keeps its fork server (and its import of
+# torch) between them, rather than the 30 s a script gets (RPCDL_FORK_SERVER_IDLE, docs/environment.rst).
+os.environ.setdefault("RPCDL_FORK_SERVER_IDLE", "600")
 
 
 @pytest.fixture(autouse=True)

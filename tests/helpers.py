@@ -15,6 +15,8 @@ import torch
 from torch.utils.data import Dataset
 
 import rpcdl
+from rpcdl import local
+from rpcdl.forkserver import ForkedProcess
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
 from rpcdl.rpc.dial import served_before
@@ -168,18 +170,17 @@ class Allocates(Dataset):
         return self.n
 
 
-def start_worker_process(*options: str) -> tuple[subprocess.Popen, str]:
+def start_worker_process(*options: str) -> tuple[subprocess.Popen | ForkedProcess, str]:
     """An ``rpcdl worker`` process on a free loopback port with ``options``, and its address once it is ready.
 
-    Its standard error is a pipe the test may read; stop it with :func:`rpcdl.processes.stop_process`.
+    It is started as local_workers starts its own (on Linux, forked from a process that imported torch:
+    tests/test_cli.py and others run ``python -m rpcdl worker`` itself). Its standard error is a pipe the
+    test may read; stop it with :func:`rpcdl.processes.stop_process`.
     """
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rpcdl", "worker", "--port", "0", *options],
-        stdout=subprocess.PIPE,
+    process = local.start_worker_process(
+        ["worker", "--port", "0", *options], child_environment(), local.resolve_start_method(None), 60.0,
         stderr=subprocess.PIPE,
-        env=child_environment(),
-        text=True,
-    )
+    )  # fmt: skip
     try:
         return process, read_ready_line(process, 60.0)
     except BaseException:

@@ -47,6 +47,16 @@ def test_a_command_gets_its_arguments_environment_directory_and_streams(server, 
     assert "probe" in capfd.readouterr().err  # this process's standard error, as Popen would give it
 
 
+def test_a_command_writes_its_standard_error_to_a_pipe_on_request(server, capfd):
+    process = server.start("forkserver_probe", ["0"], child_environment(), stderr=subprocess.PIPE)
+    assert report(process)["argv"] == ["0"]
+    assert process.stderr.read() == "probe\n"  # to the end: the pipe's only writer was the command
+    assert process.wait(timeout=10) == 0
+    assert "probe" not in capfd.readouterr().err
+    with pytest.raises(ValueError, match=r"subprocess\.PIPE"):
+        server.start("forkserver_probe", ["0"], child_environment(), stderr=subprocess.DEVNULL)
+
+
 def test_two_commands_draw_different_random_numbers(server):
     first, second = (server.start("forkserver_probe", ["0"], child_environment()) for _ in range(2))
     assert report(first)["random"] != report(second)["random"]  # numpy reseeded in each, as in a new interpreter
@@ -107,6 +117,20 @@ def test_an_idle_server_leaves_and_a_shared_one_is_started_again():
     assert shared is shared_fork_server(["json"], {**env, "HOME": "/elsewhere"})  # only start variables count
     assert shared.start("forkserver_probe", ["0"], env).wait(timeout=10) == 0
     shared.close()
+
+
+def test_the_idle_time_of_a_shared_server_comes_from_the_environment(monkeypatch):
+    env = {**child_environment(), "PYTHON_FORKSERVER_TEST": "idle-env"}  # a server of this test's own
+    monkeypatch.setenv("RPCDL_FORK_SERVER_IDLE", "never")
+    with pytest.raises(ValueError, match="RPCDL_FORK_SERVER_IDLE"):
+        shared_fork_server(["json"], env)
+    monkeypatch.setenv("RPCDL_FORK_SERVER_IDLE", "0.5")
+    shared = shared_fork_server(["json"], env)
+    assert shared.start("forkserver_probe", ["0"], env).wait(timeout=10) == 0
+    deadline = time.monotonic() + 10
+    while shared.running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not shared.running  # left after half a second, not the default 30
 
 
 def test_a_server_that_cannot_preload_says_so():
