@@ -72,7 +72,7 @@ def resolve_start_method(start_method: str | None) -> str:
 def start_worker_process(
     args: Sequence[str],
     env: Mapping[str, str],
-    start_method: str,
+    start_method: str | None = None,
     timeout: float = 60.0,
     process_group: int | None = None,
     stderr: int | None = None,
@@ -84,7 +84,8 @@ def start_worker_process(
         env: its environment.
         start_method: ``"spawn"``: a new interpreter (:class:`subprocess.Popen`); ``"forkserver"``:
             forked from this process's fork server for ``env``, which imported torch and rpcdl's
-            worker once (see :func:`~rpcdl.forkserver.shared_fork_server`).
+            worker once (see :func:`~rpcdl.forkserver.shared_fork_server`); ``None``: this
+            platform's default (:func:`resolve_start_method`).
         timeout: seconds the fork server may take to answer (its first request waits for its imports).
         process_group: as ``subprocess.Popen``'s (``0``: a process group of its own).
         stderr: ``None``: this process's standard error; ``subprocess.PIPE``: a pipe to this process.
@@ -93,13 +94,16 @@ def start_worker_process(
         the process: a :class:`subprocess.Popen` or a :class:`~rpcdl.forkserver.ForkedProcess`,
         its standard output text.
 
+    Raises:
+        ValueError: an unknown ``start_method`` (see :func:`resolve_start_method`).
+
     Example::
 
-        >>> process = start_worker_process(["worker", "--port", "0"], os.environ, "forkserver")  # doctest: +SKIP
+        >>> process = start_worker_process(["worker", "--port", "0"], os.environ)  # doctest: +SKIP
         >>> read_ready_line(process, timeout=60)  # doctest: +SKIP
         '127.0.0.1:40123'
     """
-    if start_method == "spawn":
+    if resolve_start_method(start_method) == "spawn":
         command = [sys.executable, "-m", "rpcdl", *args]
         return subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True, process_group=process_group

@@ -178,9 +178,8 @@ def start_worker_process(*options: str) -> tuple[subprocess.Popen | ForkedProces
     test may read; stop it with :func:`rpcdl.processes.stop_process`.
     """
     process = local.start_worker_process(
-        ["worker", "--port", "0", *options], child_environment(), local.resolve_start_method(None), 60.0,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
+        ["worker", "--port", "0", *options], child_environment(), stderr=subprocess.PIPE
+    )
     try:
         return process, read_ready_line(process, 60.0)
     except BaseException:

@@ -20,7 +20,7 @@ import pytest
 import rpcdl
 from rpcdl.errors import ForkServerExited
 from rpcdl.forkserver import ForkServer, shared_fork_server, start_variables
-from rpcdl.local import child_environment
+from rpcdl.local import child_environment, start_worker_process
 from rpcdl.server.process import process_exists
 
 pytestmark = pytest.mark.timeout(60)
@@ -184,6 +184,8 @@ def test_local_workers_refuse_an_unknown_start_method(start_method):
         rpcdl.local_workers(1, start_method=start_method),
     ):
         pass
+    with pytest.raises(ValueError, match="start_method must be one of forkserver, spawn"):
+        start_worker_process(["worker"], child_environment(), start_method)
 
 
 def test_threads_waiting_on_one_command_all_get_its_code(switching_often):
