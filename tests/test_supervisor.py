@@ -6,6 +6,7 @@ the tests kill children with real signals and stop the supervisor with SIGTERM.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import rpcdl
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
 from rpcdl.server.process import process_exists
-from rpcdl.server.supervisor import Backoff, describe_exit
+from rpcdl.server.supervisor import Backoff, Supervisor, describe_exit
 
 _WAIT = 30.0
 
@@ -39,6 +40,30 @@ def test_describe_exit_names_the_signal_or_the_code():
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(-signal.SIGSEGV) == "killed by SIGSEGV"
     assert describe_exit(1) == "exited with code 1"
+
+
+def test_a_child_that_cannot_be_started_stops_the_supervisor_unless_it_served_before(caplog):
+    def cannot_start(index: int):
+        raise RuntimeError("the fork server exited before it answered")
+
+    supervisor = Supervisor(cannot_start, 2, drain_timeout=1.0, out=io.StringIO())
+    assert supervisor.run(lambda: False, lambda: False) == 1  # would fail the same way again
+    assert "process 0 could not be started: the fork server exited before it answered" in caplog.text
+
+    attempts: list[int] = []
+
+    def second_start_fails(index: int):
+        attempts.append(index)
+        if len(attempts) == 2:
+            raise RuntimeError("fork failed")
+        ready_then_exit = "print('127.0.0.1:1', flush=True); import time; time.sleep(0.2)"
+        return subprocess.Popen([sys.executable, "-c", ready_then_exit], stdout=subprocess.PIPE)
+
+    restarting = Supervisor(
+        second_start_fails, 1, drain_timeout=1.0, backoff=Backoff(initial=0.05, cap=0.1), out=io.StringIO()
+    )
+    assert restarting.run(lambda: len(attempts) >= 3, lambda: False) == 0  # tried again after its backoff
+    assert "could not be started again: fork failed; trying in" in caplog.text
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, "exit"])

@@ -9,7 +9,9 @@ signal's name or the exit code), its line is removed from the address file
 backoff that doubles while it keeps dying young. A child that dies before it
 was ever ready fails the same way each time (its port is in use, its import
 fails): the supervisor drains the others and exits 1, the child's own error
-above its last line. SIGTERM or SIGINT to the supervisor drains every child
+above its last line. So does a child that cannot be started at all (its fork
+server cannot import torch, say), unless it served before: then it is tried
+again after the backoff. SIGTERM or SIGINT to the supervisor drains every child
 (each gets SIGTERM: it tells its clients it leaves, answers its calls in
 flight and exits 0); a second signal is passed on, so they stop at once; a
 child still there after the drain timeout and a margin is killed.
@@ -202,7 +204,11 @@ class Supervisor:
         >>> def start_child(index):  # doctest: +SKIP
         ...     command = [sys.executable, "-m", "rpcdl", "worker", "--port", str(7000 + index)]
         ...     return subprocess.Popen(command, stdout=subprocess.PIPE)
-        >>> Supervisor(start_child, 4, drain_timeout=30.0).run(lambda: False, lambda: False)  # doctest: +SKIP
+        >>> stop = StopSignals().install()  # doctest: +SKIP
+        >>> Supervisor(start_child, 4, drain_timeout=30.0).run(  # doctest: +SKIP
+        ...     lambda: stop.received, lambda: stop.again(2.0)
+        ... )
+        0
     """
 
     def __init__(
@@ -259,7 +265,16 @@ class Supervisor:
                     self._children[index] = Running(child.process, child.output, child.started, child.wait, address)
 
     def _start(self, index: int, wait: float, served_before: bool) -> None:
-        process = self._start_child(index)
+        try:
+            process = self._start_child(index)
+        except (OSError, RuntimeError) as exc:  # no process (a fork server that cannot import torch, say)
+            if not served_before:
+                self._children[index] = Ended(1)
+                raise _FailedAtStart(f"process {index} could not be started: {exc}") from exc
+            wait = self._backoff.next(wait, ran_for=0.0)
+            log.warning("rpcdl worker process %d could not be started again: %s; trying in %.1fs", index, exc, wait)
+            self._children[index] = Waiting(time.monotonic() + wait, wait, served_before=True)
+            return
         if process.stdout is None:
             raise ValueError("start_child must give the child a pipe for its standard output: its ready line is read")
         output = ChildOutput(process.stdout, self._out)
