@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from rpcdl.forkserver import ForkedProcess
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
 from rpcdl.rpc.dial import served_before
+from rpcdl.server.process import process_exists
 
 #: The gates :func:`gated` calls wait on, by name; the test makes and opens them.
 GATES: dict[str, threading.Event] = {}
@@ -185,6 +187,16 @@ def start_worker_process(*options: str) -> tuple[subprocess.Popen | ForkedProces
     except BaseException:
         stop_process(process, grace=1.0)
         raise
+
+
+def stop_supervisor(supervisor: subprocess.Popen, children: list[int]) -> None:
+    """Stop an ``rpcdl worker --procs`` supervisor, SIGKILL any of its ``children`` (pids) still there, and
+    close this process's connections."""
+    stop_process(supervisor, grace=1.0)
+    for pid in children:
+        if process_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+    rpcdl.shutdown()
 
 
 def eventually(condition: Callable[[], object], what: str, timeout: float = 10.0, interval: float = 0.01) -> None:

@@ -16,12 +16,12 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from helpers import free_port, start_worker_process
+from helpers import free_port, start_worker_process, stop_supervisor
 
 import rpcdl
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
-from rpcdl.server.process import add_address, process_exists, remove_address
+from rpcdl.server.process import add_address, remove_address
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,11 +134,7 @@ def test_procs_removes_a_killed_childs_line_and_a_restart_on_its_port_adds_one(t
         assert supervisor.wait(_WAIT) == 0
         assert path.read_text().split() == []  # every child drained and removed its line
     finally:
-        stop_process(supervisor, grace=1.0)
-        for pid in pids:
-            if process_exists(pid):
-                os.kill(pid, signal.SIGKILL)
-        rpcdl.shutdown()
+        stop_supervisor(supervisor, pids)
 
 
 def test_procs_on_a_port_in_use_stops_with_that_error_instead_of_restarting_forever():

@@ -15,11 +15,10 @@ import sys
 
 import psutil
 import pytest
-from helpers import eventually
+from helpers import eventually, stop_supervisor
 
 import rpcdl
 from rpcdl.local import child_environment, read_ready_line
-from rpcdl.processes import stop_process
 from rpcdl.server.process import process_exists
 from rpcdl.server.supervisor import Backoff, Supervisor, describe_exit
 
@@ -104,11 +103,7 @@ def test_procs_restarts_a_child_that_dies_says_why_and_drains_all_on_sigterm(tmp
         assert address_file.read_text() == ""  # and removed their lines
         eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit", timeout=_WAIT)
     finally:
-        stop_process(supervisor, grace=1.0)
-        for pid in pids:
-            if process_exists(pid):
-                os.kill(pid, signal.SIGKILL)
-        rpcdl.shutdown()
+        stop_supervisor(supervisor, pids)
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
@@ -135,8 +130,4 @@ def test_procs_children_start_as_asked_each_in_a_process_group_of_its_own(start_
         assert supervisor.wait(_WAIT) == 0
         eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit", timeout=_WAIT)
     finally:
-        stop_process(supervisor, grace=1.0)
-        for pid in pids:
-            if process_exists(pid):
-                os.kill(pid, signal.SIGKILL)
-        rpcdl.shutdown()
+        stop_supervisor(supervisor, pids)
