@@ -17,6 +17,10 @@ and the variables that Python and torch read at import (``PYTHON*``,
 ``TORCH*``, ``OMP_*``, ...): :func:`start_variables` names them, and a server
 serves only requests that agree with it on all of them.
 
+The server and its commands name themselves for ``top``, ``ps -o comm``
+and ``pgrep`` (``rpcdl forkserve``, ``rpcdl worker``); ``ps aux`` shows the
+server's command line for all of them, which a fork cannot change.
+
 The server exits when the process that started it exits, and when it has
 had no live command and no request for ``idle_timeout`` seconds; its
 commands outlive it (rpcdl's workers stop when the process they watch
@@ -508,6 +512,7 @@ def _stdin_fd() -> int:
 def _serve(channel: socket.socket, idle_timeout: float, preload: Sequence[str]) -> None:
     """Import ``preload``, then fork a command per request until the client leaves or nothing happens."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the commands; the server waits for the client
+    _name_process("rpcdl forkserver")
     for name in preload:
         importlib.import_module(name)
     selector = selectors.DefaultSelector()
@@ -580,6 +585,7 @@ def _become(
         if fd > 2:
             os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    _name_process(" ".join([module.rpartition(".")[2], *args[:1]]))  # "rpcdl worker"
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -589,6 +595,16 @@ def _become(
     # SystemExit ends the interpreter here as it would a fresh one: exit hooks run, streams are flushed.
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     sys.exit(0)
+
+
+def _name_process(name: str) -> None:
+    """Name this process in ``top``, ``ps -o comm`` and ``pgrep`` (the kernel keeps 15 bytes); ``ps aux`` still
+    shows the server's command line, which a fork cannot change."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass  # no /proc: the name is cosmetic
 
 
 def _send(channel: socket.socket, message: tuple, fds: Sequence[int] = ()) -> None:

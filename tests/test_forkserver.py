@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +67,8 @@ def test_two_commands_draw_different_random_numbers(server):
 def test_signals_reach_the_command_and_its_code_says_so(server):
     process = server.start("forkserver_probe", ["0", "60"], child_environment())
     report(process)
+    comm = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in (process.pid, server.pid)}
+    assert comm == {process.pid: "forkserver_prob", server.pid: "rpcdl forkserve"}  # top shows what runs
     with pytest.raises(subprocess.TimeoutExpired):
         process.wait(timeout=0.2)
     assert process.poll() is None
