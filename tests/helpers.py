@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -187,6 +188,27 @@ def start_worker_process(*options: str) -> tuple[subprocess.Popen | ForkedProces
     except BaseException:
         stop_process(process, grace=1.0)
         raise
+
+
+def read_stderr_until(process: subprocess.Popen | ForkedProcess, text: str, timeout: float = 30.0) -> str:
+    """Read the process's standard error (a pipe) until it holds ``text``; return what was read.
+
+    It reads the pipe's bytes as they come (``os.read``): a buffered ``readline`` may take two lines from the
+    pipe at once and leave the second in its buffer, where ``select`` does not see it.
+    """
+    read = b""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stderr, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(timeout=0.1):
+                chunk = os.read(process.stderr.fileno(), 65536)
+                read += chunk
+                if text.encode() in read:
+                    return read.decode(errors="replace")
+                if not chunk:
+                    break
+    raise AssertionError(f"no line with {text!r} within {timeout}s: {read.decode(errors='replace')}")
 
 
 def stop_supervisor(supervisor: subprocess.Popen, children: list[int]) -> None:

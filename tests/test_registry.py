@@ -6,8 +6,6 @@ and real ``rpcdl worker`` processes.
 
 from __future__ import annotations
 
-import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -36,27 +34,6 @@ def redis_server():
         pytest.skip(str(exc))
     with redis_server_module.RedisServer() as server:
         yield server
-
-
-def _read_until(process: subprocess.Popen, text: str, timeout: float = _WAIT) -> str:
-    """Read the process's stderr until a line holds ``text``; return what was read.
-
-    It reads the pipe's bytes as they come (``os.read``): a buffered ``readline`` may take two lines from the
-    pipe at once and leave the second in its buffer, where ``select`` does not see it.
-    """
-    read = b""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stderr, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if selector.select(timeout=0.1):
-                chunk = os.read(process.stderr.fileno(), 65536)
-                read += chunk
-                if text.encode() in read:
-                    return read.decode(errors="replace")
-                if not chunk:
-                    break
-    raise AssertionError(f"no line with {text!r} within {timeout}s: {read.decode(errors='replace')}")
 
 
 def test_registry_urls_parse_with_defaults_and_bad_ones_say_what_is_wrong():
@@ -143,7 +120,7 @@ def test_a_worker_keeps_serving_while_the_registry_is_down_and_registers_once_it
     )  # nothing listens there yet
     try:
         assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
-        log = _read_until(process, "could not register")  # it serves, and says so
+        log = helpers.read_stderr_until(process, "could not register", _WAIT)  # it serves, and says so
         assert rpcdl.rpc_sync(address, min, (1, 2)) == 1
         with server:
             helpers.eventually(

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers import RangeDataset, free_port, start_worker_process
+from helpers import RangeDataset, free_port, read_stderr_until, start_worker_process
 
 import rpcdl
 from rpcdl.cli.probe import Reach, ask_stats
@@ -204,7 +202,7 @@ def test_a_redis_registry_is_asked_for_its_workers(tmp_path):
         url = f"redis://{server.host}:{server.port}/0?key=status-{os.getpid()}"
         worker, address = start_worker_process("--register", url)
         try:
-            joined = _read_stderr_until(worker, "joined registry")  # it says it joined, as it says it left
+            joined = read_stderr_until(worker, "joined registry")  # it says it joined, as it says it left
             assert address in joined
             result = run_status("--json", url)
             assert result.returncode == 0, result.stdout + result.stderr
@@ -213,20 +211,6 @@ def test_a_redis_registry_is_asked_for_its_workers(tmp_path):
             stop_process(worker, grace=5.0)
         result = run_status(url)  # drained: it left the registry, which now lists no worker
         assert result.returncode == 1 and "lists no worker" in result.stdout
-
-
-def _read_stderr_until(process: subprocess.Popen, text: str, timeout: float = 30.0) -> str:
-    read = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stderr, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if selector.select(timeout=0.1):
-                line = process.stderr.readline()
-                read.append(line)
-                if text in line:
-                    return "".join(read)
-    raise AssertionError(f"no line with {text!r} within {timeout}s: {''.join(read)}")
 
 
 def test_timeout_is_a_deprecated_spelling_of_answer_timeout():
