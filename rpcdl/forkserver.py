@@ -17,6 +17,10 @@ and the variables that Python and torch read at import (``PYTHON*``,
 ``TORCH*``, ``OMP_*``, ...): :func:`start_variables` names them, and a server
 serves only requests that agree with it on all of them.
 
+A request waits for the server's imports before its first fork (seconds
+for torch, more on a cold, busy node); after ``NOTICE_AFTER`` seconds a
+warning on the ``rpcdl.forkserver`` logger says what it waits for.
+
 The server and its commands name themselves for ``top``, ``ps -o comm``
 and ``pgrep`` (``rpcdl forkserve``, ``rpcdl worker``); ``ps aux`` shows the
 server's command line for all of them, which a fork cannot change.
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import logging
 import os
 import pickle
 import runpy
@@ -63,9 +68,12 @@ from ._lifecycle import in_forked_child
 from .checks import environment_number
 from .errors import ForkServerExited
 
+log = logging.getLogger("rpcdl.forkserver")
+
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
     "IDLE_TIMEOUT_ENV",
+    "NOTICE_AFTER",
     "ForkServer",
     "ForkedProcess",
     "fork_server_supported",
@@ -79,6 +87,9 @@ _START_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBL
 #: Seconds a shared fork server with no live command and no request stays (:func:`shared_fork_server`).
 IDLE_TIMEOUT_ENV = "RPCDL_FORK_SERVER_IDLE"
 DEFAULT_IDLE_TIMEOUT = 30.0
+
+#: Seconds a request waits for the server's answer before a warning says what it waits for.
+NOTICE_AFTER = 5.0
 
 _MAX_MESSAGE = 1 << 20
 _SLICE = 0.05  # seconds a thread waits on the socket before it looks whether another thread read its news
@@ -151,6 +162,7 @@ class ForkServer:
         if not fork_server_supported():
             raise RuntimeError("a fork server needs Linux 5.3 or later (fork and pidfds); start processes with Popen")
         self.start_variables = start_variables(env)
+        self._preload = list(preload)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self._process = subprocess.Popen(
@@ -272,7 +284,8 @@ class ForkServer:
             self._wait_for_news(_SLICE)
 
     def _await_reply(self, timeout: float) -> tuple:
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline, said = started + timeout, False
         while True:
             with self._lock:
                 self._drain()
@@ -282,7 +295,18 @@ class ForkServer:
                 return reply
             if gone:
                 self._lost("exited before it answered")
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if not said and now - started >= NOTICE_AFTER:
+                said = True
+                log.warning(
+                    "waiting for the fork server (pid %d) to answer for %.0fs: it imports %s before its first "
+                    "fork (up to %gs)",
+                    self.pid,
+                    now - started,
+                    ", ".join(self._preload),
+                    timeout,
+                )
+            left = deadline - now
             if left <= 0:
                 self.close()  # a late answer must not be taken for the next request's
                 raise RuntimeError(f"the fork server did not answer within {timeout:g}s (still importing?)")

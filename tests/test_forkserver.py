@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import rpcdl
+from rpcdl import forkserver
 from rpcdl.errors import ForkServerExited
 from rpcdl.forkserver import ForkServer, shared_fork_server, start_variables
 from rpcdl.local import child_environment, start_worker_process
@@ -134,6 +135,18 @@ def test_the_idle_time_of_a_shared_server_comes_from_the_environment(monkeypatch
     while shared.running and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not shared.running  # left after half a second, not the default 30
+
+
+def test_a_request_that_waits_for_the_servers_imports_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(forkserver, "NOTICE_AFTER", 0.3)
+    server = ForkServer(["forkserver_slow_import"], child_environment())
+    try:
+        assert server.start("forkserver_probe", ["0"], child_environment()).wait(timeout=10) == 0
+    finally:
+        server.close()
+    (notice,) = [record.getMessage() for record in caplog.records if record.name == "rpcdl.forkserver"]
+    assert f"waiting for the fork server (pid {server.pid}) to answer" in notice
+    assert "it imports forkserver_slow_import before its first fork (up to 60s)" in notice
 
 
 def test_a_server_that_cannot_preload_says_so():
