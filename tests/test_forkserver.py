@@ -13,10 +13,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from helpers import eventually
 
 import rpcdl
 from rpcdl import forkserver
@@ -110,10 +110,7 @@ def test_an_idle_server_leaves_and_a_shared_one_is_started_again():
     server = ForkServer(["json"], env, idle_timeout=0.5)
     process = server.start("forkserver_probe", ["0"], env)
     assert process.wait(timeout=10) == 0
-    deadline = time.monotonic() + 10
-    while server.running and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not server.running
+    eventually(lambda: not server.running, "the idle server to leave")
     with pytest.raises(ForkServerExited) as raised:
         server.start("forkserver_probe", ["0"], env)
     assert raised.value.code == 0
@@ -131,10 +128,7 @@ def test_the_idle_time_of_a_shared_server_comes_from_the_environment(monkeypatch
     monkeypatch.setenv("RPCDL_FORK_SERVER_IDLE", "0.5")
     shared = shared_fork_server(["json"], env)
     assert shared.start("forkserver_probe", ["0"], env).wait(timeout=10) == 0
-    deadline = time.monotonic() + 10
-    while shared.running and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not shared.running  # left after half a second, not the default 30
+    eventually(lambda: not shared.running, "the server to leave after half a second, not the default 30")
 
 
 def test_a_request_that_waits_for_the_servers_imports_says_so(monkeypatch, caplog):
@@ -173,10 +167,7 @@ def test_the_server_leaves_when_its_client_exits():
     )
     assert result.returncode == 0, result.stderr
     pid = int(result.stdout)
-    deadline = time.monotonic() + 10
-    while process_exists(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not process_exists(pid)
+    eventually(lambda: not process_exists(pid), "the server to leave with its client")
 
 
 def test_local_workers_start_from_one_fork_server_and_spawn_on_request():
