@@ -325,8 +325,9 @@ def local_workers(
         start_method: ``"forkserver"`` (the default on Linux): the workers are forked from one
             process that imported torch already (see :mod:`rpcdl.forkserver`), so each starts
             in a fraction of the CPU and shares torch's memory; the process stays while workers
-            run and for 30 s after, and serves later calls in this process too. ``"spawn"`` (the
-            default elsewhere): each worker is a new interpreter, ``python -m rpcdl worker``.
+            run and for ``RPCDL_FORK_SERVER_IDLE`` seconds (30 by default) after, and serves later
+            calls in this process too. ``"spawn"`` (the default elsewhere): each worker is a
+            new interpreter, ``python -m rpcdl worker``.
 
     Yields:
         a :class:`~rpcdl.local.LocalWorkers`: the list of ``"127.0.0.1:port"`` addresses.
