@@ -5,8 +5,12 @@ on a shared machine whose speed drifts by 2x over minutes, two such runs of
 two versions differ by more than the versions do. Here each version keeps
 one process with its own two local workers and its loaders open, and the two
 take turns at short bursts (well under a second each), in the order ABBA, so
-a drift hits both alike. Each pair gives a ratio (the rate of the rpcdl this
-interpreter imports over the baseline's); the report is the median ratio, its quartiles, how many
+a drift hits both alike. The side waiting for its turn is stopped (``SIGSTOP``,
+its client and its workers) until its turn: an idle version's timers would
+otherwise run on the CPUs the other side is measured on, and two versions
+differ there (56d68bd's two idle workers took 3% of a core, HEAD's 0.6%).
+Each pair gives a ratio (the rate of the rpcdl this interpreter imports over
+the baseline's); the report is the median ratio, its quartiles, how many
 pairs this side won, and the CPU per unit of each side, its client
 process and its workers, from ``/proc``.
 
@@ -20,10 +24,12 @@ with another checkout first on its path::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,7 +81,7 @@ def side(quick: bool) -> None:
 
         for scenario in SCENARIOS:  # connections up, chunk sizes grown
             burst(scenario, 2)
-        print("ready", flush=True)
+        print("ready", os.getpid(), *pids, flush=True)
         for line in sys.stdin:
             scenario, count = line.split()
             client, workers_cpu, started = (
@@ -111,6 +117,34 @@ def package_of(checkout: Path, scratch: Path) -> Path:
     return package.parent
 
 
+def signal_all(pids: list[int], signum: int) -> None:
+    """Send ``signum`` to each of ``pids`` that still exists."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def all_stopped(pids: list[int]) -> bool:
+    """Whether each of ``pids`` is stopped (state ``T`` in ``/proc``), or gone."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            continue
+        if state != "T":
+            return False
+    return True
+
+
+def stop(pids: list[int], timeout: float = 5.0) -> None:
+    """Stop ``pids`` (``SIGSTOP``) and wait until each is stopped: a signal takes effect once its process runs."""
+    signal_all(pids, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all_stopped(pids) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def driver(args: argparse.Namespace) -> dict:
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     baseline_environment = dict(environment)
@@ -137,27 +171,38 @@ def driver(args: argparse.Namespace) -> dict:
             )
             for name, (python, env) in commands.items()
         }
+        pids: dict[str, list[int]] = {}  # per side: its client and its workers, stopped but in its turns
+        overlapped = 0  # turns during which the other side was not stopped (a check of the above)
         try:
             for name, process in sides.items():
-                if process.stdout.readline().strip() != "ready":
+                word, *numbers = process.stdout.readline().split() or [""]
+                if word != "ready":
                     raise SystemExit(f"the {name} side did not start (see its error above)")
+                pids[name] = [int(number) for number in numbers]
+                stop(pids[name])
             for pair in range(args.pairs):
                 for scenario in scenarios:
                     order = ("baseline", "this") if pair % 2 == 0 else ("this", "baseline")
                     for name in order:
                         process = sides[name]
+                        signal_all(pids[name], signal.SIGCONT)
                         process.stdin.write(f"{scenario} {SCENARIOS[scenario][1]}\n")
                         process.stdin.flush()
+                        waiting = [pid for other, others in pids.items() if other != name for pid in others]
+                        overlapped += not all_stopped(waiting)
                         rate, client, workers = map(float, process.stdout.readline().split())
+                        stop(pids[name])
                         samples[scenario][name].append((rate, client, workers))
         finally:
+            for side_pids in pids.values():
+                signal_all(side_pids, signal.SIGCONT)
             for process in sides.values():
                 process.stdin.close()
             for process in sides.values():
                 process.wait(timeout=60)
                 process.stdout.close()
     loads.append(harness.load_average())
-    return {"loads": loads, "pairs": args.pairs, "samples": samples}
+    return {"loads": loads, "pairs": args.pairs, "samples": samples, "overlapped_turns": overlapped}
 
 
 def report(result: dict) -> dict:
@@ -209,7 +254,15 @@ def main() -> None:
         parser.error(f"--baseline-path {args.baseline_path} holds no rpcdl package (rpcdl/__init__.py)")
     result = driver(args)
     figures = report(result)
-    harness.save_json(args.json, {"machine": harness.machine(), "pairs": args.pairs, "figures": figures})
+    harness.save_json(
+        args.json,
+        {
+            "machine": harness.machine(),
+            "pairs": args.pairs,
+            "figures": figures,
+            "overlapped_turns": result["overlapped_turns"],
+        },
+    )
 
 
 if __name__ == "__main__":

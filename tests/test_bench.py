@@ -346,7 +346,9 @@ def test_the_in_turns_bench_pairs_two_versions_and_stops_its_processes(tmp_path)
     assert [row.split()[0] for row in rows] == ["small", "mapper"], result.stdout
     assert all(re.search(r"this faster in [0-2]/2\)", row) for row in rows), rows
     assert re.search(r"load average before \[.*\], after \[.*\]; 2 pairs$", result.stdout.strip()), result.stdout
-    figures = json.loads(report.read_text())["figures"]
+    document = json.loads(report.read_text())
+    assert document["overlapped_turns"] == 0  # the side waiting for its turn was stopped during every other turn
+    figures = document["figures"]
     for scenario in ("small", "mapper"):
         assert figures[scenario]["ratio"] > 0 and figures[scenario]["this_rate"] > 0, figures[scenario]
     sides = [p for p in psutil.process_iter(["cmdline"]) if "--side" in (p.info["cmdline"] or [])]
