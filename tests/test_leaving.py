@@ -75,6 +75,33 @@ def test_a_second_signal_counts_only_once_the_same_notice_window_has_passed():
     assert signals.again(SAME_SIGNAL_WINDOW)
 
 
+def _voluntary_switches(thread_id: int) -> int:
+    with open(f"/proc/self/task/{thread_id}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+
+
+@pytest.mark.timeout(30)
+def test_the_main_thread_waits_for_a_stop_signal_asleep_and_wakes_when_it_comes():
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed by the main thread only")
+    before, handler = signal.set_wakeup_fd(-1), signal.getsignal(signal.SIGTERM)
+    signal.set_wakeup_fd(before)
+    signals = StopSignals().install()
+    try:
+        switches = _voluntary_switches(threading.get_native_id())
+        assert not signals.wait(1.0)
+        assert _voluntary_switches(threading.get_native_id()) - switches < 8  # woken for its timeout, not in naps
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        assert signals.wait(20.0)
+        assert time.monotonic() - started < 10.0
+        assert signals.describe() == "SIGTERM"
+    finally:
+        signals.restore()
+    assert signal.set_wakeup_fd(before) == before  # the process's own wakeup fd is back
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
 # ---------------------------------------------------------------------------- the rpc level
 
 

@@ -1,7 +1,8 @@
 """The process around a worker: stop signals, the parent it follows, its line in the address file.
 
 Threading: :class:`StopSignals` handlers run in the main thread and only note
-when each signal came, which the main thread polls; nothing here starts a thread.
+when each signal came, which the main thread waits for (woken by the signal
+itself, through a wakeup pipe); nothing here starts a thread.
 An address file is shared by processes: every change takes an exclusive lock
 on it (``flock``), which any thread may take (:func:`add_address`, :func:`remove_address`).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import select
 import signal
 import stat
 import tempfile
@@ -24,6 +26,9 @@ class StopSignals:
 
     The handlers only set attributes: a handler that takes a lock (``Event.set()``)
     deadlocks when the signal lands while the main thread holds that lock itself.
+    :meth:`wait` sleeps in ``select`` on a pipe that the interpreter writes to
+    when a signal comes (``signal.set_wakeup_fd``), so an idle worker's main
+    thread wakes for a signal or its timeout, not every few milliseconds.
     Outside the main thread nothing is installed and :meth:`wait` just sleeps.
     """
 
@@ -31,6 +36,7 @@ class StopSignals:
         self.times: list[float] = []  #: when each signal came (``time.monotonic()``), appended by the handler
         self.last: int | None = None  #: the number of the last signal received
         self._previous: dict[int, Any] = {}
+        self._sleeper: _Sleeper | _WakeupPipe = _Sleeper()  # how wait() sleeps: a pipe once installed
 
     @property
     def received(self) -> bool:
@@ -51,6 +57,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._sleeper = _WakeupPipe()
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -60,14 +67,50 @@ class StopSignals:
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds, less if a signal comes; return whether one came."""
         deadline = time.monotonic() + timeout
-        while not self.received and time.monotonic() < deadline:
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        while not self.received:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._sleeper.sleep(left)
         return self.received
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self._sleeper.close()
+        self._sleeper = _Sleeper()
+
+
+class _Sleeper:
+    """How :meth:`StopSignals.wait` sleeps where it installed nothing (not the main thread): no signal can be
+    noted, so it sleeps the whole time."""
+
+    def sleep(self, most: float) -> None:
+        time.sleep(most)
+
+    def close(self) -> None:
+        pass
+
+
+class _WakeupPipe:
+    """How :meth:`StopSignals.wait` sleeps in the main thread: in ``select`` on a pipe the interpreter writes
+    a byte to as a signal comes (``signal.set_wakeup_fd``), before it runs the handler."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+
+    def sleep(self, most: float) -> None:
+        readable, _, _ = select.select([self._read], [], [], most)
+        if readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._read, 512)  # the signals' numbers: the handler notes them itself
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        os.close(self._read)
+        os.close(self._write)
 
 
 def process_exists(pid: int) -> bool:
