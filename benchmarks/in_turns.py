@@ -171,7 +171,7 @@ def driver(args: argparse.Namespace) -> dict:
             )
             for name, (python, env) in commands.items()
         }
-        pids: dict[str, list[int]] = {}  # per side: its client and its workers, stopped but in its turns
+        pids: dict[str, list[int]] = {}  # per side: its client and its workers, stopped except during its own turns
         overlapped = 0  # turns during which the other side was not stopped (a check of the above)
         try:
             for name, process in sides.items():
