@@ -115,7 +115,7 @@ def test_own_workers_first_the_others_in_reserve_once_none_of_the_own_is_left():
     other = _slot("b:2", 1, 0.01, preferred=False)
     reserve = WorkerSlot("c:3", 2, preferred=False, state=WorkerState.STANDBY)
     slots = [own, other, reserve]
-    for _ in range(2):
+    for _ in range(policy.window(own)):
         assert policy.pick(slots, now=0.0) is own  # though the other is faster
         _send(policy, own, 0.0, 0)
     assert policy.pick(slots, now=0.0) is None  # own window full: wait rather than take another rank's

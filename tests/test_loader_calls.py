@@ -165,7 +165,7 @@ def test_one_pass_policy_decides_as_the_plain_version():
         windows = [policy.window(slot) for slot in active(slots)]
         assert policy.pass_window(slots) == (sum(windows) or policy.prefetch_factor)
         for slot in slots:
-            least = min(max(policy.prefetch_factor, 2), policy.max_window)  # one runs while the next waits
+            least = min(max(policy.prefetch_factor, 3), policy.max_window)  # one runs, one waits, one on its way
             clamped = min(max(slot.window or least, least), policy.max_window)
             expected = 1 if slot.service_time is None else clamped
             assert policy.window(slot) == expected

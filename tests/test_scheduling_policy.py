@@ -20,6 +20,7 @@ from rpcdl.data.scheduling_policy import (
     DEFAULT_DRAIN_WAIT,
     DRAIN_MARGIN,
     MAX_PROBE_DELAY,
+    MIN_WINDOW,
     AllDownWatch,
     SchedulingPolicy,
 )
@@ -97,7 +98,8 @@ def test_slow_idle_worker_gets_a_trial_task_after_idling():
     fast.service_time, slow.service_time = 0.01, 0.2
     slow.last_done = slow.last_sent = 10.0
     assert policy.pick([fast, slow], now=10.0) is fast
-    _send(policy, fast, 10.0), _send(policy, fast, 10.0)  # the fast worker's window is full
+    for _ in range(policy.window(fast)):  # the fast worker's window is full
+        _send(policy, fast, 10.0)
     assert policy.pick([fast, slow], now=10.1) is None  # the slow one would finish later than waiting: wait
     assert policy.pick([fast, slow], now=10.3) is slow  # idle longer than its service time: a trial
 
@@ -201,7 +203,7 @@ def test_none_left_watch_starts_again_after_a_rejoin_it_did_not_see():
 @pytest.mark.parametrize(
     ("service", "latency", "parallel", "windows"),
     [
-        (0.01, 0.0, 1, {2}),  # loopback, one call at a time: one runs, one waits, the worker never idles
+        (0.01, 0.0, 1, {MIN_WINDOW}),  # loopback, one call at a time: its floor (it never idles)
         (0.01, 0.08, 1, {9, 10, 11}),  # the round trip covers 9 service times
         (0.04, 0.0, 4, {4, 5, 6}),  # four calls run at once
     ],
@@ -259,8 +261,8 @@ def test_a_worker_shared_with_a_busier_client_keeps_a_call_of_ours_waiting_there
             now += 0.036  # behind one of the other client's 32 ms calls
             slot.in_flight.discard(attempt)
             policy.observe(slot, attempt, now)
-        assert policy.window(slot) == 2
-    assert policy.min_window == 2
+        assert policy.window(slot) == MIN_WINDOW
+    assert policy.min_window == MIN_WINDOW == 3
     assert SchedulingPolicy(prefetch_factor=1, timeout=30.0, max_window=1).min_window == 1  # a bound asked for
 
 
@@ -276,7 +278,7 @@ def test_answers_read_late_do_not_change_the_window():
     for attempt in attempts:
         policy.observe(slot, attempt, 5.0, measure_link=False)  # the consumer was busy for 5 s
     assert (slot.rtt, slot.round_trip, slot.window) == (None, None, None)
-    assert policy.window(slot) == 2
+    assert policy.window(slot) == MIN_WINDOW
     late = _send(policy, slot, 5.0)
     slot.in_flight.clear()
     policy.observe(slot, late, 5.02)  # read as it came: measured

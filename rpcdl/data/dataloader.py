@@ -82,8 +82,8 @@ class RPCDataloader:
             dataset's build on the workers has its own timeout
             (``RPCDataset(..., rpcdl_timeout=)``).
         prefetch_factor: calls in flight or ready per worker, at least (and
-            2 at least, so that one call waits at the worker while another
-            runs); a worker whose link has a long round trip gets more, up to
+            3 at least: one runs at the worker, one waits there, and one covers
+            its answer's way back and the next call's); a worker whose link has a long round trip gets more, up to
             4 times as many (see :meth:`worker_windows`). A call fetches one batch, or
             a chunk of consecutive small batches (see ``max_batches_per_call``).
         max_batches_per_call: the most batches (samples, with
@@ -275,10 +275,10 @@ class RPCDataloader:
 
     def worker_windows(self) -> dict[str, dict[str, Any]]:
         """Per worker: ``state``, calls ``in_flight``, its ``window`` (calls it may have in flight: from
-        ``prefetch_factor``, 2 at least, to 4 times it, to cover its link's round trip) and, in seconds (``None`` until
+        ``prefetch_factor``, 3 at least, to 4 times it, to cover its link's round trip) and, in seconds (``None`` until
         measured), its ``service_time``, shortest round trip ``rtt`` and recent average ``round_trip``.
 
-        Example: ``loader.worker_windows()["127.0.0.1:6543"]["window"]`` gives ``2`` on loopback.
+        Example: ``loader.worker_windows()["127.0.0.1:6543"]["window"]`` gives ``3`` on loopback.
         """
         return self._pool.windows()
 

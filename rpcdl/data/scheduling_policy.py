@@ -23,7 +23,7 @@ holds the pool's lock):
 2. A worker is sent a call only while it has fewer than its
    :meth:`SchedulingPolicy.window` in flight, and
    ``min_window <= window <= max_window`` (1 until its first answer), where
-   ``min_window`` is ``prefetch_factor``, or ``MIN_WINDOW`` (2) if larger.
+   ``min_window`` is ``prefetch_factor``, or ``MIN_WINDOW`` (3) if larger.
 3. A pass pulls a task from its source only while it holds fewer than
    :meth:`SchedulingPolicy.pass_window` pulled and not handed out (the active
    workers' windows together), so the client holds at most
@@ -102,10 +102,12 @@ MAX_PROBE_DELAY = 5.0
 IDLE_WAIT = 0.5
 MAX_WINDOW_FACTOR = 4  # the adaptive window grows to at most this times prefetch_factor
 #: Calls in flight per measured worker at least, whatever ``prefetch_factor`` says (unless ``max_window`` is
-#: smaller): one runs while the next waits there. A worker shared with other clients takes the next call from
-#: the client that used the least of its time, among those with a call waiting (see
-#: :mod:`rpcdl.server.fair_queue`); a client with none waiting while its answer travels back loses its turn.
-MIN_WINDOW = 2
+#: smaller): one runs, one waits there, and one covers the way back. The call that replaces an answer goes when
+#: the consumer takes a batch, so the answer's delivery, the consumer's turn and the new call's delivery stand
+#: between the two; with one call waiting, a worker idles whenever they take longer than one call runs. A worker
+#: shared with other clients takes the next call from the client that used the least of its time, among those
+#: with a call waiting (see :mod:`rpcdl.server.fair_queue`); a client with none waiting loses its turn.
+MIN_WINDOW = 3
 HUNG_FACTOR = 10.0  # silent for this many service times (its own or the best, the longer) while others answer: hung
 HUNG_FLOOR = 1.0  # seconds of silence never taken for a hang, however fast the workers
 HUNG_ANSWERS = 3  # answers the other workers gave during that silence (they are not all waiting on the client)
@@ -141,7 +143,7 @@ class SchedulingPolicy:
     Args:
         prefetch_factor: calls in flight per worker at least (and the least
             window of a worker whose link is not measured yet); ``MIN_WINDOW``
-            (2) at least once the worker answered, unless ``max_window`` is 1.
+            (3) at least once the worker answered, unless ``max_window`` is smaller.
         timeout: how long to wait for a worker to come back when none is left.
         max_window: calls in flight per worker at most, however long its link's
             round trip (default: ``4 * prefetch_factor``).
@@ -173,11 +175,11 @@ class SchedulingPolicy:
         One until its first answer since it (re)joined: that answer pays for
         setting up the connection, and the next call finds the worker idle,
         which measures the round trip with no wait. Then at least
-        ``min_window`` (``prefetch_factor``, and 2 at least): a worker
-        shared with other clients makes every round trip look long, which
-        alone would shrink the window to ``prefetch_factor``; with one call
-        in flight, none waits at the worker while its answer travels back,
-        and the worker's fair queue gives the others that turn.
+        ``min_window`` (``prefetch_factor``, and ``MIN_WINDOW`` at least): a
+        worker shared with other clients makes every round trip look long,
+        which alone would shrink the window to ``prefetch_factor``; with one
+        call in flight, none waits at the worker while its answer travels
+        back, and the worker's fair queue gives the others that turn.
         """
         if slot.service_time is None:
             return 1
@@ -225,10 +227,9 @@ class SchedulingPolicy:
         window grows by one; over one and a half, it shrinks by one, to
         ``min_window`` at least. To grow past ``min_window`` it takes
         under a quarter of a call: round trips on loopback are noisy, and the
-        client's memory bound stays ``prefetch_factor`` (2 at least) per
-        worker there. A loopback worker that runs one call at a time keeps
-        one call waiting: its window stays at ``prefetch_factor`` (2 by
-        default, and with ``prefetch_factor=1``); a link with a long round
+        client's memory bound stays ``min_window`` per worker there. A
+        loopback worker that runs one call at a time keeps its window at
+        ``min_window`` (3 with ``prefetch_factor`` 1 to 3); a link with a long round
         trip, or a worker running calls in parallel, gets more calls in
         flight. A link that slows down makes calls wait: its window shrinks back.
 

@@ -453,7 +453,7 @@ class WorkerPool:
 
     Args:
         workers: worker addresses, or the :class:`~rpcdl.data.sources.Fleet` to follow.
-        prefetch_factor: calls in flight per worker at least, 2 at least once
+        prefetch_factor: calls in flight per worker at least, 3 at least once
             it answered (and tasks not handed out yet per active worker); a
             worker whose link needs more
             to stay busy gets more, up to ``max_window``
