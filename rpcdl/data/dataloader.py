@@ -82,8 +82,9 @@ class RPCDataloader:
             dataset's build on the workers has its own timeout
             (``RPCDataset(..., rpcdl_timeout=)``).
         prefetch_factor: calls in flight or ready per worker, at least (and
-            3 at least: one runs at the worker, one waits there, and one covers
-            its answer's way back and the next call's); a worker whose link has a long round trip gets more, up to
+            3 at least: one runs at the worker, one waits there, and one
+            covers the way back of its answer and of the next call); a
+            worker whose link has a long round trip gets more, up to
             4 times as many (see :meth:`worker_windows`). A call fetches one batch, or
             a chunk of consecutive small batches (see ``max_batches_per_call``).
         max_batches_per_call: the most batches (samples, with

@@ -5,8 +5,8 @@ over a :class:`~rpcdl.data.worker_pool.WorkerPool`:
 
 - each payload goes to the worker expected to finish it first (its calls in
   flight times its service time), at most its window of calls in flight (at
-  least ``prefetch_factor`` and 2, more on a link with a long round trip), never to
-  a worker much slower than the best one could be;
+  least ``prefetch_factor`` and ``MIN_WINDOW``, more on a link with a long
+  round trip), never to a worker much slower than the best one could be;
 - at most the active workers' windows together are in flight or done and not
   yet handed out;
 - finished tasks are handed out in source order (or as they complete); when

@@ -229,8 +229,8 @@ class SchedulingPolicy:
         under a quarter of a call: round trips on loopback are noisy, and the
         client's memory bound stays ``min_window`` per worker there. A
         loopback worker that runs one call at a time keeps its window at
-        ``min_window`` (3 with ``prefetch_factor`` 1 to 3); a link with a long round
-        trip, or a worker running calls in parallel, gets more calls in
+        ``min_window`` (3 with ``prefetch_factor`` 1 to 3); a link with a
+        long round trip, or a worker running calls in parallel, gets more calls in
         flight. A link that slows down makes calls wait: its window shrinks back.
 
         Args:
