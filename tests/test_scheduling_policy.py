@@ -121,6 +121,22 @@ def test_hedge_policy_copies_only_once():
     assert policy.hedge(head, slots, now=5.0) is None  # two live attempts: no third
 
 
+@pytest.mark.parametrize("window", [None, 6])  # MIN_WINDOW (3), and a window grown for a long round trip
+def test_a_head_that_waited_behind_a_full_window_is_not_late(window):
+    policy = SchedulingPolicy(prefetch_factor=2, timeout=30.0)
+    busy, idle = WorkerSlot("w0:1", 0), WorkerSlot("w1:2", 1)
+    busy.service_time = idle.service_time = 0.1
+    busy.window = window
+    full = policy.window(busy)
+    head = Task(0, None)
+    head.attempts.append(_send(policy, busy, 0.0))  # sent last, into a full window: it runs after the others
+    for _ in range(full - 1):
+        _send(policy, busy, 0.0)
+    assert policy.hedge(head, [busy, idle], now=full * 0.1 - 0.01) is None  # as long as the window explains
+    assert policy.hedge(head, [busy, idle], now=(full + 1) * 0.1 - 0.01) is None  # within one service time more
+    assert policy.hedge(head, [busy, idle], now=(full + 1) * 0.1 + 0.01) is idle  # later: a copy
+
+
 # ---------------------------------------------------------------------------- a worker lost and rejoining
 
 

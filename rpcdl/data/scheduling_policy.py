@@ -76,7 +76,7 @@ from .records import FIRST_PROBE_DELAY, Attempt, AttemptState, Task, TaskState, 
 __all__ = [
     "DEFAULT_DRAIN_WAIT",
     "DRAIN_MARGIN",
-    "HEDGE_FACTOR",
+    "HEDGE_SLACK",
     "HUNG_ALONE_FLOOR",
     "HUNG_ANSWERS",
     "HUNG_FACTOR",
@@ -95,7 +95,10 @@ __all__ = [
     "own_active",
 ]
 
-HEDGE_FACTOR = 3.0  # a head task older than this many service times gets a copy elsewhere
+#: Service times past a full window: a head task older than its worker's window plus this many (of the best
+#: worker's service time) gets a copy elsewhere. Sent to a worker with a full window, it waited behind the
+#: others before running, which is no lateness.
+HEDGE_SLACK = 1.0
 SLOW_FACTOR = 2.0  # a worker expected to finish later than this times the best is passed over
 MIN_HEDGE_AGE = 0.05
 MAX_PROBE_DELAY = 5.0
@@ -322,7 +325,7 @@ class SchedulingPolicy:
             return None
         default = self.default_service_time(slots)
         age = now - attempt.sent_at
-        late = age >= max(HEDGE_FACTOR * default, MIN_HEDGE_AGE)
+        late = age >= max((self.window(here) + HEDGE_SLACK) * default, MIN_HEDGE_AGE)
         remaining_here = (here.service_time or default) - age
         if not late and remaining_here <= SLOW_FACTOR * default:
             return None
