@@ -195,6 +195,19 @@ def test_a_source_that_reads_an_empty_list_drains_every_worker():
     fleet.close()
 
 
+def test_an_empty_file_is_being_rewritten_and_a_file_of_comments_lists_nobody(tmp_path):
+    """``echo ... > workers.txt`` truncates the file before it writes: a reader in between finds it empty."""
+    listing = tmp_path / "workers.txt"
+    listing.write_text("127.0.0.1:1\n")
+    fleet = Fleet(FileSource(listing), interval=3600.0)
+    listing.write_text("")
+    assert fleet.refresh().addresses == ("127.0.0.1:1",)  # kept: no news
+    assert "is empty (to list no worker, write a '#' line)" in fleet.why_empty()
+    listing.write_text("# nobody\n")
+    assert fleet.refresh().addresses == () and fleet.why_empty() is None  # a whole file that lists nobody
+    fleet.close()
+
+
 @pytest.mark.parametrize(
     ("options", "words"),
     [

@@ -187,10 +187,12 @@ class FileSource(WorkerSource):
     """A text file, one ``HOST:PORT`` per line (what ``rpcdl worker --address-file`` appends): re-read when it
     changes; a line added joins, a line removed drains. Blank lines and ``#`` comments are skipped.
 
-    A file that does not exist, cannot be read, or ends in a line being
-    written (no newline yet, and not a whole address) is a failed read
-    (:class:`~rpcdl.errors.SourceReadError`): the fleet keeps its last list. A file that
-    exists and lists no address lists no worker.
+    A file that does not exist, cannot be read, is empty, or ends in a line
+    being written (no newline yet, and not a whole address) is a failed read
+    (:class:`~rpcdl.errors.SourceReadError`): the fleet keeps its last list.
+    An empty file is one being rewritten (``echo ... > workers.txt``
+    truncates it first), or one made for workers to append to. A file that
+    lists no address (only blank or ``#`` lines) lists no worker.
 
     Args:
         path: the file.
@@ -208,7 +210,7 @@ class FileSource(WorkerSource):
         """The addresses in the file now (malformed lines are reported and skipped).
 
         Raises:
-            SourceReadError: the file does not exist, cannot be read, or its last line is being written.
+            SourceReadError: the file does not exist, cannot be read, is empty, or its last line is being written.
         """
         try:
             with open(self.path, encoding="utf-8") as file:
@@ -217,8 +219,10 @@ class FileSource(WorkerSource):
             raise SourceReadError(f"the file {self.path} does not exist") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise SourceReadError(f"the file {self.path} cannot be read ({exc})") from None
+        if not text:  # truncated by a writer that has not written yet: no news of any worker
+            raise SourceReadError(f"the file {self.path} is empty (to list no worker, write a '#' line)")
         lines = [line.split("#", 1)[0] for line in text.splitlines()]
-        if lines and not text.endswith("\n"):
+        if not text.endswith("\n"):
             for entry in _split(lines[-1]):  # a writer is still at it, or the last address is whole
                 try:
                     parse_address(entry)
