@@ -19,9 +19,10 @@ import pytest
 from helpers import free_port, start_worker_process, stop_supervisor
 
 import rpcdl
+from rpcdl.data.sources import FileSource, Fleet
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.processes import stop_process
-from rpcdl.server.process import add_address, remove_address
+from rpcdl.server.process import NO_WORKER_LINE, add_address, remove_address
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,6 +43,19 @@ def test_add_lists_an_address_once_and_remove_keeps_the_other_lines(tmp_path):
     assert remove_address(tmp_path / "missing.txt", "10.0.0.1:7000") is False
     assert not (tmp_path / "missing.txt").exists()
     assert [name for name in os.listdir(tmp_path)] == ["workers.txt"]  # no temporary file left behind
+
+
+def test_the_last_address_removed_leaves_a_file_that_lists_no_worker(tmp_path):
+    path = tmp_path / "workers.txt"
+    add_address(path, "10.0.0.1:7000")
+    fleet = Fleet(FileSource(path), interval=3600.0)
+    assert fleet.membership().addresses == ("10.0.0.1:7000",)
+    assert remove_address(path, "10.0.0.1:7000") is True
+    assert path.read_text() == NO_WORKER_LINE + "\n"  # not empty: an empty file is one being rewritten
+    assert fleet.refresh().addresses == () and fleet.why_empty() is None  # read, and it lists nobody: news
+    fleet.close()
+    assert add_address(path, "10.0.0.2:7000") is True
+    assert path.read_text() == "10.0.0.2:7000\n"  # the note goes as a worker comes
 
 
 def test_concurrent_adds_and_removes_lose_no_line(tmp_path, switching_often):
@@ -132,7 +146,7 @@ def test_procs_removes_a_killed_childs_line_and_a_restart_on_its_port_adds_one(t
         assert sorted(path.read_text().split()) == first  # one line each, not two for the restarted one
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(_WAIT) == 0
-        assert path.read_text().split() == []  # every child drained and removed its line
+        assert FileSource(path).addresses() == []  # every child drained and removed its line
     finally:
         stop_supervisor(supervisor, pids)
 

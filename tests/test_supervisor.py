@@ -18,6 +18,7 @@ import pytest
 from helpers import eventually, stop_supervisor
 
 import rpcdl
+from rpcdl.data.sources import FileSource
 from rpcdl.local import child_environment, read_ready_line
 from rpcdl.server.process import process_exists
 from rpcdl.server.supervisor import Backoff, Supervisor, describe_exit
@@ -100,7 +101,7 @@ def test_procs_restarts_a_child_that_dies_says_why_and_drains_all_on_sigterm(tmp
         assert re.search(rf"rpcdl worker process [01] \(pid {pids[0]}\) {cause} after [0-9.]+s; starting it again", log)
         assert "started again" in log
         assert log.count("drained") == 2  # both children drained on the supervisor's SIGTERM
-        assert address_file.read_text() == ""  # and removed their lines
+        assert FileSource(address_file).addresses() == []  # and removed their lines
         eventually(lambda: not any(process_exists(pid) for pid in pids), "the children to exit", timeout=_WAIT)
     finally:
         stop_supervisor(supervisor, pids)

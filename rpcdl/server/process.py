@@ -20,6 +20,9 @@ import threading
 import time
 from typing import Any
 
+#: What :func:`remove_address` leaves in a file once no address is left: a whole file that lists no worker.
+NO_WORKER_LINE = "# no rpcdl worker is listed: the last one left"
+
 
 class StopSignals:
     """SIGTERM and SIGINT counted, for the main thread to poll: the first drains, a second stops at once.
@@ -139,7 +142,8 @@ def add_address(path: str | os.PathLike, address: str) -> bool:
     trainer watching it (:class:`~rpcdl.data.sources.FileSource`) reads the old
     list or the new one, never half of one. A writer that waited for the lock
     while another renamed a new file in place locks the new one. Other lines
-    (comments, other workers) are kept as they are.
+    (comments, other workers) are kept as they are, but for the
+    :data:`NO_WORKER_LINE` that :func:`remove_address` left.
 
     Args:
         path: the file (created when missing).
@@ -157,7 +161,7 @@ def add_address(path: str | os.PathLike, address: str) -> bool:
         lines = locked.lines()
         if any(_listed(line) == address for line in lines):
             return False
-        locked.replace([*lines, address])
+        locked.replace([*(line for line in lines if line != NO_WORKER_LINE), address])
     return True
 
 
@@ -166,7 +170,10 @@ def remove_address(path: str | os.PathLike, address: str) -> bool:
 
     A worker calls it as it drains; ``rpcdl worker --procs`` calls it for a
     child that died. A missing file lists nothing (it is not created). The
-    change is made as :func:`add_address` makes one.
+    change is made as :func:`add_address` makes one. The last address
+    removed leaves a comment line: an empty file is one being rewritten, a
+    failed read for the trainers (see :class:`~rpcdl.data.sources.FileSource`),
+    while a file of comments lists no worker.
 
     Args:
         path: the file.
@@ -187,7 +194,7 @@ def remove_address(path: str | os.PathLike, address: str) -> bool:
         kept = [line for line in lines if _listed(line) != address]
         if len(kept) == len(lines):
             return False
-        locked.replace(kept)
+        locked.replace(kept or [NO_WORKER_LINE])
     return True
 
 
