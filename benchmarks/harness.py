@@ -126,6 +126,19 @@ def load_average() -> list[float] | None:
         return None
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (Linux): ``[0]`` is the state, ``[7]`` the minor
+    faults, ``[11]`` and ``[12]`` the user and system CPU in clock ticks. Raises ``FileNotFoundError`` once the
+    process is gone.
+
+    Example::
+
+        >>> stat_fields(os.getpid())[0] in ("R", "S")
+        True
+    """
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu(*pids: int) -> float:
     """User + system CPU seconds of the processes ``pids`` so far (all their threads, summed), from ``/proc``
     (Linux).
@@ -137,7 +150,7 @@ def process_cpu(*pids: int) -> float:
     """
     seconds = 0.0
     for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
         seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return seconds
 

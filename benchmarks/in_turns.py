@@ -128,8 +128,7 @@ def all_stopped(pids: list[int]) -> bool:
     """Whether each of ``pids`` is stopped (state ``T`` in ``/proc``), or gone."""
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as stat:
-                state = stat.read().rpartition(")")[2].split()[0]
+            state = harness.stat_fields(pid)[0]
         except FileNotFoundError:
             continue
         if state != "T":

@@ -167,8 +167,7 @@ class WorkerProcess:
 
     def minor_faults(self) -> int:
         """The worker process's minor page faults so far (every thread's)."""
-        with open(f"/proc/{self.pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[7])
+        return int(harness.stat_fields(self.pid)[7])
 
     def stop(self) -> None:
         self.process.terminate()
